@@ -1,0 +1,97 @@
+"""What every kernel family shares: where PDL and prefetch can run, the PDL trigger arithmetic,
+and the in-kernel helpers (L2 prefetch of weight tiles, the PDL trigger)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tuner.device import DeviceInfo
+
+GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    """True under the Triton interpreter (TRITON_INTERPRET=1, CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class LaunchMode:
+    """What a launcher can really do on the tensor's device."""
+
+    pdl: bool  # launch with programmatic stream serialization + griddepcontrol in the kernel
+    prefetch: bool  # inline-asm L2 prefetch
+    upcast_bf16: bool  # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32
+
+
+def launch_mode(t: torch.Tensor) -> LaunchMode:
+    if t.device.type != "cuda" or interpreting():
+        return LaunchMode(pdl=False, prefetch=False, upcast_bf16=True)
+    ok = DeviceInfo.from_torch(t.device).supports_pdl
+    return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False)
+
+
+def trigger_index(n_iters: int, overlap_ratio: float) -> int:
+    """Loop iteration after which a kernel issues gdc_launch_dependents (DESIGN: floor((k_tiles-1)*o)).
+
+    -1 means: no early trigger (the kernel is not in the PDL chain).
+    """
+    if overlap_ratio < 0:
+        return -1
+    return int(math.floor(max(n_iters - 1, 0) * min(overlap_ratio, 1.0)))
+
+
+def prefetch_count(n_iters: int, prefetch_ratio: float) -> int:
+    """How many of its own weight K tiles a program pulls into L2 before gdc_wait."""
+    if prefetch_ratio < 0:
+        return 0
+    return min(n_iters, int(math.ceil(n_iters * min(prefetch_ratio, 1.0))))
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Prefetch the 128-byte lines under ``ptrs`` into L2 (evict_last), returning a dummy int32.
+
+    ``is_pure=False`` keeps the compiler from deleting it: nothing consumes the result. Measured on
+    the H200 (DESIGN): this moved a norm+GEMM probe from 15.2 to 14.3 us per layer.
+    """
+    return tl.inline_asm_elementwise(
+        "prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+# ‖out - ref‖ / ‖ref‖ bounds (METHOD.md): fp16 operands land near 1e-3, bf16 near 4e-3 (measured in the
+# interpreter on the GEMM: 2e-4 fp16, 3.3e-3 bf16); fp32 runs as tf32 on the GPU (~3e-4).
+REL_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3}
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; inf when ``out`` holds a NaN or Inf (an unwritten element)."""
+    o = out.detach().double()
+    if not torch.isfinite(o).all():
+        return float("inf")
+    r = ref.detach().double()
+    return float((o - r).norm() / r.norm().clamp_min(1e-30))

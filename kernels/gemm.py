@@ -1,0 +1,339 @@
+"""GEMM with fused epilogue, PDL and L2 weight prefetch: ``act(x @ weight.T + bias) + residual``.
+
+``weight`` is in ``nn.Linear`` layout ``[N, K]``. The knobs follow CUTLASS example 63 (DESIGN.md):
+
+* ``overlap_ratio < 0``: launched without PDL, no early trigger. In ``[0, 1]``: launched with PDL; the
+  kernel calls ``gdc_wait`` before its first read of ``x``/``residual`` and before any global write, and
+  ``gdc_launch_dependents`` after ``floor((k_tiles - 1) * overlap_ratio)`` of its K tiles.
+* ``prefetch_ratio`` in ``[0, 1]``: before ``gdc_wait`` each program pulls ``ceil(prefetch_ratio * k_tiles)``
+  of its own weight K tiles into L2. Weights only: nothing a predecessor writes is touched before the wait.
+
+``split_k > 1`` writes fp32 partials to a workspace and a second kernel (in the PDL chain too, with the
+same ratio) sums them and applies the epilogue.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from tuner.device import DeviceInfo
+
+from ._common import launch_mode, pdl_trigger, pdl_wait, prefetch_count, prefetch_l2, trigger_index
+
+ACTIVATIONS = (None, "gelu", "silu")
+_ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
+# The split-K reduction's tile: 32x64 gives 48 programs for a 128x768 output, 192 for 128x3072.
+_RED_BLOCK_M, _RED_BLOCK_N = 32, 64
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 1
+    overlap_ratio: float = -1.0
+    prefetch_ratio: float = -1.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GemmConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"GemmConfig: unknown keys {sorted(unknown)}; expected {sorted(names)}")
+        kw = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in d.items()}
+        return cls(**kw)
+
+    def without_knobs(self) -> "GemmConfig":
+        return replace(self, overlap_ratio=-1.0, prefetch_ratio=-1.0)
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    m: int
+    n: int
+    k: int
+    dtype_bytes: int = 2
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+def _ratio_error(name: str, r: float) -> str | None:
+    if not (r < 0 or 0.0 <= r <= 1.0) or math.isnan(r):
+        return f"{name}={r} must be negative (off) or in [0, 1]"
+    return None
+
+
+def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
+    return c.num_stages * (c.block_m + c.block_n) * c.block_k * dtype_bytes
+
+
+def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
+    """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None when it is valid.
+
+    The one validity rule: the search space, the evaluator and the tests all call this.
+    """
+    c, p = config, problem
+    for name in ("block_m", "block_n", "block_k"):
+        v = getattr(c, name)
+        if not _pow2(v) or v < 16:
+            return f"{name}={v} must be a power of two >= 16 (tl.dot)"
+    if c.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
+    if c.num_stages < 1 or c.num_stages > 8:
+        return f"num_stages={c.num_stages} must be in 1..8"
+    if c.group_m < 1:
+        return f"group_m={c.group_m} must be >= 1"
+    # A tile much larger than the problem is the same program as a smaller one doing masked work.
+    for name, dim in (("block_m", p.m), ("block_n", p.n), ("block_k", p.k)):
+        cap = max(16, triton.next_power_of_2(dim))
+        if getattr(c, name) > cap:
+            return f"{name}={getattr(c, name)} exceeds the problem ({dim} -> {cap})"
+    k_tiles = triton.cdiv(p.k, c.block_k)
+    if c.split_k < 1:
+        return f"split_k={c.split_k} must be >= 1"
+    if c.split_k > k_tiles:
+        return f"split_k={c.split_k} exceeds the {k_tiles} K tiles of K={p.k} at block_k={c.block_k}"
+    per = triton.cdiv(k_tiles, c.split_k)
+    if per * (c.split_k - 1) >= k_tiles:
+        return f"split_k={c.split_k} leaves a split without K tiles (K tiles={k_tiles})"
+    acc_regs = c.block_m * c.block_n // (32 * c.num_warps)
+    if acc_regs > 256:
+        return f"accumulator needs {acc_regs} registers per thread (block_m*block_n/(32*num_warps) > 256)"
+    if c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
+        return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
+    limit = device.smem_per_block_bytes if device is not None else 227 * 1024
+    need = smem_bytes(c, p.dtype_bytes)
+    if need > limit:
+        return f"shared memory {need} B > {limit} B (num_stages*(block_m+block_n)*block_k*bytes)"
+    return _ratio_error("overlap_ratio", c.overlap_ratio) or _ratio_error("prefetch_ratio", c.prefetch_ratio)
+
+
+@triton.jit
+def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
+              stride_on, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACT == 1:  # gelu, tanh approximation: 0.5*(1+tanh(z)) == sigmoid(2z)
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z)
+    elif ACT == 2:  # silu
+        acc = acc * tl.sigmoid(acc)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_RES:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask, other=0.0)
+        acc += r.to(tl.float32)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gemm_kernel(
+    # pointers
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
+    # sizes
+    M, N, K,
+    # strides
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
+    # PDL / prefetch points, in K tiles of this program
+    trigger_k, n_prefetch,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINES: tl.constexpr,
+    LINE_ELEMS: tl.constexpr,
+    RACY_READ_BEFORE_WAIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # Grouped ordering: GROUP_M row-tiles share their weight column-tiles in L2.
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_pid_n
+    first_m = (pid // group) * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + ((pid % group) % group_size)
+    pid_n = (pid % group) // group_size
+
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_tiles, SPLIT_K)
+    k_first = pid_k * per_split
+    n_iters = tl.minimum(per_split, k_tiles - k_first)
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+
+    if PREFETCH:
+        # Weights do not depend on the predecessor: pull this program's first K tiles into L2 while it
+        # is still running. One pointer per 128-byte line, clamped inside the weight.
+        n_idx = tl.minimum(offs_n, N - 1)
+        lines = tl.arange(0, LINES) * LINE_ELEMS
+        for i in range(0, tl.minimum(n_prefetch, n_iters)):
+            k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
+            prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if RACY_READ_BEFORE_WAIT:
+        # Test-only defect: reads x before gdc_wait. The correctness gate must catch it.
+        a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
+                     mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
+    pdl_wait(USE_PDL)
+    for i in range(0, n_iters):
+        k = (k_first + i) * BLOCK_K + offs_k
+        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        if RACY_READ_BEFORE_WAIT:
+            if i == 0:
+                a = a0
+        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                    mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        if USE_PDL:
+            if i == trigger_k:
+                tl.extra.cuda.gdc_launch_dependents()
+
+    if SPLIT_K == 1:
+        _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
+                  stride_on, HAS_BIAS, HAS_RES, ACT)
+    else:
+        ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, bias_ptr, res_ptr, out_ptr,
+    M, N,
+    stride_rm, stride_rn, stride_om, stride_on,
+    trigger_s,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    pdl_wait(USE_PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+        if USE_PDL:
+            if s == trigger_s:
+                tl.extra.cuda.gdc_launch_dependents()
+    _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
+              stride_on, HAS_BIAS, HAS_RES, ACT)
+
+
+def effective_config(config: GemmConfig, x: torch.Tensor) -> GemmConfig:
+    """The config as it really runs on ``x``'s device (PDL and prefetch off where unsupported)."""
+    mode = launch_mode(x)
+    c = config
+    if not mode.pdl:
+        c = replace(c, overlap_ratio=-1.0)
+    if not mode.prefetch:
+        c = replace(c, prefetch_ratio=-1.0)
+    return c
+
+
+def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
+    return config.split_k * m * n if config.split_k > 1 else 0
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           config: GemmConfig = GemmConfig(), activation: str | None = None,
+           residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           workspace: torch.Tensor | None = None, _racy_read_before_wait: bool = False) -> torch.Tensor:
+    """``act(x @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"linear: activation {activation!r} must be one of {ACTIVATIONS}")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}")
+    M, K = x.shape
+    N = weight.shape[0]
+    why = check(config, GemmProblem(M, N, K, x.element_size()),
+                DeviceInfo.from_torch(x.device) if x.is_cuda else None)
+    if why:
+        raise ValueError(f"linear: invalid GemmConfig for M={M} N={N} K={K}: {why}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"linear: bias {tuple(bias.shape)} must be ({N},)")
+    if residual is not None and residual.shape != (M, N):
+        raise ValueError(f"linear: residual {tuple(residual.shape)} must be ({M}, {N})")
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    mode = launch_mode(x)
+    c = effective_config(config, x)
+    use_pdl = c.overlap_ratio >= 0
+    k_tiles = triton.cdiv(K, c.block_k)
+    per_split = triton.cdiv(k_tiles, c.split_k)
+    n_pref = prefetch_count(per_split, c.prefetch_ratio)
+    if c.split_k > 1:
+        need = workspace_numel(c, M, N)
+        if workspace is None:
+            workspace = torch.empty(need, device=x.device, dtype=torch.float32)
+        elif workspace.numel() < need or workspace.dtype != torch.float32:
+            raise ValueError(f"linear: workspace needs {need} fp32 elements")
+    dummy = out  # never read when the matching HAS_* flag is off
+    lines = max(1, c.block_k * x.element_size() // 128)
+    grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
+    _gemm_kernel[grid](
+        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+        workspace if workspace is not None else dummy,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+        out.stride(0), out.stride(1),
+        trigger_index(per_split, c.overlap_ratio), n_pref,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
+        USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
+        LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
+        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
+    if c.split_k > 1:
+        rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
+        _splitk_reduce_kernel[rgrid](
+            workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+            M, N,
+            residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+            out.stride(0), out.stride(1),
+            trigger_index(c.split_k, c.overlap_ratio),
+            SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
+            USE_PDL=use_pdl, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+        )
+    return out
+
+
+def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+               activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 torch reference of :func:`linear` (returns fp32)."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    if activation == "gelu":
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    elif activation == "silu":
+        y = torch.nn.functional.silu(y)
+    if residual is not None:
+        y = y + residual.float()
+    return y

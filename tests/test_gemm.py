@@ -1,0 +1,102 @@
+import json
+
+import pytest
+import torch
+
+from tuner.device import DeviceInfo
+from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, linear, linear_ref
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def _inputs(m, n, k, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) / k**0.5).to(dtype).to(device)
+    w = torch.randn(n, k, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device)
+    r = torch.randn(m, n, generator=g).to(dtype).to(device)
+    return x, w, b, r
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("activation", [None, "gelu", "silu"], ids=["id", "gelu", "silu"])
+@pytest.mark.parametrize("res", [False, True], ids=["nores", "res"])
+def test_linear_odd_shape(dtype, bias, activation, res, device):
+    m, k, n = 37, 200, 90
+    x, w, b, r = _inputs(m, n, k, dtype, device, seed=hash((bias, activation, res)) % 1000)
+    b = b if bias else None
+    r = r if res else None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # poisoned: every element must be written
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=2)
+    linear(x, w, b, config=cfg, activation=activation, residual=r, out=out)
+    err = rel_error(out, linear_ref(x, w, b, activation=activation, residual=r))
+    assert err < REL_TOLERANCE[dtype], err
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+def test_linear_split_k(dtype, split_k, device):
+    m, k, n = 37, 200, 90
+    x, w, b, r = _inputs(m, n, k, dtype, device, seed=split_k)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_k, overlap_ratio=0.5, prefetch_ratio=1.0)
+    assert check(cfg, GemmProblem(m, n, k)) is None
+    linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
+    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
+
+
+def test_linear_big_tile_small_problem(device):
+    # Tiles larger than the problem in M (masked rows), the biggest tile the check allows for N and K.
+    m, k, n = 5, 64, 128
+    x, w, b, _ = _inputs(m, n, k, torch.float16, device, seed=3)
+    cfg = GemmConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=1)
+    out = linear(x, w, b, config=cfg)
+    assert rel_error(out, linear_ref(x, w, b)) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "cfg, problem, needle",
+    [
+        (GemmConfig(block_m=48), GemmProblem(128, 768, 768), "power of two"),
+        (GemmConfig(block_k=8), GemmProblem(128, 768, 768), "power of two"),
+        (GemmConfig(num_warps=3), GemmProblem(128, 768, 768), "num_warps"),
+        (GemmConfig(block_k=64, split_k=13), GemmProblem(128, 768, 768), "exceeds the 12 K tiles"),
+        (GemmConfig(block_k=64, split_k=5), GemmProblem(128, 768, 768), "without K tiles"),
+        (GemmConfig(block_m=128, block_n=256, block_k=128, num_stages=4), GemmProblem(128, 768, 768), "shared memory"),
+        (GemmConfig(block_m=256), GemmProblem(128, 768, 768), "exceeds the problem"),
+        (GemmConfig(block_m=128, block_n=256, num_warps=2), GemmProblem(128, 768, 768), "registers"),
+        (GemmConfig(overlap_ratio=1.5), GemmProblem(128, 768, 768), "overlap_ratio"),
+        (GemmConfig(prefetch_ratio=float("nan")), GemmProblem(128, 768, 768), "prefetch_ratio"),
+    ],
+    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan"],
+)
+def test_check_rejects(cfg, problem, needle):
+    why = check(cfg, problem, DeviceInfo.interpreter())
+    assert why is not None and needle in why, why
+
+
+def test_check_accepts_defaults_and_linear_refuses_invalid(device):
+    assert check(GemmConfig(), GemmProblem(128, 768, 768)) is None
+    x, w, _, _ = _inputs(16, 32, 32, torch.float16, device, seed=0)
+    with pytest.raises(ValueError, match="invalid GemmConfig"):
+        linear(x, w, config=GemmConfig(block_m=48))
+
+
+def test_gemm_config_json_roundtrip():
+    c = GemmConfig(block_m=32, block_n=128, block_k=64, group_m=4, num_warps=8, num_stages=4, split_k=2,
+                   overlap_ratio=0.4, prefetch_ratio=1.0)
+    assert GemmConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="unknown keys"):
+        GemmConfig.from_dict({"block_q": 3})
+
+
+def test_interpreter_switches_knobs_off():
+    if torch.cuda.is_available():
+        pytest.skip("interpreter only")
+    from tuner.kernels.gemm import effective_config
+
+    c = effective_config(GemmConfig(overlap_ratio=0.6, prefetch_ratio=0.8), torch.zeros(1))
+    assert c.overlap_ratio == -1.0 and c.prefetch_ratio == -1.0

@@ -1,0 +1,63 @@
+"""What the tuner needs to know about a GPU, read once from the device (never changed)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    name: str
+    capability: tuple[int, int]
+    num_sms: int
+    l2_bytes: int
+    smem_per_block_bytes: int  # opt-in maximum dynamic shared memory per block
+
+    @property
+    def supports_pdl(self) -> bool:
+        # griddepcontrol and the L2 prefetch hint used here need sm_90 (Hopper) or newer.
+        return self.capability[0] >= 9
+
+    @classmethod
+    def from_torch(cls, device=None) -> "DeviceInfo":
+        import torch
+
+        idx = torch.device(device if device is not None else "cuda").index
+        idx = torch.cuda.current_device() if idx is None else idx
+        return _cached(idx)
+
+    @classmethod
+    def interpreter(cls) -> "DeviceInfo":
+        """The Triton interpreter on the CPU: no PDL, no prefetch; limits of an H100 for validity."""
+        return cls("triton-interpreter", (0, 0), 132, 50 * 2**20, 227 * 1024)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["capability"] = list(self.capability)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DeviceInfo":
+        return cls(d["name"], tuple(d["capability"]), int(d["num_sms"]), int(d["l2_bytes"]),
+                   int(d["smem_per_block_bytes"]))
+
+
+_CACHE: dict[int, DeviceInfo] = {}
+
+
+def _cached(idx: int) -> DeviceInfo:
+    if idx not in _CACHE:
+        import torch
+
+        p = torch.cuda.get_device_properties(idx)
+        smem = getattr(p, "shared_memory_per_block_optin", 0) or 227 * 1024
+        _CACHE[idx] = DeviceInfo(p.name, (p.major, p.minor), p.multi_processor_count,
+                                 int(getattr(p, "L2_cache_size", 50 * 2**20)), int(smem))
+    return _CACHE[idx]
+
+
+def current() -> DeviceInfo:
+    """The GPU if there is one, else the interpreter."""
+    import torch
+
+    return DeviceInfo.from_torch() if torch.cuda.is_available() else DeviceInfo.interpreter()
