@@ -122,6 +122,18 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     return _ratio_error("overlap_ratio", c.overlap_ratio) or _ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
+def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
+    """Shrink tiles that exceed the problem and reduce split_k until every split has K tiles."""
+    caps = {n: max(16, triton.next_power_of_2(d)) for n, d in (("block_m", problem.m), ("block_n", problem.n),
+                                                                ("block_k", problem.k))}
+    c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
+    k_tiles = triton.cdiv(problem.k, c.block_k)
+    sk = max(1, min(c.split_k, k_tiles))
+    while sk > 1 and triton.cdiv(k_tiles, sk) * (sk - 1) >= k_tiles:
+        sk -= 1
+    return replace(c, split_k=sk)
+
+
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
               stride_on, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):

@@ -1,0 +1,1 @@
+"""Search spaces shipped with pdl-tune (YAML package data); `tuner.space` reads them."""

@@ -1,0 +1,63 @@
+import json
+
+import pytest
+import torch
+
+from tuner.bench import hand_picked
+from tuner.config import ConfigError, DecoderConfig
+from tuner.layer import DecoderStack, check_config, layer_ref, stack_depth, torch_layer
+from tuner.shapes import PRESETS, DecoderShape, ShapeError, resolve
+
+ODD = DecoderShape(1, 17, 32, 1, 90, name="odd")  # seq 17, one head of dim 32, ffn 90
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_stack_matches_reference_odd_shape(dtype, device):
+    cfg = DecoderConfig().with_knobs(0.4, 1.0)  # knobs switch off by themselves in the interpreter
+    small = DecoderConfig(**{n: c for n, c in hand_picked(ODD).kernels()})
+    assert check_config(small, ODD) == {}, check_config(small, ODD)
+    st = DecoderStack(ODD, small, n_layers=2, dtype=dtype, device=device, seed=1)
+    err = st.check(seed=7)
+    assert err < st.tolerance(), err
+    assert cfg.without_knobs().qkv.overlap_ratio == -1.0
+
+
+def test_stack_check_catches_unwritten_output(device):
+    st = DecoderStack(ODD, hand_picked(ODD), n_layers=1, dtype=torch.float32, device=device, seed=1)
+    st.run = lambda: None  # nothing launched: the poisoned output must fail the check
+    assert st.check(seed=3) == float("inf")
+
+
+def test_torch_layer_matches_reference_layer(device):
+    st = DecoderStack(ODD, DecoderConfig(), n_layers=1, dtype=torch.float32, device=device, seed=2)
+    x = torch.randn(ODD.tokens, ODD.d_model, device=device)
+    ref = layer_ref(ODD, st.weights[0], x)
+    assert torch.allclose(torch_layer(ODD, st.weights[0], x), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_decoder_config_roundtrip_and_errors():
+    cfg = hand_picked(PRESETS["bert-base"])
+    assert DecoderConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    with pytest.raises(ConfigError, match="schema_version"):
+        DecoderConfig.from_dict({"schema_version": 99, "kernels": {}})
+    with pytest.raises(ConfigError, match="unknown kernels"):
+        DecoderConfig.from_dict({"schema_version": 1, "kernels": {"mlp": {}}})
+    assert cfg.without_knobs().attn.overlap_ratio == -1.0 and cfg.attn.prefetch_ratio == -1.0
+
+
+def test_presets_and_custom_shapes():
+    assert resolve("bert-base").spec == "1x128x768x12x3072"
+    assert resolve("1x64x512x8x2048").head_dim == 64
+    assert abs(PRESETS["bert-base"].weight_bytes(2) / 1e6 - 14.2) < 0.1  # DESIGN: 14.2 MB
+    for bad, needle in [("gpt9", "unknown shape"), ("1x0x768x12x3072", "positive"),
+                        ("1x128x770x12x3072", "not divisible"), ("1x128x768x48x3072", "head dim"),
+                        ("1x128x768x12", "BxSxDxHxF"), ("1xax768x12x3072", "five integers")]:
+        with pytest.raises(ShapeError, match=needle):
+            resolve(bad)
+
+
+def test_stack_depth_cold_is_three_l2():
+    s = PRESETS["bert-base"]
+    n = stack_depth(s, 2, 60 * 2**20)
+    assert n * s.weight_bytes(2) >= 3 * 60 * 2**20 > (n - 1) * s.weight_bytes(2)
+    assert stack_depth(s, 2, 60 * 2**20, "hot") == s.depth

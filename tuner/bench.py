@@ -1,0 +1,154 @@
+"""`tune bench`: our layer against the PyTorch baselines and the memory floor, every row checked."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tuner import manifest
+from tuner.baselines import TorchStack
+from tuner.config import DecoderConfig
+from tuner.device import DeviceInfo
+from tuner.kernels.attention import AttnConfig
+from tuner.kernels.gemm import GemmConfig
+from tuner.kernels.norm import NormConfig
+from tuner.layer import DecoderStack, check_config, stack_depth
+from tuner.shapes import DecoderShape
+from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
+
+
+def default_config() -> DecoderConfig:
+    """The baseline: default tiles, every (overlap, prefetch) at (-1, -1)."""
+    return DecoderConfig()
+
+
+def hand_picked(shape: DecoderShape) -> DecoderConfig:
+    """Tiles picked by hand for small M (weights-bound GEMMs want many programs), PDL + full prefetch.
+
+    block_m covers all rows up to 64 so each weight tile is read by few programs; block_n 64 and split-K
+    on the long-K FFN2 put ~100 programs on the 132 SMs.
+    """
+    m = shape.tokens
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    gemm = GemmConfig(block_m=bm, block_n=64, block_k=64, group_m=8, num_warps=4, num_stages=4)
+    k_tiles_ffn2 = -(-shape.ffn // 64)
+    cfg = DecoderConfig(
+        norm1=NormConfig(rows_per_program=1, num_warps=4), qkv=gemm,
+        attn=AttnConfig(block_m=min(64, max(16, 1 << (shape.seq - 1).bit_length())), block_n=32, num_warps=4,
+                        num_stages=2),
+        out=gemm, norm2=NormConfig(rows_per_program=1, num_warps=4), ffn1=gemm,
+        ffn2=GemmConfig(block_m=bm, block_n=64, block_k=64, num_warps=4, num_stages=4,
+                        split_k=4 if k_tiles_ffn2 >= 16 else 1),
+    )
+    from dataclasses import replace
+
+    from tuner.kernels.gemm import GemmProblem, fit
+
+    fitted = {n: fit(getattr(cfg, n), GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
+    s2 = max(16, 1 << (shape.seq - 1).bit_length())
+    cfg = replace(cfg, attn=replace(cfg.attn, block_m=min(cfg.attn.block_m, s2), block_n=min(cfg.attn.block_n, s2)),
+                  **fitted)
+    return cfg.with_knobs(0.0, 1.0)
+
+
+@dataclass
+class Row:
+    name: str
+    median_us: float
+    spread_us: float
+    rel_err: float | None
+    ok: bool
+
+    def to_dict(self):
+        return dict(self.__dict__)
+
+
+def _ours(shape, cfg, dtype, n_layers, weights, reps, warmup, seed, name) -> Row:
+    dev = DeviceInfo.from_torch()
+    bad = check_config(cfg, shape, torch.tensor([], dtype=dtype).element_size(), dev)
+    if bad:
+        raise ValueError(f"{name}: invalid config {bad}")
+    st = DecoderStack(shape, cfg, n_layers=n_layers, dtype=dtype, weights=weights)
+    st.capture()
+    err = st.check(seed)
+    t = time_replay(st.replay, n_layers, reps=reps, warmup=warmup)
+    return Row(name, t.median_us, t.spread_us, err, err < st.tolerance())
+
+
+def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", reps: int = 50, warmup: int = 10,
+              seed: int = 0, extra_configs: dict[str, DecoderConfig] | None = None,
+              compile_baseline: bool = True, log=print) -> dict:
+    dev = DeviceInfo.from_torch()
+    esize = torch.tensor([], dtype=dtype).element_size()
+    n_layers = stack_depth(shape, esize, dev.l2_bytes, l2)
+    probe = DecoderStack(shape, default_config(), n_layers=n_layers, dtype=dtype, seed=seed)
+    weights = probe.weights  # every variant runs on the same weights
+    del probe
+    rows: list[Row] = []
+    tol = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3}[dtype]
+
+    t0 = time.time()
+    eager = TorchStack(shape, weights, dtype)
+    e = eager.check(seed)
+    t = eager.time(reps, warmup)
+    rows.append(Row("torch eager (cuBLAS+SDPA), CUDA graph", t.median_us, t.spread_us, e, e < tol))
+    del eager
+    log(f"  eager done ({time.time() - t0:.0f}s)")
+    if compile_baseline:
+        comp = TorchStack(shape, weights, dtype, compiled=True)
+        e = comp.check(seed)
+        t = comp.time(reps, warmup)
+        rows.append(Row("torch.compile (inductor default), CUDA graph", t.median_us, t.spread_us, e, e < tol))
+        del comp
+        log(f"  torch.compile done ({time.time() - t0:.0f}s)")
+    rows.append(_ours(shape, default_config(), dtype, n_layers, weights, reps, warmup, seed,
+                      "ours, (-1,-1), default tiles"))
+    hp = hand_picked(shape)
+    rows.append(_ours(shape, hp.without_knobs(), dtype, n_layers, weights, reps, warmup, seed,
+                      "ours, (-1,-1), hand-picked tiles"))
+    rows.append(_ours(shape, hp, dtype, n_layers, weights, reps, warmup, seed,
+                      "ours, PDL + full prefetch (0.0,1.0), hand-picked tiles"))
+    rows.append(_ours(shape, hp.with_knobs(1.0, 1.0), dtype, n_layers, weights, reps, warmup, seed,
+                      "ours, PDL + full prefetch (1.0,1.0), hand-picked tiles"))
+    for name, cfg in (extra_configs or {}).items():
+        rows.append(_ours(shape, cfg, dtype, n_layers, weights, reps, warmup, seed, name))
+    log(f"  ours done ({time.time() - t0:.0f}s)")
+    bw = copy_bandwidth_bytes_per_s()
+    floor_us = shape.weight_bytes(esize) / bw * 1e6
+    rows.append(Row(f"floor: {shape.weight_bytes(esize) / 1e6:.1f} MB of weights at {bw / 1e12:.2f} TB/s",
+                    floor_us, 0.0, None, True))
+    return {"shape": shape.to_dict(), "dtype": str(dtype).replace("torch.", ""), "device": dev.to_dict(),
+            "policy": policy(l2, n_layers, reps, warmup), "copy_bandwidth_bytes_per_s": bw,
+            "rows": [r.to_dict() for r in rows]}
+
+
+def format_table(result: dict) -> str:
+    rows = result["rows"]
+    eager = rows[0]["median_us"]
+    comp = next((r["median_us"] for r in rows if r["name"].startswith("torch.compile")), None)
+    sh = result["shape"]
+    lines = [f"### {sh['name'] or ''} {sh['batch']}x{sh['seq']}x{sh['d_model']}x{sh['heads']}x{sh['ffn']} "
+             f"({result['dtype']}, L2 {result['policy']['l2']}, stack of {result['policy']['stack_layers']} layers, "
+             f"{result['device']['name']})", "",
+             "| variant | us/layer | ± | vs eager | vs torch.compile | rel. error | check |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}"
+        vs_c = f"{comp / r['median_us']:.2f}x" if comp else ""
+        lines.append(f"| {r['name']} | {r['median_us']:.2f} | {r['spread_us']:.2f} | {eager / r['median_us']:.2f}x"
+                     f" | {vs_c} | {err} | {'ok' if r['ok'] else 'FAIL'} |")
+    return "\n".join(lines) + "\n"
+
+
+def save(result: dict, out_dir: Path, command: list[str]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest.write_json_atomic(out_dir / "manifest.json", manifest.make(command, kind="bench",
+                                                                          shape=result["shape"],
+                                                                          dtype=result["dtype"],
+                                                                          policy=result["policy"]))
+    manifest.write_json_atomic(out_dir / "bench.json", result)
+    manifest.write_text_atomic(out_dir / "bench.md", format_table(result))
+    return out_dir

@@ -1,0 +1,68 @@
+"""One config per kernel of the decoder layer, with a versioned JSON form."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from tuner.kernels.attention import AttnConfig
+from tuner.kernels.gemm import GemmConfig
+from tuner.kernels.norm import NormConfig
+
+SCHEMA_VERSION = 1
+# Launch order inside one layer (pre-LN decoder).
+KERNELS = ("norm1", "qkv", "attn", "out", "norm2", "ffn1", "ffn2")
+GEMMS = ("qkv", "out", "ffn1", "ffn2")
+KIND = {"norm1": NormConfig, "qkv": GemmConfig, "attn": AttnConfig, "out": GemmConfig,
+        "norm2": NormConfig, "ffn1": GemmConfig, "ffn2": GemmConfig}
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    norm1: NormConfig = NormConfig()
+    qkv: GemmConfig = GemmConfig()
+    attn: AttnConfig = AttnConfig()
+    out: GemmConfig = GemmConfig()
+    norm2: NormConfig = NormConfig()
+    ffn1: GemmConfig = GemmConfig()
+    ffn2: GemmConfig = GemmConfig()
+
+    def kernels(self):
+        return [(name, getattr(self, name)) for name in KERNELS]
+
+    def without_knobs(self) -> "DecoderConfig":
+        """Same tiles, every (overlap, prefetch) pair at (-1, -1): the seed's 'all mm: -1.0'."""
+        return replace(self, **{n: c.without_knobs() for n, c in self.kernels()})
+
+    def with_knobs(self, overlap_ratio: float, prefetch_ratio: float) -> "DecoderConfig":
+        """Every kernel at the same pair (attention never prefetches: it has no weights)."""
+        out = {}
+        for n, c in self.kernels():
+            p = -1.0 if isinstance(c, AttnConfig) else prefetch_ratio
+            out[n] = replace(c, overlap_ratio=overlap_ratio, prefetch_ratio=p)
+        return replace(self, **out)
+
+    def to_dict(self) -> dict:
+        return {"schema_version": SCHEMA_VERSION, "kernels": {n: c.to_dict() for n, c in self.kernels()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderConfig":
+        v = d.get("schema_version")
+        if v != SCHEMA_VERSION:
+            raise ConfigError(f"config schema_version {v!r} is not supported (this tune reads {SCHEMA_VERSION})")
+        ks = d.get("kernels")
+        if not isinstance(ks, dict):
+            raise ConfigError("config has no 'kernels' mapping")
+        unknown = set(ks) - set(KERNELS)
+        if unknown:
+            raise ConfigError(f"config names unknown kernels {sorted(unknown)}; expected {list(KERNELS)}")
+        try:
+            return cls(**{n: KIND[n].from_dict(ks[n]) for n in KERNELS if n in ks})
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config: {e}") from None
+
+
+assert tuple(f.name for f in fields(DecoderConfig)) == KERNELS

@@ -1,0 +1,228 @@
+"""The decoder layer built from our kernels, a stack of L such layers, and its torch references.
+
+A pre-LN causal decoder layer (DESIGN):
+    a = x + out(attn(qkv(norm1(x))))          # residual fused into the out-projection epilogue
+    y = a + ffn2(gelu(ffn1(norm2(a))))        # gelu into FFN1's epilogue, residual into FFN2's
+Seven kernels (plus one split-K reduction per GEMM with split_k > 1), all launched back to back on
+preallocated buffers with no torch op between them, so that a CUDA graph captures one PDL chain.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tuner.config import GEMMS, DecoderConfig
+from tuner.device import DeviceInfo
+from tuner.kernels import attention as attn_k
+from tuner.kernels import gemm as gemm_k
+from tuner.kernels import norm as norm_k
+from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.shapes import DecoderShape
+
+LN_EPS = 1e-5
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
+                 device: DeviceInfo | None = None) -> dict[str, str]:
+    """Why each kernel's config is invalid for ``shape`` (empty when all are valid)."""
+    bad = {}
+    m, d = shape.tokens, shape.d_model
+    for name in ("norm1", "norm2"):
+        why = norm_k.check(getattr(cfg, name), norm_k.NormProblem(m, d, dtype_bytes), device)
+        if why:
+            bad[name] = why
+    for name, (gm, gn, gk) in shape.gemms().items():
+        why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
+        if why:
+            bad[name] = why
+    why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
+                                                    dtype_bytes), device)
+    if why:
+        bad["attn"] = why
+    return bad
+
+
+@dataclass
+class LayerWeights:
+    ln1_w: torch.Tensor
+    ln1_b: torch.Tensor
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor
+    w_out: torch.Tensor
+    b_out: torch.Tensor
+    ln2_w: torch.Tensor
+    ln2_b: torch.Tensor
+    w_ffn1: torch.Tensor
+    b_ffn1: torch.Tensor
+    w_ffn2: torch.Tensor
+    b_ffn2: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: DecoderShape, dtype, device, generator: torch.Generator) -> "LayerWeights":
+        d, f = shape.d_model, shape.ffn
+
+        def lin(n, k):  # nn.Linear-like scale keeps activations O(1) through a deep stack
+            w = torch.randn(n, k, generator=generator) / math.sqrt(k)
+            return w.to(dtype).to(device), (0.1 * torch.randn(n, generator=generator)).to(dtype).to(device)
+
+        def ln():
+            return ((1 + 0.1 * torch.randn(d, generator=generator)).to(dtype).to(device),
+                    (0.1 * torch.randn(d, generator=generator)).to(dtype).to(device))
+
+        ln1_w, ln1_b = ln()
+        w_qkv, b_qkv = lin(3 * d, d)
+        w_out, b_out = lin(d, d)
+        ln2_w, ln2_b = ln()
+        w_ffn1, b_ffn1 = lin(f, d)
+        w_ffn2, b_ffn2 = lin(d, f)
+        return cls(ln1_w, ln1_b, w_qkv, b_qkv, w_out, b_out, ln2_w, ln2_b, w_ffn1, b_ffn1, w_ffn2, b_ffn2)
+
+
+class LayerBuffers:
+    """Every activation of one layer, preallocated: the graph holds no allocation or torch op."""
+
+    def __init__(self, shape: DecoderShape, cfg: DecoderConfig, dtype, device):
+        m, d, f = shape.tokens, shape.d_model, shape.ffn
+        e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
+        self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y = (
+            e(d), e(3 * d), e(d), e(d), e(d), e(f), e(d))
+        self.ws = {}
+        for name, (gm, gn, _) in shape.gemms().items():
+            n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
+            self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
+
+    def all(self):
+        return [self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y] + [
+            w for w in self.ws.values() if w is not None]
+
+
+def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor,
+                  b: LayerBuffers, racy: str | None = None) -> torch.Tensor:
+    """Launch the layer's kernels on ``x`` into ``b``; returns ``b.y``.
+
+    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait.
+    """
+    r = lambda k: racy == k  # noqa: E731
+    norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1, _racy_read_before_wait=r("norm1"))
+    gemm_k.linear(b.ln1, w.w_qkv, w.b_qkv, config=cfg.qkv, out=b.qkv, workspace=b.ws["qkv"],
+                  _racy_read_before_wait=r("qkv"))
+    attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads, head_dim=shape.head_dim,
+                     config=cfg.attn, out=b.attn, _racy_read_before_wait=r("attn"))
+    gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h, workspace=b.ws["out"],
+                  _racy_read_before_wait=r("out"))
+    norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2, _racy_read_before_wait=r("norm2"))
+    gemm_k.linear(b.ln2, w.w_ffn1, w.b_ffn1, config=cfg.ffn1, activation="gelu", out=b.ffn1,
+                  workspace=b.ws["ffn1"], _racy_read_before_wait=r("ffn1"))
+    gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y, workspace=b.ws["ffn2"],
+                  _racy_read_before_wait=r("ffn2"))
+    return b.y
+
+
+def torch_layer(shape: DecoderShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """The same layer in plain PyTorch (cuBLAS + SDPA): the eager and torch.compile baselines, and in
+    fp32 the reference."""
+    bsz, s, d, h, hd = shape.batch, shape.seq, shape.d_model, shape.heads, shape.head_dim
+    n1 = F.layer_norm(x, (d,), w.ln1_w, w.ln1_b, LN_EPS)
+    qkv = F.linear(n1, w.w_qkv, w.b_qkv).view(bsz, s, 3, h, hd).permute(2, 0, 3, 1, 4)
+    a = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+    a = a.transpose(1, 2).reshape(bsz * s, d)
+    hid = x + F.linear(a, w.w_out, w.b_out)
+    f = F.gelu(F.linear(F.layer_norm(hid, (d,), w.ln2_w, w.ln2_b, LN_EPS), w.w_ffn1, w.b_ffn1), approximate="tanh")
+    return hid + F.linear(f, w.w_ffn2, w.b_ffn2)
+
+
+def layer_ref(shape: DecoderShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """fp32 reference of one layer from the same weights."""
+    w32 = LayerWeights(*(t.float() for t in w.__dict__.values()))
+    return torch_layer(shape, w32, x.float())
+
+
+def stack_depth(shape: DecoderShape, dtype_bytes: int, l2_bytes: int, l2_policy: str = "cold") -> int:
+    """Layers in the timed stack. Cold: weights >= 3x L2, so no layer finds its weights in L2 (DESIGN)."""
+    if l2_policy == "hot":
+        return shape.depth
+    return max(2, math.ceil(3 * l2_bytes / shape.weight_bytes(dtype_bytes)))
+
+
+class DecoderStack:
+    """L layers with distinct weights and buffers, launched back to back."""
+
+    def __init__(self, shape: DecoderShape, cfg: DecoderConfig, *, n_layers: int, dtype=torch.float16,
+                 device="cuda", seed: int = 0, weights: list[LayerWeights] | None = None):
+        self.shape, self.cfg, self.dtype, self.device = shape, cfg, dtype, torch.device(device)
+        g = torch.Generator().manual_seed(seed)
+        self.weights = weights or [LayerWeights.random(shape, dtype, device, g) for _ in range(n_layers)]
+        self.x = torch.empty((shape.tokens, shape.d_model), dtype=dtype, device=device)
+        self.bufs = [LayerBuffers(shape, cfg, dtype, device) for _ in self.weights]
+        self.racy: tuple[int, str] | None = None  # (layer, kernel) for the race-detection demonstration
+        self.graph = None
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.weights)
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.bufs[-1].y
+
+    def run(self) -> torch.Tensor:
+        x = self.x
+        for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
+            racy = self.racy[1] if self.racy and self.racy[0] == i else None
+            x = layer_forward(self.shape, self.cfg, w, x, b, racy=racy)
+        return x
+
+    def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(warmup):  # compile every kernel variant outside the capture
+                self.run()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            self.run()
+        torch.cuda.synchronize()
+        self.graph = g
+        return g
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
+
+    def check(self, seed: int, layers: list[int] | None = None) -> float:
+        """Worst ‖out − ref‖/‖ref‖ over the checked layers after one replay on fresh random input, every
+        buffer poisoned with NaN first (an unwritten or raced element gives inf). Each layer is compared
+        with the fp32 reference applied to the input that layer really received."""
+        g = torch.Generator().manual_seed(seed)
+        self.x.copy_(torch.randn(self.x.shape, generator=g).to(self.dtype))
+        for b in self.bufs:
+            for t in b.all():
+                t.fill_(float("nan"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.replay()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        worst = 0.0
+        idx = range(self.n_layers) if layers is None else layers
+        for i in idx:
+            x_in = self.x if i == 0 else self.bufs[i - 1].y
+            if not torch.isfinite(x_in).all():
+                return float("inf")
+            worst = max(worst, rel_error(self.bufs[i].y, layer_ref(self.shape, self.weights[i], x_in)))
+        return worst
+
+    def tolerance(self) -> float:
+        return REL_TOLERANCE[self.dtype]
+
+    def gemm_names(self):
+        return GEMMS

@@ -1,0 +1,76 @@
+"""Who, where and how a result was measured: every results file carries one of these."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MANIFEST_SCHEMA_VERSION = 1
+
+
+def git_revision() -> str:
+    rev = os.environ.get("PDL_TUNE_GIT_REV")
+    if rev:
+        return rev
+    try:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=5).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def environment() -> dict:
+    import torch
+    import triton
+
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
+           "cuda": torch.version.cuda}
+    try:
+        import optuna
+
+        env["optuna"] = optuna.__version__
+    except ImportError:
+        env["optuna"] = None
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        env["gpu"] = {"name": p.name, "capability": [p.major, p.minor], "sms": p.multi_processor_count,
+                      "l2_bytes": int(getattr(p, "L2_cache_size", 0)), "memory_bytes": int(p.total_memory)}
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            env["driver"] = None
+    else:
+        env["gpu"] = None
+    return env
+
+
+def make(command: list[str] | None = None, **extra) -> dict:
+    m = {"schema_version": MANIFEST_SCHEMA_VERSION,
+         "command": " ".join(command if command is not None else sys.argv),
+         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+         "git_revision": git_revision(), **environment()}
+    m.update(extra)
+    return m
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """Write to a temporary name and rename: a killed process never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

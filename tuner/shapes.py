@@ -1,0 +1,104 @@
+"""Decoder-layer shapes: the seed's presets and ``BxSxDxHxF`` custom shapes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# Head dims the attention kernel supports (padded to a power of two inside it).
+HEAD_DIM_RANGE = (32, 128)
+
+
+class ShapeError(ValueError):
+    """A user-facing shape problem; the message is one line and lists the valid choices."""
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    batch: int
+    seq: int
+    d_model: int
+    heads: int
+    ffn: int
+    name: str = ""
+    # The model's own depth: the stack replayed back to back under `--l2 hot`.
+    depth: int = 12
+    # Kept open for later variants (RMSNorm, SwiGLU, grouped-query attention); only these run today.
+    norm: str = "layernorm"
+    activation: str = "gelu"
+
+    def __post_init__(self):
+        for f in ("batch", "seq", "d_model", "heads", "ffn", "depth"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v <= 0:
+                raise ShapeError(f"shape {self.spec}: {f}={v} must be a positive integer")
+        if self.d_model % self.heads:
+            raise ShapeError(f"shape {self.spec}: d_model={self.d_model} is not divisible by heads={self.heads}")
+        lo, hi = HEAD_DIM_RANGE
+        if not lo <= self.head_dim <= hi:
+            raise ShapeError(f"shape {self.spec}: head dim {self.head_dim} (d_model/heads) must be in {lo}..{hi}")
+        if self.norm != "layernorm" or self.activation != "gelu":
+            raise ShapeError(f"shape {self.spec}: only layernorm + gelu layers are implemented")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    @property
+    def spec(self) -> str:
+        return f"{self.batch}x{self.seq}x{self.d_model}x{self.heads}x{self.ffn}"
+
+    @property
+    def label(self) -> str:
+        return self.name or self.spec
+
+    @property
+    def weight_params(self) -> int:
+        d, f = self.d_model, self.ffn
+        return (3 * d * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d) + 4 * d
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        return self.weight_params * dtype_bytes
+
+    def gemms(self) -> dict[str, tuple[int, int, int]]:
+        """(M, N, K) of each GEMM of the layer."""
+        m, d, f = self.tokens, self.d_model, self.ffn
+        return {"qkv": (m, 3 * d, d), "out": (m, d, d), "ffn1": (m, f, d), "ffn2": (m, d, f)}
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderShape":
+        return cls(**d)
+
+
+PRESETS: dict[str, DecoderShape] = {
+    "tiny": DecoderShape(1, 32, 256, 4, 1024, name="tiny", depth=4),
+    "bert-base": DecoderShape(1, 128, 768, 12, 3072, name="bert-base", depth=12),
+    "bert-large": DecoderShape(1, 128, 1024, 16, 4096, name="bert-large", depth=24),
+}
+
+
+def parse_spec(text: str) -> DecoderShape:
+    parts = text.lower().split("x")
+    if len(parts) != 5:
+        raise ShapeError(f"shape {text!r}: expected a preset ({', '.join(PRESETS)}) or BxSxDxHxF, e.g. 1x128x768x12x3072")
+    try:
+        b, s, d, h, f = (int(p) for p in parts)
+    except ValueError:
+        raise ShapeError(f"shape {text!r}: BxSxDxHxF needs five integers, e.g. 1x128x768x12x3072") from None
+    return DecoderShape(b, s, d, h, f)
+
+
+def resolve(text: str) -> DecoderShape:
+    """A preset name or a ``BxSxDxHxF`` spec; ShapeError lists the presets otherwise."""
+    key = text.strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if "x" in key and key[0].isdigit():
+        return parse_spec(key)
+    raise ShapeError(f"unknown shape {text!r}: choose one of {', '.join(PRESETS)}, 'all', or BxSxDxHxF")
