@@ -15,14 +15,9 @@ from tuner.device import DeviceInfo
 from tuner.kernels.attention import AttnConfig
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
-from tuner.layer import DecoderStack, check_config, stack_depth
+from tuner.layer import DecoderStack, check_config, default_config, fit_config, stack_depth
 from tuner.shapes import DecoderShape
 from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
-
-
-def default_config() -> DecoderConfig:
-    """The baseline: default tiles, every (overlap, prefetch) at (-1, -1)."""
-    return DecoderConfig()
 
 
 def hand_picked(shape: DecoderShape) -> DecoderConfig:
@@ -43,15 +38,7 @@ def hand_picked(shape: DecoderShape) -> DecoderConfig:
         ffn2=GemmConfig(block_m=bm, block_n=64, block_k=64, num_warps=4, num_stages=4,
                         split_k=4 if k_tiles_ffn2 >= 16 else 1),
     )
-    from dataclasses import replace
-
-    from tuner.kernels.gemm import GemmProblem, fit
-
-    fitted = {n: fit(getattr(cfg, n), GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
-    s2 = max(16, 1 << (shape.seq - 1).bit_length())
-    cfg = replace(cfg, attn=replace(cfg.attn, block_m=min(cfg.attn.block_m, s2), block_n=min(cfg.attn.block_n, s2)),
-                  **fitted)
-    return cfg.with_knobs(0.0, 1.0)
+    return fit_config(cfg, shape).with_knobs(0.0, 1.0)
 
 
 @dataclass
@@ -84,7 +71,7 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
     dev = DeviceInfo.from_torch()
     esize = torch.tensor([], dtype=dtype).element_size()
     n_layers = stack_depth(shape, esize, dev.l2_bytes, l2)
-    probe = DecoderStack(shape, default_config(), n_layers=n_layers, dtype=dtype, seed=seed)
+    probe = DecoderStack(shape, default_config(shape), n_layers=n_layers, dtype=dtype, seed=seed)
     weights = probe.weights  # every variant runs on the same weights
     del probe
     rows: list[Row] = []
@@ -104,7 +91,7 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
         rows.append(Row("torch.compile (inductor default), CUDA graph", t.median_us, t.spread_us, e, e < tol))
         del comp
         log(f"  torch.compile done ({time.time() - t0:.0f}s)")
-    rows.append(_ours(shape, default_config(), dtype, n_layers, weights, reps, warmup, seed,
+    rows.append(_ours(shape, default_config(shape), dtype, n_layers, weights, reps, warmup, seed,
                       "ours, (-1,-1), default tiles"))
     hp = hand_picked(shape)
     rows.append(_ours(shape, hp.without_knobs(), dtype, n_layers, weights, reps, warmup, seed,

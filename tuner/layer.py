@@ -47,6 +47,21 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     return bad
 
 
+def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
+    """Shrink tiles that exceed the shape (tiny layers have 32 rows and 32 keys)."""
+    from dataclasses import replace
+
+    fitted = {n: gemm_k.fit(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
+    cap = max(16, 1 << (shape.seq - 1).bit_length())
+    attn = replace(cfg.attn, block_m=min(cfg.attn.block_m, cap), block_n=min(cfg.attn.block_n, cap))
+    return replace(cfg, attn=attn, **fitted)
+
+
+def default_config(shape: DecoderShape) -> DecoderConfig:
+    """The baseline of every comparison: default tiles (fitted to the shape), every pair at (-1, -1)."""
+    return fit_config(DecoderConfig(), shape)
+
+
 @dataclass
 class LayerWeights:
     ln1_w: torch.Tensor
@@ -101,25 +116,37 @@ class LayerBuffers:
             w for w in self.ws.values() if w is not None]
 
 
-def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor,
-                  b: LayerBuffers, racy: str | None = None) -> torch.Tensor:
-    """Launch the layer's kernels on ``x`` into ``b``; returns ``b.y``.
+def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
+                   racy: str | None = None) -> list[tuple[str, callable]]:
+    """The layer's kernel launches in order, as (kernel name, launch) pairs.
 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait.
     """
     r = lambda k: racy == k  # noqa: E731
-    norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1, _racy_read_before_wait=r("norm1"))
-    gemm_k.linear(b.ln1, w.w_qkv, w.b_qkv, config=cfg.qkv, out=b.qkv, workspace=b.ws["qkv"],
-                  _racy_read_before_wait=r("qkv"))
-    attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads, head_dim=shape.head_dim,
-                     config=cfg.attn, out=b.attn, _racy_read_before_wait=r("attn"))
-    gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h, workspace=b.ws["out"],
-                  _racy_read_before_wait=r("out"))
-    norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2, _racy_read_before_wait=r("norm2"))
-    gemm_k.linear(b.ln2, w.w_ffn1, w.b_ffn1, config=cfg.ffn1, activation="gelu", out=b.ffn1,
-                  workspace=b.ws["ffn1"], _racy_read_before_wait=r("ffn1"))
-    gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y, workspace=b.ws["ffn2"],
-                  _racy_read_before_wait=r("ffn2"))
+    return [
+        ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
+                                            _racy_read_before_wait=r("norm1"))),
+        ("qkv", lambda: gemm_k.linear(b.ln1, w.w_qkv, w.b_qkv, config=cfg.qkv, out=b.qkv, workspace=b.ws["qkv"],
+                                      _racy_read_before_wait=r("qkv"))),
+        ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
+                                          head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
+                                          _racy_read_before_wait=r("attn"))),
+        ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
+                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"))),
+        ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
+                                            _racy_read_before_wait=r("norm2"))),
+        ("ffn1", lambda: gemm_k.linear(b.ln2, w.w_ffn1, w.b_ffn1, config=cfg.ffn1, activation="gelu", out=b.ffn1,
+                                       workspace=b.ws["ffn1"], _racy_read_before_wait=r("ffn1"))),
+        ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
+                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"))),
+    ]
+
+
+def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor,
+                  b: LayerBuffers, racy: str | None = None) -> torch.Tensor:
+    """Launch the layer's kernels on ``x`` into ``b``; returns ``b.y``."""
+    for _, launch in layer_launches(shape, cfg, w, x, b, racy):
+        launch()
     return b.y
 
 
@@ -176,6 +203,14 @@ class DecoderStack:
             racy = self.racy[1] if self.racy and self.racy[0] == i else None
             x = layer_forward(self.shape, self.cfg, w, x, b, racy=racy)
         return x
+
+    def launches(self, kernel: str) -> list:
+        """Every launch of one kernel across the stack (for the per-kernel breakdown)."""
+        out, x = [], self.x
+        for w, b in zip(self.weights, self.bufs):
+            out += [fn for name, fn in layer_launches(self.shape, self.cfg, w, x, b) if name == kernel]
+            x = b.y
+        return out
 
     def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         s = torch.cuda.Stream()

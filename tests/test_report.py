@@ -1,0 +1,303 @@
+"""tuner.report on a hand-built run folder: the tables' content and the plots' data, then the files."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from tuner import report
+from tuner.config import GEMMS, KERNELS, DecoderConfig
+from tuner.report import RunFolderError
+
+BASELINE_US = 40.0
+COMPILE_US = 38.7
+SHAPE = {"batch": 1, "seq": 128, "d_model": 768, "heads": 12, "ffn": 3072, "name": "bert-base"}
+
+# (number, status, latency_us, qkv (overlap, prefetch)). out and ffn1 sit at (0.0, 0.0) and ffn2 at
+# (-1, -1) in every trial but the baseline (trial 0, everything at (-1, -1)).
+TRIALS = [
+    (0, "ok", 40.0, (-1.0, -1.0)),
+    (1, "ok", 38.0, (0.8, 0.2)),
+    (2, "ok", 39.0, (0.4, -1.0)),
+    (3, "incorrect", None, (1.0, 1.0)),
+    (4, "ok", 36.0, (0.8, 0.2)),
+    (5, "compile_error", None, (0.2, 0.2)),
+    (6, "ok", 37.0, (0.4, -1.0)),
+    (7, "ok", 41.0, (-1.0, -1.0)),
+    (8, "ok", 35.0, (0.8, 0.2)),
+    (9, "ok", 36.5, (0.0, 0.0)),
+    (10, "ok", 38.5, (0.4, -1.0)),
+    (11, "ok", 35.2, (0.0, 0.0)),
+]
+OK_SPEEDUP = {n: BASELINE_US / lat for n, st, lat, _ in TRIALS if st == "ok"}
+FFN1_TILES = {"block_m": 32, "block_n": 128, "block_k": 64, "num_warps": 8, "num_stages": 4, "split_k": 2}
+
+
+def _config(number: int) -> DecoderConfig:
+    qkv_op = TRIALS[number][3]
+    cfg = DecoderConfig()
+    if number == 0:
+        return cfg
+    knobs = {n: replace(c, overlap_ratio=0.0, prefetch_ratio=0.0) for n, c in cfg.kernels()}
+    knobs["qkv"] = replace(cfg.qkv, overlap_ratio=qkv_op[0], prefetch_ratio=qkv_op[1])
+    knobs["ffn2"] = cfg.ffn2  # (-1, -1): not in the chain
+    knobs["attn"] = replace(cfg.attn, overlap_ratio=0.0, prefetch_ratio=-1.0)
+    if number == 8:
+        knobs["ffn1"] = replace(knobs["ffn1"], **FFN1_TILES)
+    return replace(cfg, **knobs)
+
+
+def _trial_row(number, status, latency_us) -> dict:
+    ok = status == "ok"
+    row = {"number": number, "status": status,
+           "reason": "" if ok else {"incorrect": "max abs err 3.1 > atol 0.01",
+                                    "compile_error": "PTXASError: too many registers"}[status],
+           "latency_us": latency_us if ok else float("nan"), "spread_us": 0.25 if ok else float("nan"),
+           "speedup": BASELINE_US / latency_us if ok else float("nan"), "approximated": False,
+           "is_baseline": number == 0}
+    for kernel, fields in _config(number).to_dict()["kernels"].items():
+        for field, value in fields.items():
+            row[f"{kernel}.{field}"] = value
+    return row
+
+
+def _topk_row(rank, trial, spread_us, tie) -> dict:
+    lat = dict((n, l) for n, _, l, _ in TRIALS)[trial]
+    return {"rank": rank, "trial": trial, "latency_us": lat, "spread_us": spread_us,
+            "speedup": BASELINE_US / lat, "tie": tie, "config": _config(trial).to_dict()}
+
+
+def make_run(root, *, name="bert-base", replayed=False, importance=False, breakdown=True,
+             knobs_off_us=37.0, rows=True):
+    run_dir = root / name / "run-1"
+    run_dir.mkdir(parents=True)
+    manifest = {"schema_version": 1, "shape": dict(SHAPE, name=name), "dtype": "float16",
+                "gpu": {"name": "NVIDIA H200", "capability": [9, 0]}, "replayed": replayed,
+                "sampler": "tpe", "policy": {"l2": "cold"}, "n_trials": len(TRIALS),
+                "baselines": {"baseline_us": BASELINE_US, "eager_us": 44.6, "compile_us": COMPILE_US,
+                              "floor_us": 3.4}}
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    pd.DataFrame([_trial_row(n, s, l) for n, s, l, _ in TRIALS]).to_csv(run_dir / "trials.csv", index=False)
+    topk = {"baseline_us": BASELINE_US, "baseline_spread_us": 0.2, "compile_us": COMPILE_US,
+            "replayed": replayed,
+            "rows": [_topk_row(1, 8, 0.3, False), _topk_row(2, 11, 0.3, True), _topk_row(3, 4, 0.2, False)]
+            if rows else [],
+            "knobs_off": {"latency_us": knobs_off_us, "spread_us": 0.3, "slowdown": knobs_off_us / 35.0}
+            if rows else None}
+    (run_dir / "topk.json").write_text(json.dumps(topk))
+    if breakdown:
+        best = {"norm1": 2.0, "qkv": 6.0, "attn": 5.0, "out": 3.0, "norm2": 2.0, "ffn1": 8.0, "ffn2": 8.5}
+        base = {k: v + 1.0 for k, v in best.items()}
+        (run_dir / "breakdown.json").write_text(json.dumps({"best": best, "baseline": base, "floor_us": 3.4}))
+    if importance:
+        (run_dir / "importance.json").write_text(json.dumps(
+            {"qkv.overlap_ratio": 0.1, "ffn1.block_n": 0.5, "out.prefetch_ratio": 0.4}))
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    return make_run(tmp_path)
+
+
+@pytest.fixture
+def run(run_dir):
+    return report.load_run(run_dir)
+
+
+def _table(md: str) -> list[list[str]]:
+    """The pipe table of a Markdown text as cells (header first, separator dropped)."""
+    rows = [ln for ln in md.splitlines() if ln.startswith("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in rows]
+    return [cells[0]] + cells[2:]
+
+
+def test_names_match_tuner_config():
+    assert report.KERNELS == KERNELS
+    assert report.GEMMS == GEMMS
+
+
+def test_load_run_reads_every_file(run):
+    assert len(run.trials) == len(TRIALS)
+    assert run.trials["is_baseline"].dtype == bool and run.trials["is_baseline"].sum() == 1
+    assert run.trials.loc[run.trials["status"] == "ok", "reason"].eq("").all()
+    assert run.trials.loc[run.trials["number"] == 3, "reason"].item().startswith("max abs err")
+    assert run.breakdown["floor_us"] == 3.4 and run.importance is None
+    assert (run.shape_name, run.dims, run.gpu_name) == ("bert-base", "1x128x768x12x3072", "NVIDIA H200")
+
+
+@pytest.mark.parametrize("missing", [["trials.csv"], ["manifest.json", "topk.json"]], ids=["trials", "two"])
+def test_load_run_names_missing_files(run_dir, missing):
+    for name in missing:
+        (run_dir / name).unlink()
+    with pytest.raises(RunFolderError) as e:
+        report.load_run(run_dir)
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError) and "\n" not in msg
+    assert all(f"{name} is missing" in msg for name in missing)
+
+
+def test_load_run_names_unreadable_file(run_dir):
+    (run_dir / "topk.json").write_text("{not json")
+    with pytest.raises(RunFolderError, match=r"topk\.json is unreadable"):
+        report.load_run(run_dir)
+
+
+def test_load_run_on_no_folder(tmp_path):
+    with pytest.raises(RunFolderError, match="no such run folder"):
+        report.load_run(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("o, p, text", [(0.8, 0.2, "(0.8,0.2)"), (-1, -1, "(-1.0,-1.0)"), (0.0, 1.0, "(0.0,1.0)"),
+                                        (0.35, -1.0, "(0.35,-1.0)"), (None, 0.2, "(-,0.2)")])
+def test_format_op_like_the_seed(o, p, text):
+    assert report.format_op(o, p) == text
+
+
+def test_topk_markdown_table(run):
+    md = report.topk_markdown(run)
+    table = _table(md)
+    assert table[0] == ["Rank", "Latency(us)", "±", "Speedup", "QKV(o,p)", "Output(o,p)", "FFN1(o,p)",
+                        "FFN2(o,p)", "tiles"]
+    assert len(table) == 4
+    first = table[1]
+    assert first[:4] == ["1", "35.00", "0.30", f"{40 / 35:.2f}x"]
+    assert first[4:8] == ["(0.8,0.2)", "(0.0,0.0)", "(0.0,0.0)", "(-1.0,-1.0)"]
+    assert "ffn1 32x128x64/8w4s/sk2" in first[8] and first[8].startswith("qkv 64x64x64/4w3s/sk1; out ")
+
+
+def test_topk_markdown_marks_ties(run):
+    ranks = [row[0] for row in _table(report.topk_markdown(run))[1:]]
+    assert ranks == ["1", "2 (tie)", "3"]
+    assert report.TIES_NOTE in report.topk_markdown(run)
+
+
+def test_topk_markdown_header(run):
+    md = report.topk_markdown(run)
+    lines = md.splitlines()
+    assert lines[0] == "Top 3 configurations for bert-base (1x128x768x12x3072, float16, NVIDIA H200)"
+    assert "REPLAYED" not in md
+    assert "Baseline latency: 40.00 us (all kernels (-1,-1), default tiles)" in md
+    assert "torch.compile latency: 38.70 us" in md
+    assert "Top-1 with every (o,p) at (-1,-1), tiles kept: 37.00 us (top-1 is 1.06x faster)" in md
+    assert "no measurable difference" not in md
+    assert "L2 cold" in md and "12 trials (10 ok, 1 compile_error, 1 incorrect)" in md
+
+
+def test_topk_markdown_says_when_the_knobs_change_nothing(tmp_path):
+    run = report.load_run(make_run(tmp_path, knobs_off_us=35.2))
+    assert "within the combined spread: the (o,p) knobs make no measurable difference" in report.topk_markdown(run)
+
+
+def test_topk_markdown_replayed_first_line(tmp_path):
+    run = report.load_run(make_run(tmp_path, replayed=True))
+    assert report.topk_markdown(run).splitlines()[0] == \
+        "REPLAYED (timings served from a recording, not measured now)"
+
+
+def test_topk_markdown_without_passing_trials(tmp_path):
+    run = report.load_run(make_run(tmp_path, rows=False))
+    md = report.topk_markdown(run)
+    assert "Top 0 configurations" in md and "No configuration passed" in md
+    assert report.topk_frame(run).empty
+
+
+def test_topk_frame_and_csv(run):
+    df = report.topk_frame(run)
+    assert df["rank"].tolist() == [1, 2, 3] and df["trial"].tolist() == [8, 11, 4]
+    assert df["tie"].tolist() == [False, True, False]
+    assert df["qkv_op"].tolist() == ["(0.8,0.2)", "(0.0,0.0)", "(0.8,0.2)"]
+    assert df.loc[0, "ffn1.split_k"] == 2 and df.loc[1, "ffn1.split_k"] == 1
+    md_path, csv_path = report.write_topk(run)
+    assert md_path.read_text() == report.topk_markdown(run)
+    back = pd.read_csv(csv_path)
+    assert back["trial"].tolist() == [8, 11, 4] and "qkv.overlap_ratio" in back.columns
+
+
+def test_summary(tmp_path):
+    runs = [report.load_run(make_run(tmp_path, name="bert-base")),
+            report.load_run(make_run(tmp_path, name="tiny", replayed=True))]
+    df = report.summary_frame(runs)
+    assert df["best_us"].tolist() == [35.0, 35.0]
+    assert df.loc[0, "vs_compile"] == pytest.approx(COMPILE_US / 35.0)
+    md = report.summary_markdown(runs)
+    assert md.splitlines()[0] == f"{report.REPLAYED_LINE}: tiny"
+    assert "SUMMARY OF ALL SHAPES" in md
+    table = _table(md)
+    assert table[0] == ["Shape", "Dimensions", "Baseline(us)", "Best(us)", "Speedup", "torch.compile(us)",
+                        "vs compile", "Best_QKV", "Best_Output", "Best_FFN1", "Best_FFN2"]
+    assert table[1] == ["bert-base", "1x128x768x12x3072", "40.00", "35.00", "1.14x", "38.70", "1.11x",
+                        "(0.8,0.2)", "(0.0,0.0)", "(0.0,0.0)", "(-1.0,-1.0)"]
+    assert table[2][0] == "tiny (replayed)"
+    path = report.write_summary(runs, tmp_path / "summary.md")
+    assert path.read_text() == md
+    assert "REPLAYED" not in report.summary_markdown(runs[:1])
+
+
+def test_history_data(run):
+    df = report.history_data(run)
+    assert df["number"].tolist() == [n for n, st, _, _ in TRIALS if st == "ok"]
+    assert df["best_us"].is_monotonic_decreasing
+    assert df["best_us"].tolist() == df["latency_us"].cummin().tolist()
+    assert df["best_us"].iloc[-1] == 35.0 and df["is_baseline"].iloc[0]
+
+
+def test_ratio_plane_data(run):
+    data = report.ratio_plane_data(run)
+    assert set(data["gemm"]) == set(GEMMS)
+    qkv = report.ratio_plane_pivot(data, "qkv")
+    assert qkv.index.tolist() == [-1.0, 0.0, 0.2]          # prefetch_ratio
+    assert qkv.columns.tolist() == [-1.0, 0.0, 0.4, 0.8]   # overlap_ratio; failed trials' cells absent
+    assert qkv.loc[0.2, 0.8] == pytest.approx(statistics.median(OK_SPEEDUP[n] for n in (1, 4, 8)))
+    assert qkv.loc[-1.0, 0.4] == pytest.approx(statistics.median(OK_SPEEDUP[n] for n in (2, 6, 10)))
+    assert qkv.loc[-1.0, -1.0] == pytest.approx(statistics.median(OK_SPEEDUP[n] for n in (0, 7)))
+    assert pd.isna(qkv.loc[0.2, 0.4])  # not sampled
+    n = data.set_index(["gemm", "overlap_ratio", "prefetch_ratio"])["n_trials"]
+    assert n[("qkv", 0.8, 0.2)] == 3 and n.xs("qkv").sum() == len(OK_SPEEDUP)
+    ffn2 = report.ratio_plane_pivot(data, "ffn2")
+    assert ffn2.shape == (1, 1)
+    assert ffn2.iloc[0, 0] == pytest.approx(statistics.median(OK_SPEEDUP.values()))
+
+
+def test_importance_data(tmp_path, run):
+    assert report.importance_data(run).empty
+    assert report.plot_importance(run, tmp_path / "imp.png") is None and not (tmp_path / "imp.png").exists()
+    with_imp = report.load_run(make_run(tmp_path, name="x", importance=True))
+    df = report.importance_data(with_imp)
+    assert df["param"].tolist() == ["ffn1.block_n", "out.prefetch_ratio", "qkv.overlap_ratio"]
+
+
+def test_breakdown_data(tmp_path, run):
+    df = report.breakdown_data(run)
+    assert df["kernel"].tolist() == list(KERNELS) + ["sum"]
+    assert df.iloc[-1]["best_us"] == pytest.approx(34.5)
+    assert df.iloc[-1]["baseline_us"] == pytest.approx(34.5 + len(KERNELS))
+    assert report.breakdown_data(report.load_run(make_run(tmp_path, name="x", breakdown=False))).empty
+
+
+def test_topk_data(run):
+    df = report.topk_data(run)
+    assert df.columns.tolist() == ["rank", "trial", "latency_us", "spread_us", "tie"]
+    assert df["latency_us"].tolist() == [35.0, 35.2, 36.0]
+
+
+def test_write_reports_creates_files(tmp_path):
+    run_dir = make_run(tmp_path, importance=True, replayed=True)
+    paths = report.write_reports(run_dir)
+    names = sorted(p.relative_to(run_dir).as_posix() for p in paths)
+    assert names == sorted(["topk.md", "topk.csv"] + [f"plots/{n}.png" for n in report.PLOTS])
+    for p in paths:
+        assert p.is_file() and p.stat().st_size > 0
+        if p.suffix == ".png":
+            assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_write_reports_skips_plots_without_data(tmp_path):
+    run_dir = make_run(tmp_path, breakdown=False, rows=False)
+    names = {p.name for p in report.write_reports(run_dir)}
+    assert names == {"topk.md", "topk.csv", "history.png", "ratio_plane.png"}

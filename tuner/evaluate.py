@@ -1,0 +1,252 @@
+"""Evaluators: how a candidate DecoderConfig becomes a trial result.
+
+``GpuEvaluator`` builds the stack on the GPU, checks it against the fp32 reference and times it in a
+CUDA graph. ``ReplayEvaluator`` serves timings recorded by an earlier GPU run and always says so. The
+study only talks to this interface, so search, reports and CLI are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tuner.config import KERNELS, DecoderConfig
+from tuner.shapes import DecoderShape
+
+STATUSES = ("ok", "invalid", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed")
+
+
+@dataclass
+class TrialResult:
+    status: str
+    latency_us: float = math.nan
+    spread_us: float = math.nan
+    reason: str = ""
+    rel_error: float = math.nan
+    approximated: bool = False
+
+    def __post_init__(self):
+        assert self.status in STATUSES, self.status
+
+
+@dataclass
+class Baselines:
+    baseline_us: float
+    baseline_spread_us: float
+    eager_us: float | None = None
+    compile_us: float | None = None
+    floor_us: float | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def classify(exc: BaseException) -> tuple[str, str]:
+    """An exception raised while compiling or running a candidate -> (status, one-line reason)."""
+    name = type(exc).__name__
+    msg = " ".join(str(exc).split())[:300]
+    if name == "OutOfResources":
+        return "out_of_resources", msg
+    if name in ("CompilationError", "PTXASError", "CompileTimeAssertionFailure", "MLIRCompilationError"):
+        return "compile_error", f"{name}: {msg}"
+    if "out of resource" in msg.lower():
+        return "out_of_resources", msg
+    return "crashed", f"{name}: {msg}"
+
+
+class GpuEvaluator:
+    replayed = False
+
+    def __init__(self, shape: DecoderShape, *, dtype="float16", l2: str = "cold", reps: int = 30, warmup: int = 5,
+                 seed: int = 0):
+        import torch
+
+        from tuner.device import DeviceInfo
+        from tuner.layer import DTYPES, LayerWeights, stack_depth
+
+        self.shape, self.dtype_name, self.dtype = shape, dtype, DTYPES[dtype]
+        self.device = DeviceInfo.from_torch()
+        self.esize = torch.tensor([], dtype=self.dtype).element_size()
+        self.n_layers = stack_depth(shape, self.esize, self.device.l2_bytes, l2)
+        self.l2, self.reps, self.warmup, self.seed = l2, reps, warmup, seed
+        g = torch.Generator().manual_seed(seed)
+        self.weights = [LayerWeights.random(shape, self.dtype, "cuda", g) for _ in range(self.n_layers)]
+        self._checks = 0
+
+    @property
+    def pdl(self) -> bool:
+        return self.device.supports_pdl
+
+    def policy(self) -> dict:
+        from tuner.timing import policy
+
+        return policy(self.l2, self.n_layers, self.reps, self.warmup)
+
+    def _stack(self, cfg: DecoderConfig):
+        from tuner.layer import DecoderStack
+
+        st = DecoderStack(self.shape, cfg, n_layers=self.n_layers, dtype=self.dtype, weights=self.weights)
+        st.capture()
+        return st
+
+    def invalid(self, cfg: DecoderConfig) -> str | None:
+        from tuner.layer import check_config
+
+        bad = check_config(cfg, self.shape, self.esize, self.device)
+        return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
+
+    def evaluate(self, cfg: DecoderConfig) -> TrialResult:
+        from tuner.timing import time_replay
+
+        why = self.invalid(cfg)
+        if why:
+            return TrialResult("invalid", reason=why)
+        try:
+            st = self._stack(cfg)
+            self._checks += 1
+            err = st.check(seed=self.seed * 100003 + self._checks)  # fresh random input every check
+            if not err < st.tolerance():
+                return TrialResult("incorrect", reason=f"rel. error {err:.3g} > {st.tolerance():g}", rel_error=err)
+            t = time_replay(st.replay, self.n_layers, reps=self.reps, warmup=self.warmup)
+            return TrialResult("ok", t.median_us, t.spread_us, rel_error=err)
+        except Exception as e:  # a failing candidate fails its trial, never the study
+            status, reason = classify(e)
+            return TrialResult(status, reason=reason)
+
+    def remeasure(self, cfgs: list[DecoderConfig], rounds: int = 40) -> list[tuple[float, float]]:
+        """Interleaved A B A B re-measurement with more repetitions."""
+        from tuner.timing import time_interleaved
+
+        stacks = [self._stack(c) for c in cfgs]
+        ts = time_interleaved([s.replay for s in stacks], [self.n_layers] * len(stacks), rounds=rounds)
+        return [(t.median_us, t.spread_us) for t in ts]
+
+    def breakdown(self, cfg: DecoderConfig) -> dict[str, float]:
+        """Each kernel timed alone (all its launches across the stack in one graph), us per layer."""
+        import torch
+
+        from tuner.timing import capture, time_replay
+
+        st = self._stack(cfg)
+        st.replay()
+        torch.cuda.synchronize()
+        out = {}
+        for k in KERNELS:
+            launches = st.launches(k)
+            g = capture(lambda: [f() for f in launches], warmup=1)
+            out[k] = time_replay(g.replay, self.n_layers, reps=self.reps, warmup=self.warmup).median_us
+        return out
+
+    def baselines(self, default: DecoderConfig, with_compile: bool = True) -> Baselines:
+        import torch
+
+        from tuner.baselines import TorchStack
+        from tuner.timing import copy_bandwidth_bytes_per_s
+
+        [(b, bs)] = self.remeasure([default])
+        eager = TorchStack(self.shape, self.weights, self.dtype).time(self.reps * 2, self.warmup).median_us
+        comp = None
+        if with_compile:
+            try:
+                comp = TorchStack(self.shape, self.weights, self.dtype, compiled=True).time(
+                    self.reps * 2, self.warmup).median_us
+            except Exception as e:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
+                print(f"torch.compile baseline failed: {type(e).__name__}: {e}")
+        torch.cuda.synchronize()
+        bw = copy_bandwidth_bytes_per_s()
+        return Baselines(b, bs, eager, comp, self.shape.weight_bytes(self.esize) / bw * 1e6,
+                         {"copy_bandwidth_bytes_per_s": bw})
+
+
+class ReplayEvaluator:
+    """Serves a recording (an earlier GPU run folder, or its trials.csv with manifest.json beside it).
+
+    A config that was recorded gets its recorded result; any other gets the nearest recorded config's
+    result (fewest differing parameters, then smallest index distance) and is flagged ``approximated``.
+    """
+
+    replayed = True
+
+    def __init__(self, path: str | Path, shape: DecoderShape | None = None):
+        import json
+
+        import pandas as pd
+
+        p = Path(path)
+        folder = p if p.is_dir() else p.parent
+        csv = p / "trials.csv" if p.is_dir() else p
+        man = folder / "manifest.json"
+        if not csv.is_file() or not man.is_file():
+            raise FileNotFoundError(f"replay recording {path}: needs trials.csv and manifest.json")
+        self.source = str(path)
+        self.manifest = json.loads(man.read_text())
+        df = pd.read_csv(csv)
+        self.params = [c for c in df.columns if "." in c and c.split(".")[0] in KERNELS]
+        self.rows = df
+        self.keys = {self._key(r): i for i, r in enumerate(df[self.params].to_dict("records"))}
+        self.shape = shape or DecoderShape.from_dict(self.manifest["shape"])
+        rec_shape = DecoderShape.from_dict(self.manifest["shape"])
+        if shape is not None and shape.spec != rec_shape.spec:
+            raise ValueError(f"replay recording {path} is for shape {rec_shape.spec}, not {shape.spec}")
+        bpath = folder / "breakdown.json"
+        self._breakdown = json.loads(bpath.read_text()) if bpath.is_file() else None
+        g = self.manifest.get("gpu") or {}
+        self.device_name = g.get("name", "unknown")
+        self.pdl = bool(g) and (g.get("capability") or [0])[0] >= 9
+
+    def _key(self, params: dict) -> tuple:
+        return tuple(float(params.get(k, -1.0)) for k in self.params)
+
+    def policy(self) -> dict:
+        return dict(self.manifest.get("policy", {}), replayed_from=self.source)
+
+    def invalid(self, cfg: DecoderConfig) -> str | None:
+        from tuner.layer import check_config
+
+        bad = check_config(cfg, self.shape, 2, None)
+        return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
+
+    def _lookup(self, cfg: DecoderConfig) -> tuple[dict, bool]:
+        from tuner.space import from_config
+
+        want = self._key(from_config(cfg))
+        i = self.keys.get(want)
+        if i is not None:
+            return self.rows.iloc[i].to_dict(), False
+        import numpy as np
+
+        arr = self.rows[self.params].to_numpy(dtype=float)
+        w = np.asarray(want)
+        diff = (arr != w).sum(axis=1)
+        dist = np.abs(np.log2(np.abs(arr) + 2) - np.log2(np.abs(w) + 2)).sum(axis=1)
+        ok = (self.rows["status"] == "ok").to_numpy()
+        order = np.lexsort((dist, diff, ~ok))  # prefer ok rows, then fewest differences, then closest
+        return self.rows.iloc[int(order[0])].to_dict(), True
+
+    def evaluate(self, cfg: DecoderConfig) -> TrialResult:
+        why = self.invalid(cfg)
+        if why:
+            return TrialResult("invalid", reason=why)
+        row, approx = self._lookup(cfg)
+        status = row["status"] if row["status"] in STATUSES else "crashed"
+        reason = row.get("reason") if isinstance(row.get("reason"), str) else ""
+        return TrialResult(status, float(row["latency_us"]), float(row["spread_us"]),
+                           reason=("replayed" + (", approximated" if approx else "") + (f": {reason}" if reason else "")),
+                           approximated=approx)
+
+    def remeasure(self, cfgs, rounds: int = 40):
+        out = []
+        for c in cfgs:
+            r = self.evaluate(c)
+            out.append((r.latency_us, r.spread_us))
+        return out
+
+    def breakdown(self, cfg):
+        return (self._breakdown or {}).get("best")
+
+    def baselines(self, default, with_compile: bool = True) -> Baselines:
+        b = self.manifest.get("baselines", {})
+        return Baselines(b["baseline_us"], b.get("baseline_spread_us", 0.0), b.get("eager_us"), b.get("compile_us"),
+                         b.get("floor_us"), {"replayed_from": self.source})

@@ -1,0 +1,68 @@
+"""best.json: the exported configuration, and loading it back into the layer runtime."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+from tuner.config import ConfigError, DecoderConfig
+from tuner.shapes import DecoderShape
+
+BEST_SCHEMA_VERSION = 1
+
+
+class ConfigMismatchWarning(UserWarning):
+    """best.json was tuned for another shape or GPU model: it runs, but its timings do not transfer."""
+
+
+def read_best(path: str | Path) -> dict:
+    p = Path(path)
+    if p.is_dir():
+        p = p / "best.json"
+    if not p.is_file():
+        raise ConfigError(f"{path}: no best.json found")
+    try:
+        d = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(d, dict) or d.get("schema_version") != BEST_SCHEMA_VERSION:
+        v = d.get("schema_version") if isinstance(d, dict) else None
+        raise ConfigError(f"{p}: best.json schema_version {v!r} is not supported (expected {BEST_SCHEMA_VERSION})")
+    if "config" not in d:
+        raise ConfigError(f"{p}: best.json has no 'config'")
+    return d
+
+
+def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gpu: str | None = None,
+                strict: bool = False) -> DecoderConfig:
+    """The DecoderConfig of a best.json (or run folder). Loading it for another shape or GPU model warns
+    (``strict=True``: raises ConfigError)."""
+    d = read_best(path)
+    cfg = DecoderConfig.from_dict(d["config"])
+    problems = []
+    if shape is not None:
+        want = shape if isinstance(shape, DecoderShape) else None
+        if want is None:
+            from tuner.shapes import resolve
+
+            want = resolve(shape)
+        got = DecoderShape.from_dict(d["shape"]) if "shape" in d else None
+        if got is not None and got.spec != want.spec:
+            problems.append(f"tuned for shape {got.spec}, loaded for {want.spec}")
+    if gpu is None:
+        try:
+            import torch
+
+            gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+        except Exception:
+            gpu = None
+    tuned_gpu = (d.get("gpu") or {}).get("name")
+    if gpu and tuned_gpu and gpu != tuned_gpu:
+        problems.append(f"tuned on {tuned_gpu}, loaded on {gpu}")
+    if problems:
+        msg = f"{path}: " + "; ".join(problems) + " (the config runs correctly, but its timings do not transfer)"
+        if strict:
+            raise ConfigError(msg)
+        warnings.warn(msg, ConfigMismatchWarning, stacklevel=2)
+    return cfg

@@ -1,0 +1,677 @@
+"""Tables and plots of a stored run folder (``results/<shape>/<run-id>/``).
+
+Everything here reads files only: no torch, no triton, no GPU, so ``tune report`` and the notebook
+run on any machine. Every table and plot is built in two steps (STYLE habit 9): a pure data function
+that returns a DataFrame (``topk_frame``, ``summary_frame``, ``<name>_data``), which the tests check,
+and a formatter or renderer that turns it into Markdown or a PNG.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from tuner.manifest import write_text_atomic
+
+# The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
+# (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
+# torch and triton, and a report must open on a laptop with neither.
+KERNELS = ("norm1", "qkv", "attn", "out", "norm2", "ffn1", "ffn2")
+GEMMS = ("qkv", "out", "ffn1", "ffn2")
+# Column titles of the seed's tables (decoder layer, seed 003).
+GEMM_TITLES = {"qkv": "QKV", "out": "Output", "ffn1": "FFN1", "ffn2": "FFN2"}
+STATUSES = ("ok", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed", "invalid")
+
+REPLAYED_LINE = "REPLAYED (timings served from a recording, not measured now)"
+TIES_NOTE = ("Ties: rows marked tie differ from the row above by less than their combined spread "
+             "(median ± IQR/2)")
+REQUIRED_FILES = ("manifest.json", "trials.csv", "topk.json")
+PLOTS = ("history", "ratio_plane", "importance", "breakdown", "topk")
+
+
+class RunFolderError(ValueError):
+    """A run folder that cannot be read; the message is one line and names the file(s)."""
+
+
+@dataclass
+class Run:
+    path: Path
+    manifest: dict
+    trials: pd.DataFrame
+    topk: dict
+    breakdown: dict | None = None
+    importance: dict | None = None
+
+    # --- facts every table and title needs, each read in one place ---
+    @property
+    def shape(self) -> dict:
+        return self.manifest.get("shape") or {}
+
+    @property
+    def dims(self) -> str:
+        s = self.shape
+        try:
+            return "x".join(str(int(s[k])) for k in ("batch", "seq", "d_model", "heads", "ffn"))
+        except (KeyError, TypeError, ValueError):
+            return "?"
+
+    @property
+    def shape_name(self) -> str:
+        return self.shape.get("name") or self.dims
+
+    @property
+    def dtype(self) -> str:
+        return str(self.manifest.get("dtype") or "?")
+
+    @property
+    def gpu_name(self) -> str:
+        gpu = self.manifest.get("gpu")
+        if isinstance(gpu, dict) and gpu.get("name"):
+            return str(gpu["name"])
+        return "no GPU"
+
+    @property
+    def replayed(self) -> bool:
+        return bool(self.manifest.get("replayed") or self.topk.get("replayed"))
+
+    @property
+    def l2_policy(self) -> str | None:
+        pol = self.manifest.get("policy")
+        return str(pol["l2"]) if isinstance(pol, dict) and pol.get("l2") else None
+
+    @property
+    def baselines(self) -> dict:
+        return self.manifest.get("baselines") or {}
+
+    @property
+    def baseline_us(self) -> float | None:
+        return _num(self.topk.get("baseline_us"), self.baselines.get("baseline_us"))
+
+    @property
+    def baseline_spread_us(self) -> float | None:
+        return _num(self.topk.get("baseline_spread_us"))
+
+    @property
+    def compile_us(self) -> float | None:
+        return _num(self.topk.get("compile_us"), self.baselines.get("compile_us"))
+
+    @property
+    def eager_us(self) -> float | None:
+        return _num(self.baselines.get("eager_us"))
+
+    @property
+    def floor_us(self) -> float | None:
+        return _num((self.breakdown or {}).get("floor_us"), self.baselines.get("floor_us"))
+
+    @property
+    def rows(self) -> list[dict]:
+        return list(self.topk.get("rows") or [])
+
+    @property
+    def best(self) -> dict | None:
+        rows = self.rows
+        return rows[0] if rows else None
+
+
+def _num(*values) -> float | None:
+    """The first value that is a finite number, else None (JSON null and NaN both mean 'not measured')."""
+    for v in values:
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f):
+            return f
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+def _read_json(path: Path, problems: list[str]):
+    if not path.is_file():
+        problems.append(f"{path.name} is missing")
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        problems.append(f"{path.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        return None
+
+
+def _as_bool(col: pd.Series) -> pd.Series:
+    if col.dtype == bool:
+        return col
+    return col.map(lambda v: str(v).strip().lower() in ("true", "1", "1.0", "yes")).astype(bool)
+
+
+def _read_trials(path: Path, problems: list[str]) -> pd.DataFrame | None:
+    if not path.is_file():
+        problems.append(f"{path.name} is missing")
+        return None
+    try:
+        df = pd.read_csv(path)
+    except (OSError, ValueError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
+        problems.append(f"{path.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        return None
+    missing = [c for c in ("number", "status") if c not in df.columns]
+    if missing:
+        problems.append(f"{path.name} has no column {', '.join(missing)}")
+        return None
+    df["status"] = df["status"].astype(str)
+    df["reason"] = df["reason"].fillna("").astype(str) if "reason" in df.columns else ""
+    for c in ("latency_us", "spread_us", "speedup"):
+        df[c] = pd.to_numeric(df[c], errors="coerce") if c in df.columns else np.nan
+    for c in ("approximated", "is_baseline"):
+        df[c] = _as_bool(df[c]) if c in df.columns else False
+    return df.sort_values("number", kind="stable").reset_index(drop=True)
+
+
+def load_run(run_dir) -> Run:
+    """Read a run folder. manifest.json, trials.csv and topk.json are required; breakdown.json and
+    importance.json are optional (their plots are then skipped)."""
+    path = Path(run_dir)
+    if not path.is_dir():
+        raise RunFolderError(f"{path}: no such run folder (expected {', '.join(REQUIRED_FILES)} in it)")
+    problems: list[str] = []
+    manifest = _read_json(path / "manifest.json", problems)
+    trials = _read_trials(path / "trials.csv", problems)
+    topk = _read_json(path / "topk.json", problems)
+    if manifest is not None and not isinstance(manifest, dict):
+        problems.append("manifest.json is not a JSON object")
+    if topk is not None and not isinstance(topk, dict):
+        problems.append("topk.json is not a JSON object")
+    if problems:
+        raise RunFolderError(f"{path}: " + "; ".join(problems))
+    optional: list[str] = []
+    breakdown = _read_json(path / "breakdown.json", optional) if (path / "breakdown.json").exists() else None
+    importance = _read_json(path / "importance.json", optional) if (path / "importance.json").exists() else None
+    if optional:  # an optional file that is there but broken is still the user's to know about
+        raise RunFolderError(f"{path}: " + "; ".join(optional))
+    return Run(path=path, manifest=manifest, trials=trials, topk=topk,
+               breakdown=breakdown if isinstance(breakdown, dict) else None,
+               importance=importance if isinstance(importance, dict) and importance else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting helpers
+# ----------------------------------------------------------------------------------------------
+
+def _ratio(x) -> str:
+    """0.8 -> '0.8', -1 -> '-1.0', 0.35 -> '0.35' (the seed's grid keeps one decimal)."""
+    f = _num(x)
+    if f is None:
+        return "-"
+    s = f"{f:.2f}".rstrip("0")
+    return s + "0" if s.endswith(".") else s
+
+
+def format_op(overlap_ratio, prefetch_ratio) -> str:
+    """The seed's '(o,p)' cell: '(0.8,0.2)', '(-1.0,-1.0)'."""
+    return f"({_ratio(overlap_ratio)},{_ratio(prefetch_ratio)})"
+
+
+def _us(x, digits: int = 2) -> str:
+    f = _num(x)
+    return "-" if f is None else f"{f:.{digits}f}"
+
+
+def _times(x) -> str:
+    f = _num(x)
+    return "-" if f is None else f"{f:.2f}x"
+
+
+def _int(v) -> str:
+    f = _num(v)
+    return "?" if f is None else str(int(f))
+
+
+def format_tiles(kernels: dict) -> str:
+    """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K)."""
+    parts = []
+    for g in GEMMS:
+        c = kernels.get(g)
+        if not isinstance(c, dict):
+            continue
+        parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
+                     f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}")
+    return "; ".join(parts)
+
+
+def _markdown_table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
+    """A pipe table padded so it also reads in a terminal, like the seed's."""
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells):
+        return "| " + " | ".join(c.rjust(w) if i in right else c.ljust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    sep = "|" + "|".join(("-" * (w + 1) + ":") if i in right else ("-" * (w + 2))
+                         for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def _status_counts(run: Run) -> str:
+    counts = run.trials["status"].value_counts()
+    order = [s for s in STATUSES if s in counts] + sorted(set(counts.index) - set(STATUSES))
+    return ", ".join(f"{int(counts[s])} {s}" for s in order)
+
+
+# ----------------------------------------------------------------------------------------------
+# Top-k table
+# ----------------------------------------------------------------------------------------------
+
+TOPK_COLUMNS = ["rank", "trial", "latency_us", "spread_us", "speedup", "tie",
+                "qkv_op", "out_op", "ffn1_op", "ffn2_op", "tiles"]
+
+
+def topk_frame(run: Run) -> pd.DataFrame:
+    """One row per re-measured top-k configuration: rank, latency median and spread, speedup over the
+    baseline, tie flag, each GEMM's '(o,p)', the compact tiles, then the whole configuration as
+    ``<kernel>.<field>`` columns (the same names as trials.csv)."""
+    records = []
+    for r in run.rows:
+        kernels = (r.get("config") or {}).get("kernels") or {}
+        rec = {"rank": int(r.get("rank", len(records) + 1)), "trial": r.get("trial"),
+               "latency_us": _num(r.get("latency_us")), "spread_us": _num(r.get("spread_us")),
+               "speedup": _num(r.get("speedup")), "tie": bool(r.get("tie", False))}
+        for g in GEMMS:
+            c = kernels.get(g) or {}
+            rec[f"{g}_op"] = format_op(c.get("overlap_ratio"), c.get("prefetch_ratio"))
+        rec["tiles"] = format_tiles(kernels)
+        for k in list(KERNELS) + sorted(set(kernels) - set(KERNELS)):
+            for field, value in (kernels.get(k) or {}).items():
+                rec[f"{k}.{field}"] = value
+        records.append(rec)
+    df = pd.DataFrame.from_records(records)
+    if df.empty:
+        return pd.DataFrame(columns=TOPK_COLUMNS)
+    return df
+
+
+def _header_lines(run: Run, k: int) -> list[str]:
+    lines = []
+    if run.replayed:
+        lines += [REPLAYED_LINE, ""]
+    lines += [f"Top {k} configurations for {run.shape_name} ({run.dims}, {run.dtype}, {run.gpu_name})", ""]
+    facts = []
+    spread = f", spread ± {_us(run.baseline_spread_us)} us" if run.baseline_spread_us is not None else ""
+    facts.append(f"Baseline latency: {_us(run.baseline_us)} us (all kernels (-1,-1), default tiles){spread}")
+    if run.compile_us is not None or run.eager_us is not None:
+        parts = []
+        if run.compile_us is not None:
+            parts.append(f"torch.compile latency: {_us(run.compile_us)} us (CUDA graph)")
+        if run.eager_us is not None:
+            parts.append(f"PyTorch eager kernels: {_us(run.eager_us)} us (CUDA graph)")
+        facts.append("; ".join(parts))
+    ko = run.topk.get("knobs_off")
+    if isinstance(ko, dict) and _num(ko.get("latency_us")) is not None:
+        slow = _num(ko.get("slowdown"))
+        best = run.best
+        if slow is None and best and _num(best.get("latency_us")):
+            slow = _num(ko["latency_us"]) / _num(best["latency_us"])
+        verdict = (f"top-1 is {slow:.2f}x faster" if slow is not None and slow >= 1
+                   else f"top-1 is {1 / slow:.2f}x slower" if slow else "no top-1 to compare")
+        if best is not None and _num(best.get("latency_us")) is not None:
+            gap = abs(_num(ko["latency_us"]) - _num(best["latency_us"]))
+            within = (_num(ko.get("spread_us")) or 0.0) + (_num(best.get("spread_us")) or 0.0)
+            if gap < within:
+                verdict += "; within the combined spread: the (o,p) knobs make no measurable difference"
+        facts.append(f"Top-1 with every (o,p) at (-1,-1), tiles kept: {_us(ko['latency_us'])} us ({verdict})")
+    measured = []
+    if run.l2_policy:
+        measured.append(f"L2 {run.l2_policy}")
+    if run.manifest.get("sampler"):
+        measured.append(f"sampler {run.manifest['sampler']}")
+    measured.append(f"{len(run.trials)} trials ({_status_counts(run)})" if len(run.trials) else "no trials")
+    facts.append("Run: " + ", ".join(measured))
+    if run.l2_policy == "hot":
+        facts.append("L2 hot: the weights stay in L2 between layers; a model larger than L2 will not see "
+                     "these latencies")
+    lines += [f"- {f}" for f in facts]
+    return lines
+
+
+def topk_markdown(run: Run) -> str:
+    """The seed's 'Top 10 configurations' table, with spread and tie marks, as Markdown."""
+    df = topk_frame(run)
+    lines = _header_lines(run, len(df))
+    lines.append("")
+    headers = ["Rank", "Latency(us)", "±", "Speedup"] + [f"{GEMM_TITLES[g]}(o,p)" for g in GEMMS] + ["tiles"]
+    rows = []
+    for _, r in df.iterrows():
+        rank = f"{int(r['rank'])} (tie)" if r["tie"] else str(int(r["rank"]))
+        rows.append([rank, _us(r["latency_us"]), _us(r["spread_us"]), _times(r["speedup"])]
+                    + [r[f"{g}_op"] for g in GEMMS] + [r["tiles"]])
+    if rows:
+        lines.append(_markdown_table(headers, rows, right={0, 1, 2, 3}))
+    else:
+        lines.append(_markdown_table(headers, [], right={0, 1, 2, 3}))
+        lines.append("")
+        lines.append("No configuration passed: every trial failed (see the status column of trials.csv).")
+    lines += ["", TIES_NOTE, ""]
+    return "\n".join(lines)
+
+
+def write_topk(run: Run) -> list[Path]:
+    md, csv = run.path / "topk.md", run.path / "topk.csv"
+    write_text_atomic(md, topk_markdown(run))
+    write_text_atomic(csv, topk_frame(run).to_csv(index=False))
+    return [md, csv]
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary across shapes
+# ----------------------------------------------------------------------------------------------
+
+SUMMARY_HEADERS = ["Shape", "Dimensions", "Baseline(us)", "Best(us)", "Speedup", "torch.compile(us)",
+                   "vs compile"] + [f"Best_{GEMM_TITLES[g]}" for g in GEMMS]
+
+
+def summary_frame(runs: list[Run]) -> pd.DataFrame:
+    """One row per run: baseline, best, speedup, torch.compile and the best (o,p) of each GEMM.
+    ``vs_compile`` = torch.compile latency / best latency (above 1: the tuned layer is faster)."""
+    records = []
+    for run in runs:
+        best = run.best or {}
+        kernels = (best.get("config") or {}).get("kernels") or {}
+        best_us = _num(best.get("latency_us"))
+        speedup = _num(best.get("speedup"))
+        if speedup is None and best_us and run.baseline_us:
+            speedup = run.baseline_us / best_us
+        vs_compile = run.compile_us / best_us if run.compile_us and best_us else None
+        rec = {"shape": run.shape_name, "dims": run.dims, "dtype": run.dtype, "gpu": run.gpu_name,
+               "replayed": run.replayed, "baseline_us": run.baseline_us, "best_us": best_us,
+               "speedup": speedup, "compile_us": run.compile_us, "vs_compile": vs_compile}
+        for g in GEMMS:
+            c = kernels.get(g) or {}
+            rec[f"best_{g}"] = format_op(c.get("overlap_ratio"), c.get("prefetch_ratio")) if c else "-"
+        records.append(rec)
+    return pd.DataFrame.from_records(records)
+
+
+def summary_markdown(runs: list[Run]) -> str:
+    """The seed's 'SUMMARY OF ALL SHAPES' table, in microseconds, with torch.compile beside it."""
+    df = summary_frame(runs)
+    lines = []
+    replayed = [r.shape_name for r in runs if r.replayed]
+    if replayed:
+        lines += [f"{REPLAYED_LINE}: {', '.join(replayed)}", ""]
+    lines += ["SUMMARY OF ALL SHAPES", ""]
+    setups = sorted({f"{r.dtype} on {r.gpu_name}" + (f", L2 {r.l2_policy}" if r.l2_policy else "") for r in runs})
+    if setups:
+        lines += [f"Measured: {'; '.join(setups)}", ""]
+    rows = []
+    for _, r in df.iterrows():
+        rows.append([r["shape"] + (" (replayed)" if r["replayed"] else ""), r["dims"], _us(r["baseline_us"]),
+                     _us(r["best_us"]), _times(r["speedup"]), _us(r["compile_us"]), _times(r["vs_compile"])]
+                    + [r[f"best_{g}"] for g in GEMMS])
+    lines.append(_markdown_table(SUMMARY_HEADERS, rows, right={2, 3, 4, 5, 6}))
+    lines += ["", "Speedup: baseline (all kernels (-1,-1), default tiles) / best. "
+                  "vs compile: torch.compile latency / best (above 1.00x: the tuned layer is faster).", ""]
+    return "\n".join(lines)
+
+
+def write_summary(runs: list[Run], path) -> Path:
+    path = Path(path)
+    write_text_atomic(path, summary_markdown(runs))
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Plot data (pure) -- the tests check these
+# ----------------------------------------------------------------------------------------------
+
+def _ok(run: Run) -> pd.DataFrame:
+    t = run.trials
+    return t[(t["status"] == "ok") & t["latency_us"].notna()]
+
+
+def history_data(run: Run) -> pd.DataFrame:
+    """Ok trials in trial order: number, latency_us, spread_us, is_baseline, best_us (running best)."""
+    ok = _ok(run).sort_values("number")
+    df = ok[["number", "latency_us", "spread_us", "is_baseline"]].reset_index(drop=True)
+    df["best_us"] = df["latency_us"].cummin()
+    return df
+
+
+def _grid(values: pd.Series) -> pd.Series:
+    """Ratios as grid points: -1 stays 'off'; a continuous search space (more than 11 distinct values)
+    is binned to 0.1 so the plane stays readable."""
+    v = values.astype(float)
+    v = v.mask(v < 0, -1.0).round(3)  # NaN (ratio not recorded) stays NaN and is dropped
+    if v[v >= 0].nunique() > 11:
+        v = v.where(v < 0, v.round(1))
+    return v
+
+
+def ratio_plane_data(run: Run) -> pd.DataFrame:
+    """Long form: gemm, overlap_ratio, prefetch_ratio, median_speedup, n_trials over ok trials.
+    Empty when trials.csv has no ratio columns (a device without PDL drops them)."""
+    ok = _ok(run)
+    ok = ok[ok["speedup"].notna()]
+    parts = []
+    for g in GEMMS:
+        o, p = f"{g}.overlap_ratio", f"{g}.prefetch_ratio"
+        if o not in ok.columns or p not in ok.columns:
+            continue
+        sub = pd.DataFrame({"overlap_ratio": _grid(ok[o]), "prefetch_ratio": _grid(ok[p]),
+                            "speedup": ok["speedup"].astype(float)}).dropna()
+        if sub.empty:
+            continue
+        agg = (sub.groupby(["overlap_ratio", "prefetch_ratio"])["speedup"]
+               .agg(median_speedup="median", n_trials="size").reset_index())
+        agg.insert(0, "gemm", g)
+        parts.append(agg)
+    if not parts:
+        return pd.DataFrame(columns=["gemm", "overlap_ratio", "prefetch_ratio", "median_speedup", "n_trials"])
+    return pd.concat(parts, ignore_index=True)
+
+
+def ratio_plane_pivot(data: pd.DataFrame, gemm: str) -> pd.DataFrame:
+    """One GEMM's plane: rows prefetch_ratio, columns overlap_ratio, cells median speedup (NaN: not sampled)."""
+    sub = data[data["gemm"] == gemm]
+    return sub.pivot_table(index="prefetch_ratio", columns="overlap_ratio", values="median_speedup",
+                           aggfunc="first").sort_index().sort_index(axis=1)
+
+
+def importance_data(run: Run) -> pd.DataFrame:
+    """param, importance, most important first; empty without importance.json."""
+    imp = run.importance or {}
+    df = pd.DataFrame({"param": list(imp), "importance": [_num(v) for v in imp.values()]})
+    df = df.dropna(subset=["importance"]) if not df.empty else df
+    return df.sort_values("importance", ascending=False, kind="stable").reset_index(drop=True)
+
+
+def breakdown_data(run: Run) -> pd.DataFrame:
+    """kernel, best_us, baseline_us: each kernel timed alone, in launch order, then a 'sum' row that the
+    floor (the layer's weights read once) is comparable to. Empty without breakdown.json."""
+    bd = run.breakdown or {}
+    best, base = bd.get("best") or {}, bd.get("baseline") or {}
+    names = [k for k in KERNELS if k in best or k in base]
+    names += sorted((set(best) | set(base)) - set(KERNELS))
+    if not names:
+        return pd.DataFrame(columns=["kernel", "best_us", "baseline_us"])
+    df = pd.DataFrame({"kernel": names, "best_us": [_num(best.get(k)) for k in names],
+                       "baseline_us": [_num(base.get(k)) for k in names]})
+    total = pd.DataFrame({"kernel": ["sum"], "best_us": [df["best_us"].sum(min_count=1)],
+                          "baseline_us": [df["baseline_us"].sum(min_count=1)]})
+    return pd.concat([df, total], ignore_index=True)
+
+
+def topk_data(run: Run) -> pd.DataFrame:
+    """rank, trial, latency_us, spread_us, tie of the re-measured top-k."""
+    df = topk_frame(run)
+    return df[["rank", "trial", "latency_us", "spread_us", "tie"]].reset_index(drop=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Renderers
+# ----------------------------------------------------------------------------------------------
+# Figures are built with matplotlib.figure.Figure and the Agg canvas, never pyplot: this is headless
+# by construction and does not switch the backend of a notebook that imports this module (a
+# module-level matplotlib.use("Agg") would turn its inline plots off).
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _title(run: Run, what: str) -> str:
+    return f"{what}: {run.shape_name} ({run.dims}, {run.dtype}, {run.gpu_name})" + (
+        " (replayed)" if run.replayed else "")
+
+
+def _save(fig, path) -> Path:
+    """PNG bytes written to a temporary name and renamed, as tuner.manifest does for text."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(buf.getvalue())
+    os.replace(tmp, path)
+    return path
+
+
+def _hline(ax, y, label, style, color):
+    if y is not None:
+        ax.axhline(y, linestyle=style, color=color, linewidth=1.2, label=f"{label} {y:.2f} us")
+
+
+def plot_history(run: Run, path) -> Path | None:
+    df = history_data(run)
+    if df.empty:
+        return None
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    ax.scatter(df["number"], df["latency_us"], s=14, alpha=0.6, label="ok trial")
+    ax.step(df["number"], df["best_us"], where="post", color="C3", label="best so far")
+    _hline(ax, run.baseline_us, "baseline", "--", "0.3")
+    _hline(ax, run.compile_us, "torch.compile", ":", "C2")
+    failed = len(run.trials) - len(df)
+    ax.set_xlabel(f"trial number ({failed} failed trials not shown)" if failed else "trial number")
+    ax.set_ylabel("latency per layer (us)")
+    ax.set_title(_title(run, "Optimization history"), fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_ratio_plane(run: Run, path) -> Path | None:
+    data = ratio_plane_data(run)
+    if data.empty:
+        return None
+    from matplotlib.colors import TwoSlopeNorm
+
+    lo, hi = float(data["median_speedup"].min()), float(data["median_speedup"].max())
+    # Centre the colours on 1.0x (no change against the baseline) when the data straddles it.
+    norm = TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi) if lo < 1.0 < hi else None
+    fig = _figure(11, 9)
+    axes = fig.subplots(2, 2).ravel()
+    image = None
+    for ax, g in zip(axes, GEMMS):
+        piv = ratio_plane_pivot(data, g)
+        ax.set_title(f"{GEMM_TITLES[g]} ({g})", fontsize=10)
+        if piv.empty:
+            ax.text(0.5, 0.5, "not searched", ha="center", va="center", transform=ax.transAxes)
+            ax.set_axis_off()
+            continue
+        vals = piv.to_numpy(dtype=float)
+        image = ax.imshow(np.ma.masked_invalid(vals), origin="lower", cmap="RdYlGn", norm=norm,
+                          vmin=None if norm else lo, vmax=None if norm else hi, aspect="auto")
+        label = lambda v: "off" if v < 0 else _ratio(v)  # noqa: E731
+        ax.set_xticks(range(len(piv.columns)), [label(v) for v in piv.columns], fontsize=8)
+        ax.set_yticks(range(len(piv.index)), [label(v) for v in piv.index], fontsize=8)
+        ax.set_xlabel("overlap_ratio")
+        ax.set_ylabel("prefetch_ratio")
+        if vals.size <= 64:
+            for (i, j), v in np.ndenumerate(vals):
+                if np.isfinite(v):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), shrink=0.8, label="median speedup over baseline (ok trials)")
+    fig.suptitle(_title(run, "Speedup over the (overlap, prefetch) plane"), fontsize=10)
+    return _save(fig, path)
+
+
+def plot_importance(run: Run, path) -> Path | None:
+    df = importance_data(run)
+    if df.empty:
+        return None
+    df = df.head(25).iloc[::-1]  # most important on top
+    fig = _figure(8, max(3.0, 0.3 * len(df) + 1.2))
+    ax = fig.add_subplot()
+    ax.barh(df["param"], df["importance"], color="C0")
+    ax.set_xlabel("importance")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.set_title(_title(run, "Parameter importance"), fontsize=10)
+    return _save(fig, path)
+
+
+def plot_breakdown(run: Run, path) -> Path | None:
+    df = breakdown_data(run)
+    if df.empty:
+        return None
+    x = np.arange(len(df))
+    fig = _figure(9, 4.5)
+    ax = fig.add_subplot()
+    ax.bar(x - 0.2, df["baseline_us"], width=0.4, label="baseline", color="0.6")
+    ax.bar(x + 0.2, df["best_us"], width=0.4, label="best", color="C0")
+    _hline(ax, run.floor_us, "floor (layer weights read once)", "--", "C3")
+    ax.set_xticks(x, df["kernel"])
+    ax.set_ylabel("us per layer (each kernel timed alone)")
+    ax.set_title(_title(run, "Per-kernel latency"), fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_topk(run: Run, path) -> Path | None:
+    df = topk_data(run)
+    if df.empty:
+        return None
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot()
+    colors = ["C1" if t else "C0" for t in df["tie"]]
+    ax.errorbar(df["rank"], df["latency_us"], yerr=df["spread_us"].fillna(0.0), fmt="none", ecolor="0.4",
+                capsize=4)
+    ax.scatter(df["rank"], df["latency_us"], c=colors, zorder=3)
+    _hline(ax, run.baseline_us, "baseline", "--", "0.3")
+    _hline(ax, run.compile_us, "torch.compile", ":", "C2")
+    ax.set_xticks(df["rank"], [f"{int(r)}{'=' if t else ''}" for r, t in zip(df["rank"], df["tie"])])
+    ax.set_xlabel("rank ('=': tie with the row above; bars: median ± IQR/2)")
+    ax.set_ylabel("latency per layer (us)")
+    ax.set_title(_title(run, f"Top {len(df)}"), fontsize=10)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+PLOTTERS = {"history": plot_history, "ratio_plane": plot_ratio_plane, "importance": plot_importance,
+            "breakdown": plot_breakdown, "topk": plot_topk}
+
+
+def write_plots(run: Run) -> list[Path]:
+    """plots/<name>.png for every plot the run has data for; returns the files written."""
+    out = []
+    for name in PLOTS:
+        p = PLOTTERS[name](run, run.path / "plots" / f"{name}.png")
+        if p is not None:
+            out.append(p)
+    return out
+
+
+def write_reports(run_dir) -> list[Path]:
+    """Re-draw a stored run: topk.md, topk.csv and plots/*.png. Returns the paths written."""
+    run = load_run(run_dir)
+    return write_topk(run) + write_plots(run)

@@ -1,0 +1,195 @@
+"""Search spaces: YAML data (search_spaces/*.yaml) read into Optuna distributions, and the one function
+that turns a trial's parameters into a DecoderConfig. No torch, no CUDA: tested on any machine."""
+
+from __future__ import annotations
+
+import importlib.resources
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+from tuner.config import KERNELS, KIND
+
+FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out": "gemm", "ffn1": "gemm",
+          "ffn2": "gemm"}
+TILE_FIELDS = {
+    "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k"),
+    "norm": ("rows_per_program", "num_warps"),
+    "attn": ("block_m", "block_n", "num_warps", "num_stages"),
+}
+RATIOS = ("overlap_ratio", "prefetch_ratio")
+# Kernels whose weights can be prefetched (attention has none).
+PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2")
+
+
+class SpaceError(ValueError):
+    """A malformed search space: the message names the file, the key and what was expected."""
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One searchable parameter: categorical choices, or a float range (low, high, step|None, off)."""
+
+    choices: tuple | None = None
+    low: float | None = None
+    high: float | None = None
+    step: float | None = None
+    off: bool = False
+
+    def distribution(self):
+        import optuna.distributions as d
+
+        if self.choices is not None:
+            return d.CategoricalDistribution(list(self.choices))
+        return d.FloatDistribution(self.low, self.high, step=self.step)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    source: str
+    dims: dict  # kernel -> {field: Dim}
+
+    def params(self, pdl: bool = True) -> dict[str, Dim]:
+        """Flat ``kernel.field`` -> Dim; the ratios vanish where PDL/prefetch cannot run."""
+        out = {}
+        for k in KERNELS:
+            for f, dim in self.dims[k].items():
+                if f in RATIOS and not pdl:
+                    continue
+                out[f"{k}.{f}"] = dim
+        return out
+
+
+def _dim(where: str, value, ratio: bool) -> Dim:
+    if isinstance(value, list):
+        if not value:
+            raise SpaceError(f"{where}: expected a non-empty list of choices")
+        for v in value:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise SpaceError(f"{where}: choice {v!r} is not a number")
+            if ratio and not (v < 0 or 0 <= v <= 1):
+                raise SpaceError(f"{where}: ratio {v} must be negative (off) or in [0, 1]")
+            if not ratio and (not isinstance(v, int) or v <= 0):
+                raise SpaceError(f"{where}: choice {v!r} must be a positive integer")
+        return Dim(choices=tuple(float(v) if ratio else int(v) for v in value))
+    if isinstance(value, dict) and ratio:
+        unknown = set(value) - {"low", "high", "step", "off"}
+        if unknown or "low" not in value or "high" not in value:
+            raise SpaceError(f"{where}: expected {{low, high[, step][, off]}}, got keys {sorted(value)}")
+        lo, hi = value["low"], value["high"]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi <= 1:
+            raise SpaceError(f"{where}: need 0 <= low < high <= 1, got low={lo!r} high={hi!r}")
+        return Dim(low=float(lo), high=float(hi), step=value.get("step"), off=bool(value.get("off", False)))
+    expect = "a list of ratios or {low, high}" if ratio else "a list of positive integers"
+    raise SpaceError(f"{where}: expected {expect}, got {type(value).__name__}")
+
+
+def parse(data, source: str = "<space>") -> SearchSpace:
+    if not isinstance(data, dict):
+        raise SpaceError(f"{source}: expected a mapping at the top level")
+    known = {"version", "ratios", "gemm", "norm", "attn", "kernels"}
+    unknown = set(data) - known
+    if unknown:
+        raise SpaceError(f"{source}: unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
+    if data.get("version", 1) != 1:
+        raise SpaceError(f"{source}: version {data.get('version')!r} is not supported (expected 1)")
+    ratios = data.get("ratios") or {}
+    if not isinstance(ratios, dict) or set(ratios) - {"overlap", "prefetch"}:
+        raise SpaceError(f"{source}: 'ratios' must be a mapping with 'overlap' and/or 'prefetch'")
+    base_ratio = {"overlap_ratio": ratios.get("overlap", [-1.0]), "prefetch_ratio": ratios.get("prefetch", [-1.0])}
+    fam_data = {}
+    for fam, names in TILE_FIELDS.items():
+        sec = data.get(fam)
+        if not isinstance(sec, dict):
+            raise SpaceError(f"{source}: '{fam}' must be a mapping of {', '.join(names)}")
+        unknown = set(sec) - set(names)
+        if unknown:
+            raise SpaceError(f"{source}: {fam}: unknown key(s) {sorted(unknown)}; expected {list(names)}")
+        missing = set(names) - set(sec)
+        if missing:
+            raise SpaceError(f"{source}: {fam}: missing key(s) {sorted(missing)}")
+        fam_data[fam] = sec
+    overrides = data.get("kernels") or {}
+    if not isinstance(overrides, dict):
+        raise SpaceError(f"{source}: 'kernels' must map kernel names to overrides")
+    for k in overrides:
+        if k not in KERNELS:
+            raise SpaceError(f"{source}: kernels: unknown kernel {k!r}; expected one of {list(KERNELS)}")
+    dims = {}
+    for k in KERNELS:
+        fam = FAMILY[k]
+        raw = dict(fam_data[fam])
+        raw.update(base_ratio)
+        if k not in PREFETCHING:
+            raw["prefetch_ratio"] = [-1.0]
+        ov = overrides.get(k) or {}
+        if not isinstance(ov, dict):
+            raise SpaceError(f"{source}: kernels.{k}: expected a mapping")
+        allowed = set(TILE_FIELDS[fam]) | set(RATIOS)
+        for f, v in ov.items():
+            if f not in allowed:
+                raise SpaceError(f"{source}: kernels.{k}.{f}: unknown key; expected one of {sorted(allowed)}")
+            if k not in PREFETCHING and f == "prefetch_ratio":
+                raise SpaceError(f"{source}: kernels.{k}.prefetch_ratio: attention has no weights to prefetch")
+            raw[f] = v
+        dims[k] = {f: _dim(f"{source}: {'kernels.' + k if f in ov else (fam if f not in RATIOS else 'ratios')}.{f}",
+                           v, f in RATIOS) for f, v in raw.items()}
+    return SearchSpace(source, dims)
+
+
+def load(path: str | Path | None = None) -> SearchSpace:
+    """The shipped default (package data of tuner) or a user's YAML file."""
+    if path is None:
+        text = importlib.resources.files("tuner.search_spaces").joinpath("decoder.yaml").read_text()
+        return parse(yaml.safe_load(text), "decoder.yaml (default)")
+    p = Path(path)
+    if not p.is_file():
+        raise SpaceError(f"{path}: search space file not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise SpaceError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    return parse(data, str(path))
+
+
+def to_config(params: dict, space_pdl: bool = True):
+    """Flat ``kernel.field`` parameters -> DecoderConfig (missing ratios are -1: off)."""
+    from tuner.config import DecoderConfig
+
+    per = {k: {} for k in KERNELS}
+    for key, v in params.items():
+        k, f = key.split(".", 1)
+        per[k][f] = v
+    kw = {}
+    for k in KERNELS:
+        cls = KIND[k]
+        names = {f.name for f in fields(cls)}
+        d = {f: v for f, v in per[k].items() if f in names}
+        kw[k] = cls.from_dict(d)
+    return DecoderConfig(**kw)
+
+
+def from_config(cfg, pdl: bool = True) -> dict:
+    """DecoderConfig -> flat parameters (for enqueueing the baseline and seeds)."""
+    out = {}
+    for k, c in cfg.kernels():
+        for f, v in c.to_dict().items():
+            if f in RATIOS and not pdl:
+                continue
+            out[f"{k}.{f}"] = v
+    return out
+
+
+def suggest(trial, space: SearchSpace, pdl: bool = True) -> dict:
+    """Ask ``trial`` for every parameter; continuous ratios with ``off`` get a boolean switch."""
+    params = {}
+    for name, dim in space.params(pdl).items():
+        if dim.choices is not None:
+            params[name] = trial.suggest_categorical(name, list(dim.choices))
+        else:
+            if dim.off and not trial.suggest_categorical(name + ".on", [True, False]):
+                params[name] = -1.0
+                continue
+            params[name] = trial.suggest_float(name, dim.low, dim.high, step=dim.step)
+    return params
