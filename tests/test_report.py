@@ -263,6 +263,18 @@ def test_ratio_plane_data(run):
     assert ffn2.iloc[0, 0] == pytest.approx(statistics.median(OK_SPEEDUP.values()))
 
 
+def test_ratio_plane_without_speedup_column(run_dir, run):
+    """tuner.study writes no speedup column: load_run computes it from the search's baseline trial."""
+    trials = pd.read_csv(run_dir / "trials.csv").drop(columns=["speedup"])
+    trials.to_csv(run_dir / "trials.csv", index=False)
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    manifest["baselines"]["search_baseline_us"] = 2 * BASELINE_US
+    (run_dir / "manifest.json").write_text(json.dumps(manifest))
+    data = report.ratio_plane_data(report.load_run(run_dir))
+    expected = report.ratio_plane_data(run)
+    assert data["median_speedup"].tolist() == pytest.approx((2 * expected["median_speedup"]).tolist())
+
+
 def test_importance_data(tmp_path, run):
     assert report.importance_data(run).empty
     assert report.plot_importance(run, tmp_path / "imp.png") is None and not (tmp_path / "imp.png").exists()

@@ -104,7 +104,7 @@ class Run:
 
     @property
     def eager_us(self) -> float | None:
-        return _num(self.baselines.get("eager_us"))
+        return _num(self.topk.get("eager_us"), self.baselines.get("eager_us"))
 
     @property
     def floor_us(self) -> float | None:
@@ -175,6 +175,19 @@ def _read_trials(path: Path, problems: list[str]) -> pd.DataFrame | None:
     return df.sort_values("number", kind="stable").reset_index(drop=True)
 
 
+def _fill_speedup(trials: pd.DataFrame, manifest: dict, topk: dict) -> None:
+    """speedup = baseline / latency for ok trials whose file has none (tuner.study writes no such column).
+    The baseline is the search's own baseline trial when the manifest has it: the trials were timed
+    with the search's repetitions, the topk baseline with the longer interleaved re-measurement."""
+    b = manifest.get("baselines") or {}
+    base = _num(b.get("search_baseline_us"), topk.get("baseline_us"), b.get("baseline_us"))
+    if base is None:
+        return
+    ok = trials["status"] == "ok"
+    missing = ok & trials["speedup"].isna() & (trials["latency_us"] > 0)
+    trials.loc[missing, "speedup"] = base / trials.loc[missing, "latency_us"]
+
+
 def load_run(run_dir) -> Run:
     """Read a run folder. manifest.json, trials.csv and topk.json are required; breakdown.json and
     importance.json are optional (their plots are then skipped)."""
@@ -196,6 +209,7 @@ def load_run(run_dir) -> Run:
     importance = _read_json(path / "importance.json", optional) if (path / "importance.json").exists() else None
     if optional:  # an optional file that is there but broken is still the user's to know about
         raise RunFolderError(f"{path}: " + "; ".join(optional))
+    _fill_speedup(trials, manifest, topk)
     return Run(path=path, manifest=manifest, trials=trials, topk=topk,
                breakdown=breakdown if isinstance(breakdown, dict) else None,
                importance=importance if isinstance(importance, dict) and importance else None)
@@ -332,6 +346,9 @@ def _header_lines(run: Run, k: int) -> list[str]:
     if run.manifest.get("sampler"):
         measured.append(f"sampler {run.manifest['sampler']}")
     measured.append(f"{len(run.trials)} trials ({_status_counts(run)})" if len(run.trials) else "no trials")
+    n_approx = int(run.trials["approximated"].sum())
+    if n_approx:
+        measured.append(f"{n_approx} trials approximated by the replay (nearest recorded configuration)")
     facts.append("Run: " + ", ".join(measured))
     if run.l2_policy == "hot":
         facts.append("L2 hot: the weights stay in L2 between layers; a model larger than L2 will not see "
@@ -573,11 +590,13 @@ def plot_ratio_plane(run: Run, path) -> Path | None:
     data = ratio_plane_data(run)
     if data.empty:
         return None
+    from matplotlib import colormaps
     from matplotlib.colors import TwoSlopeNorm
 
     lo, hi = float(data["median_speedup"].min()), float(data["median_speedup"].max())
     # Centre the colours on 1.0x (no change against the baseline) when the data straddles it.
     norm = TwoSlopeNorm(vcenter=1.0, vmin=lo, vmax=hi) if lo < 1.0 < hi else None
+    cmap = colormaps["RdYlGn"].with_extremes(bad="0.92")  # grey: pair not sampled (or only failed)
     fig = _figure(11, 9)
     axes = fig.subplots(2, 2).ravel()
     image = None
@@ -589,7 +608,7 @@ def plot_ratio_plane(run: Run, path) -> Path | None:
             ax.set_axis_off()
             continue
         vals = piv.to_numpy(dtype=float)
-        image = ax.imshow(np.ma.masked_invalid(vals), origin="lower", cmap="RdYlGn", norm=norm,
+        image = ax.imshow(np.ma.masked_invalid(vals), origin="lower", cmap=cmap, norm=norm,
                           vmin=None if norm else lo, vmax=None if norm else hi, aspect="auto")
         label = lambda v: "off" if v < 0 else _ratio(v)  # noqa: E731
         ax.set_xticks(range(len(piv.columns)), [label(v) for v in piv.columns], fontsize=8)
@@ -649,8 +668,8 @@ def plot_topk(run: Run, path) -> Path | None:
     ax.scatter(df["rank"], df["latency_us"], c=colors, zorder=3)
     _hline(ax, run.baseline_us, "baseline", "--", "0.3")
     _hline(ax, run.compile_us, "torch.compile", ":", "C2")
-    ax.set_xticks(df["rank"], [f"{int(r)}{'=' if t else ''}" for r, t in zip(df["rank"], df["tie"])])
-    ax.set_xlabel("rank ('=': tie with the row above; bars: median ± IQR/2)")
+    ax.set_xticks(df["rank"], [f"{int(r)} (tie)" if t else str(int(r)) for r, t in zip(df["rank"], df["tie"])])
+    ax.set_xlabel("rank (tie: within the combined spread of the row above; bars: median ± IQR/2)")
     ax.set_ylabel("latency per layer (us)")
     ax.set_title(_title(run, f"Top {len(df)}"), fontsize=10)
     ax.legend(fontsize=8)
