@@ -157,19 +157,21 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, 
 @triton.jit
 def _gemm_kernel(
     # pointers
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, lnw_ptr, lnb_ptr,
     # sizes
     M, N, K,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     # PDL / prefetch points, in K tiles of this program
     trigger_k, n_prefetch,
+    # LayerNorm prologue
+    ln_eps,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
-    RACY_READ_BEFORE_WAIT: tl.constexpr,
+    RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -206,10 +208,28 @@ def _gemm_kernel(
         a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
                      mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
     pdl_wait(USE_PDL)
+    if HAS_LN:
+        # LayerNorm fused into the prologue (saves the norm kernel and its output's round trip): row
+        # statistics over the whole K (= d_model, small), then each A tile is normalised as it is loaded.
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for kk in range(0, k_tiles):
+            k = kk * BLOCK_K + offs_k
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                         mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0).to(tl.float32)
+            s1 += tl.sum(xs, axis=1)
+            s2 += tl.sum(xs * xs, axis=1)
+        mean = s1 / K
+        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + ln_eps)
     for i in range(0, n_iters):
         k = (k_first + i) * BLOCK_K + offs_k
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                     mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        if HAS_LN:
+            g = tl.load(lnw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            bb = tl.load(lnb_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+            a = (((a.to(tl.float32) - mean[:, None]) * rstd[:, None]) * g[None, :] + bb[None, :]).to(
+                x_ptr.dtype.element_ty)
         if RACY_READ_BEFORE_WAIT:
             if i == 0:
                 a = a0
@@ -272,8 +292,14 @@ def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: GemmConfig = GemmConfig(), activation: str | None = None,
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           workspace: torch.Tensor | None = None, _racy_read_before_wait: bool = False) -> torch.Tensor:
-    """``act(x @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``."""
+           workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
+           ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5,
+           _racy_read_before_wait: bool = False) -> torch.Tensor:
+    """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
+
+    With ``ln_weight``/``ln_bias`` (``[K]``) the LayerNorm of each row of ``x`` is computed in the prologue
+    (the norm kernel fused away); without them ``x`` is used as is.
+    """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
     if activation not in ACTIVATIONS:
@@ -290,6 +316,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: bias {tuple(bias.shape)} must be ({N},)")
     if residual is not None and residual.shape != (M, N):
         raise ValueError(f"linear: residual {tuple(residual.shape)} must be ({M}, {N})")
+    if (ln_weight is None) != (ln_bias is None):
+        raise ValueError("linear: ln_weight and ln_bias go together")
+    if ln_weight is not None and (ln_weight.shape != (K,) or ln_bias.shape != (K,)):
+        raise ValueError(f"linear: ln_weight/ln_bias must be ({K},)")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     mode = launch_mode(x)
@@ -310,15 +340,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
+        ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         out.stride(0), out.stride(1),
         trigger_index(per_split, c.overlap_ratio), n_pref,
+        ln_eps,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
+        HAS_LN=ln_weight is not None,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
@@ -337,9 +370,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-               activation: str | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+               activation: str | None = None, residual: torch.Tensor | None = None,
+               ln_weight: torch.Tensor | None = None, ln_bias: torch.Tensor | None = None,
+               ln_eps: float = 1e-5) -> torch.Tensor:
     """fp32 torch reference of :func:`linear` (returns fp32)."""
-    y = x.float() @ weight.float().T
+    xf = x.float()
+    if ln_weight is not None:
+        xf = torch.nn.functional.layer_norm(xf, (x.shape[1],), ln_weight.float(), ln_bias.float(), ln_eps)
+    y = xf @ weight.float().T
     if bias is not None:
         y = y + bias.float()
     if activation == "gelu":

@@ -36,6 +36,9 @@ class NormConfig:
     num_warps: int = 4
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
+    # 1: no norm kernel; the next GEMM normalises its input rows in its prologue (gemm.linear(ln_weight=...)).
+    # The layer runtime reads this; layer_norm() itself ignores it.
+    fuse: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -100,3 +100,26 @@ def test_interpreter_switches_knobs_off():
 
     c = effective_config(GemmConfig(overlap_ratio=0.6, prefetch_ratio=0.8), torch.zeros(1))
     assert c.overlap_ratio == -1.0 and c.prefetch_ratio == -1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_linear_layernorm_prologue(dtype, split_k, device):
+    m, k, n = 37, 200, 90
+    x, w, b, r = _inputs(m, n, k, dtype, device, seed=11 + split_k)
+    x = (x * k**0.5 + 0.5).to(dtype)  # O(1) rows with a non-zero mean, as in a residual stream
+    g = torch.Generator().manual_seed(5)
+    lw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
+    lb = (0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k)
+    linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out, ln_weight=lw, ln_bias=lb)
+    ref = linear_ref(x, w, b, activation="gelu", residual=r, ln_weight=lw, ln_bias=lb)
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+
+
+def test_linear_layernorm_needs_both(device):
+    x, w, _, _ = _inputs(16, 32, 32, torch.float16, device, seed=0)
+    with pytest.raises(ValueError, match="go together"):
+        linear(x, w, config=GemmConfig(block_m=16, block_n=32, block_k=32),
+               ln_weight=torch.ones(32, dtype=torch.float16, device=device))

@@ -22,6 +22,18 @@ def test_stack_matches_reference_odd_shape(dtype, device):
     assert cfg.without_knobs().qkv.overlap_ratio == -1.0
 
 
+@pytest.mark.parametrize("fuse", [(1, 0), (0, 1), (1, 1)], ids=["fuse-norm1", "fuse-norm2", "fuse-both"])
+def test_stack_with_fused_norms(fuse, device):
+    from dataclasses import replace
+
+    cfg = hand_picked(ODD)
+    cfg = replace(cfg, norm1=replace(cfg.norm1, fuse=fuse[0]), norm2=replace(cfg.norm2, fuse=fuse[1]))
+    st = DecoderStack(ODD, cfg, n_layers=2, dtype=torch.float16, device=device, seed=4)
+    assert len(st.launches("norm1")) == (0 if fuse[0] else 2)
+    err = st.check(seed=9)
+    assert err < st.tolerance(), err
+
+
 def test_stack_check_catches_unwritten_output(device):
     st = DecoderStack(ODD, hand_picked(ODD), n_layers=1, dtype=torch.float32, device=device, seed=1)
     st.run = lambda: None  # nothing launched: the poisoned output must fail the check

@@ -135,6 +135,9 @@ class GpuEvaluator:
         out = {}
         for k in KERNELS:
             launches = st.launches(k)
+            if not launches:  # fused away: this kernel costs nothing of its own
+                out[k] = 0.0
+                continue
             g = capture(lambda: [f() for f in launches], warmup=1)
             out[k] = time_replay(g.replay, self.n_layers, reps=self.reps, warmup=self.warmup).median_us
         return out

@@ -123,11 +123,14 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait.
     """
     r = lambda k: racy == k  # noqa: E731
-    return [
+    # A fused norm (NormConfig.fuse) launches no kernel: the next GEMM normalises x in its prologue.
+    ln1 = dict(ln_weight=w.ln1_w, ln_bias=w.ln1_b, ln_eps=LN_EPS) if cfg.norm1.fuse else {}
+    ln2 = dict(ln_weight=w.ln2_w, ln_bias=w.ln2_b, ln_eps=LN_EPS) if cfg.norm2.fuse else {}
+    launches = [
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
-        ("qkv", lambda: gemm_k.linear(b.ln1, w.w_qkv, w.b_qkv, config=cfg.qkv, out=b.qkv, workspace=b.ws["qkv"],
-                                      _racy_read_before_wait=r("qkv"))),
+        ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w.w_qkv, w.b_qkv, config=cfg.qkv, out=b.qkv,
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
@@ -135,11 +138,14 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                       workspace=b.ws["out"], _racy_read_before_wait=r("out"))),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
-        ("ffn1", lambda: gemm_k.linear(b.ln2, w.w_ffn1, w.b_ffn1, config=cfg.ffn1, activation="gelu", out=b.ffn1,
-                                       workspace=b.ws["ffn1"], _racy_read_before_wait=r("ffn1"))),
+        ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w.w_ffn1, w.b_ffn1, config=cfg.ffn1,
+                                       activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
+                                       _racy_read_before_wait=r("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"))),
     ]
+    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
+    return [(n, f) for n, f in launches if n not in skip]
 
 
 def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor,

@@ -15,7 +15,7 @@ FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out"
           "ffn2": "gemm"}
 TILE_FIELDS = {
     "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k"),
-    "norm": ("rows_per_program", "num_warps"),
+    "norm": ("rows_per_program", "num_warps", "fuse"),
     "attn": ("block_m", "block_n", "num_warps", "num_stages"),
 }
 RATIOS = ("overlap_ratio", "prefetch_ratio")
