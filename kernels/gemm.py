@@ -135,6 +135,15 @@ def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
 
 
 @triton.jit
+def _ln_correct(acc, s1, s2, u_ptr, offs_n, N, K, eps):
+    """LN(x) @ W'^T from x @ W'^T, W' = W*gamma folded: rstd * (acc - mean * colsum(W')) (fold_layernorm)."""
+    mean = s1 / K
+    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
+    u = tl.load(u_ptr + offs_n, mask=offs_n < N, other=0.0)
+    return rstd[:, None] * (acc - mean[:, None] * u[None, :])
+
+
+@triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
               stride_on, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
     mask_m = offs_m < M
@@ -157,7 +166,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, 
 @triton.jit
 def _gemm_kernel(
     # pointers
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, lnw_ptr, lnb_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr,
     # sizes
     M, N, K,
     # strides
@@ -209,32 +218,22 @@ def _gemm_kernel(
                      mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
     pdl_wait(USE_PDL)
     if HAS_LN:
-        # LayerNorm fused into the prologue (saves the norm kernel and its output's round trip): row
-        # statistics over the whole K (= d_model, small), then each A tile is normalised as it is loaded.
+        # Row sums of the raw x for the fused LayerNorm, gathered from the A tiles the loop loads anyway.
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for kk in range(0, k_tiles):
-            k = kk * BLOCK_K + offs_k
-            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                         mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0).to(tl.float32)
-            s1 += tl.sum(xs, axis=1)
-            s2 += tl.sum(xs * xs, axis=1)
-        mean = s1 / K
-        rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + ln_eps)
     for i in range(0, n_iters):
         k = (k_first + i) * BLOCK_K + offs_k
         a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                     mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-        if HAS_LN:
-            g = tl.load(lnw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            bb = tl.load(lnb_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            a = (((a.to(tl.float32) - mean[:, None]) * rstd[:, None]) * g[None, :] + bb[None, :]).to(
-                x_ptr.dtype.element_ty)
         if RACY_READ_BEFORE_WAIT:
             if i == 0:
                 a = a0
         b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
+        if HAS_LN:
+            af = a.to(tl.float32)
+            s1 += tl.sum(af, axis=1)
+            s2 += tl.sum(af * af, axis=1)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -244,21 +243,29 @@ def _gemm_kernel(
                 tl.extra.cuda.gdc_launch_dependents()
 
     if SPLIT_K == 1:
+        if HAS_LN:
+            acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
         _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
                   stride_on, HAS_BIAS, HAS_RES, ACT)
     else:
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+        if HAS_LN:
+            if pid_n == 0:  # this split's row sums, once per row tile
+                st = stats_ptr + (pid_k * M + offs_m) * 2
+                tl.store(st, s1, mask=offs_m < M)
+                tl.store(st + 1, s2, mask=offs_m < M)
 
 
 @triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr, bias_ptr, res_ptr, out_ptr,
-    M, N,
+    ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr,
+    M, N, K,
     stride_rm, stride_rn, stride_om, stride_on,
-    trigger_s,
+    trigger_s, ln_eps,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_LN: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -270,6 +277,14 @@ def _splitk_reduce_kernel(
         if USE_PDL:
             if s == trigger_s:
                 tl.extra.cuda.gdc_launch_dependents()
+    if HAS_LN:
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            st = stats_ptr + (s * M + offs_m) * 2
+            s1 += tl.load(st, mask=offs_m < M, other=0.0)
+            s2 += tl.load(st + 1, mask=offs_m < M, other=0.0)
+        acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
     _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
               stride_on, HAS_BIAS, HAS_RES, ACT)
 
@@ -286,19 +301,37 @@ def effective_config(config: GemmConfig, x: torch.Tensor) -> GemmConfig:
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
-    return config.split_k * m * n if config.split_k > 1 else 0
+    """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm."""
+    return config.split_k * (m * n + 2 * m) if config.split_k > 1 else 0
+
+
+def fold_layernorm(weight: torch.Tensor, bias: torch.Tensor | None, ln_weight: torch.Tensor,
+                   ln_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold LayerNorm's affine part into the following linear layer:
+
+        LN(x) @ W.T + b = rstd * (x @ W'.T - mean * colsum(W')) + b',  W' = W * gamma,  b' = b + W @ beta
+
+    Returns (W' in W's dtype, b' fp32, colsum(W') fp32, summed from the rounded W' the kernel multiplies).
+    """
+    w32 = weight.float()
+    w_f = (w32 * ln_weight.float()[None, :]).to(weight.dtype)
+    b_f = w32 @ ln_bias.float() + (bias.float() if bias is not None else 0.0)
+    return w_f, b_f.contiguous(), w_f.float().sum(dim=1).contiguous()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: GemmConfig = GemmConfig(), activation: str | None = None,
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
-           ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5,
+           ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
-    With ``ln_weight``/``ln_bias`` (``[K]``) the LayerNorm of each row of ``x`` is computed in the prologue
-    (the norm kernel fused away); without them ``x`` is used as is.
+    LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
+    the launcher folds them into the weights with torch ops, for one-off calls), or fold once with
+    :func:`fold_layernorm` and pass the folded weight/bias with ``ln_colsum`` (what the layer runtime does:
+    nothing but the kernels runs in its CUDA graph). The row statistics are gathered from the A tiles the
+    K loop loads anyway, so the fusion adds no pass over ``x``.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -318,8 +351,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: residual {tuple(residual.shape)} must be ({M}, {N})")
     if (ln_weight is None) != (ln_bias is None):
         raise ValueError("linear: ln_weight and ln_bias go together")
-    if ln_weight is not None and (ln_weight.shape != (K,) or ln_bias.shape != (K,)):
-        raise ValueError(f"linear: ln_weight/ln_bias must be ({K},)")
+    if ln_weight is not None:
+        if ln_weight.shape != (K,) or ln_bias.shape != (K,):
+            raise ValueError(f"linear: ln_weight/ln_bias must be ({K},)")
+        if ln_colsum is not None:
+            raise ValueError("linear: pass either ln_weight/ln_bias or a folded weight with ln_colsum")
+        weight, bias, ln_colsum = fold_layernorm(weight, bias, ln_weight, ln_bias)
+    if ln_colsum is not None and (ln_colsum.shape != (N,) or ln_colsum.dtype != torch.float32):
+        raise ValueError(f"linear: ln_colsum must be fp32 ({N},)")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     mode = launch_mode(x)
@@ -334,13 +373,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             workspace = torch.empty(need, device=x.device, dtype=torch.float32)
         elif workspace.numel() < need or workspace.dtype != torch.float32:
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
+    # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
+    stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
     dummy = out  # never read when the matching HAS_* flag is off
     lines = max(1, c.block_k * x.element_size() // 128)
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
-        ln_weight if ln_weight is not None else dummy, ln_bias if ln_bias is not None else dummy,
+        ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
@@ -351,20 +392,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
-        HAS_LN=ln_weight is not None,
+        HAS_LN=ln_colsum is not None,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
         _splitk_reduce_kernel[rgrid](
             workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-            M, N,
+            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+            M, N, K,
             residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
             out.stride(0), out.stride(1),
-            trigger_index(c.split_k, c.overlap_ratio),
+            trigger_index(c.split_k, c.overlap_ratio), ln_eps,
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
-            USE_PDL=use_pdl, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+            USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )
     return out
 

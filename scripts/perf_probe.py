@@ -27,19 +27,22 @@ def main():
     ev = GpuEvaluator(shape)
     hp = hand_picked(shape)
     f = fused(hp)
+    f = fused(hp)
     v = {
         "baseline (-1,-1) default tiles": default_config(shape),
         "hand-picked, knobs off": hp.without_knobs(),
         "hand-picked (0,1)": hp,
-        "+ fused norms": f,
-        "+ fused norms, bk128": gemms(f, block_k=128, num_stages=3),
-        "+ fused norms, bk256 s2": gemms(f, block_k=256, num_stages=2),
-        "+ fused norms, bk256 s3": gemms(f, block_k=256, num_stages=3),
-        "+ fused norms, bk128, bm128 bn32": gemms(f, block_k=128, num_stages=3, block_m=128, block_n=32),
-        "+ fused norms, bk128, 8 warps": gemms(f, block_k=128, num_stages=3, num_warps=8),
-        "+ fused norms, bk128, sk2": gemms(f, block_k=128, num_stages=3, split_k=2),
-        "+ fused norms, bk128, knobs (1,1)": gemms(f, block_k=128, num_stages=3).with_knobs(1.0, 1.0),
-        "+ fused norms, bk128, knobs off": gemms(f, block_k=128, num_stages=3).without_knobs(),
+        "hp (0,1) bk128 s4": gemms(hp, block_k=128, num_stages=4),
+        "hp (0,1) bk128 s6": gemms(hp, block_k=128, num_stages=6),
+        "hp (0,1) bk256 s3": gemms(hp, block_k=256, num_stages=3),
+        "fused norms (0,1)": f,
+        "fused bk128 s4": gemms(f, block_k=128, num_stages=4),
+        "fused bk128 s6": gemms(f, block_k=128, num_stages=6),
+        "fused bk256 s3": gemms(f, block_k=256, num_stages=3),
+        "fused bk128 s6 bn32": gemms(f, block_k=128, num_stages=6, block_n=32),
+        "fused bk128 s6 knobs off": gemms(f, block_k=128, num_stages=6).without_knobs(),
+        "fused bk128 s6 (1,1)": gemms(f, block_k=128, num_stages=6).with_knobs(1.0, 1.0),
+        "fused bk128 s6 (0,-1)": gemms(f, block_k=128, num_stages=6).with_knobs(0.0, -1.0),
     }
     v = {k: fit_config(c, shape) for k, c in v.items()}
     res = {}

@@ -25,7 +25,7 @@ class TorchStack:
     def _run(self):
         x, outs = self.x, []
         for w in self.weights:
-            x = self.fn(x, *w.__dict__.values())
+            x = self.fn(x, *w.tensors())
             outs.append(x)
         self.outs = outs
 

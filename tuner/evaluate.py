@@ -247,7 +247,10 @@ class ReplayEvaluator:
         return out
 
     def breakdown(self, cfg):
-        return (self._breakdown or {}).get("best")
+        """The recorded per-kernel breakdown: the baseline's for the default config, the best's for any other."""
+        from tuner.layer import default_config
+
+        return (self._breakdown or {}).get("baseline" if cfg == default_config(self.shape) else "best")
 
     def baselines(self, default, with_compile: bool = True) -> Baselines:
         b = self.manifest.get("baselines", {})

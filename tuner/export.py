@@ -29,8 +29,8 @@ def read_best(path: str | Path) -> dict:
     if not isinstance(d, dict) or d.get("schema_version") != BEST_SCHEMA_VERSION:
         v = d.get("schema_version") if isinstance(d, dict) else None
         raise ConfigError(f"{p}: best.json schema_version {v!r} is not supported (expected {BEST_SCHEMA_VERSION})")
-    if "config" not in d:
-        raise ConfigError(f"{p}: best.json has no 'config'")
+    if not isinstance(d.get("config"), dict):
+        raise ConfigError(f"{p}: best.json has no 'config' mapping")
     return d
 
 
@@ -39,7 +39,10 @@ def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gp
     """The DecoderConfig of a best.json (or run folder). Loading it for another shape or GPU model warns
     (``strict=True``: raises ConfigError)."""
     d = read_best(path)
-    cfg = DecoderConfig.from_dict(d["config"])
+    try:
+        cfg = DecoderConfig.from_dict(d["config"])
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     problems = []
     if shape is not None:
         want = shape if isinstance(shape, DecoderShape) else None

@@ -10,7 +10,7 @@ preallocated buffers with no torch op between them, so that a CUDA graph capture
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +77,19 @@ class LayerWeights:
     w_ffn2: torch.Tensor
     b_ffn2: torch.Tensor
 
+    def folded(self, gemm: str):
+        """(W', b', colsum) with the preceding LayerNorm folded in (gemm_k.fold_layernorm), computed once."""
+        cache = self.__dict__.setdefault("_folded", {})
+        if gemm not in cache:
+            if gemm == "qkv":
+                cache[gemm] = gemm_k.fold_layernorm(self.w_qkv, self.b_qkv, self.ln1_w, self.ln1_b)
+            else:
+                cache[gemm] = gemm_k.fold_layernorm(self.w_ffn1, self.b_ffn1, self.ln2_w, self.ln2_b)
+        return cache[gemm]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self)]
+
     @classmethod
     def random(cls, shape: DecoderShape, dtype, device, generator: torch.Generator) -> "LayerWeights":
         d, f = shape.d_model, shape.ffn
@@ -124,12 +137,18 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     """
     r = lambda k: racy == k  # noqa: E731
     # A fused norm (NormConfig.fuse) launches no kernel: the next GEMM normalises x in its prologue.
-    ln1 = dict(ln_weight=w.ln1_w, ln_bias=w.ln1_b, ln_eps=LN_EPS) if cfg.norm1.fuse else {}
-    ln2 = dict(ln_weight=w.ln2_w, ln_bias=w.ln2_b, ln_eps=LN_EPS) if cfg.norm2.fuse else {}
+    w_qkv, b_qkv, w_ffn1, b_ffn1 = w.w_qkv, w.b_qkv, w.w_ffn1, w.b_ffn1
+    ln1 = ln2 = {}
+    if cfg.norm1.fuse:
+        w_qkv, b_qkv, u = w.folded("qkv")
+        ln1 = dict(ln_colsum=u, ln_eps=LN_EPS)
+    if cfg.norm2.fuse:
+        w_ffn1, b_ffn1, u = w.folded("ffn1")
+        ln2 = dict(ln_colsum=u, ln_eps=LN_EPS)
     launches = [
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
-        ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w.w_qkv, w.b_qkv, config=cfg.qkv, out=b.qkv,
+        ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
                                       workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
@@ -138,7 +157,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                       workspace=b.ws["out"], _racy_read_before_wait=r("out"))),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
-        ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w.w_ffn1, w.b_ffn1, config=cfg.ffn1,
+        ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
                                        _racy_read_before_wait=r("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
@@ -171,7 +190,7 @@ def torch_layer(shape: DecoderShape, w: LayerWeights, x: torch.Tensor) -> torch.
 
 def layer_ref(shape: DecoderShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """fp32 reference of one layer from the same weights."""
-    w32 = LayerWeights(*(t.float() for t in w.__dict__.values()))
+    w32 = LayerWeights(*(t.float() for t in w.tensors()))
     return torch_layer(shape, w32, x.float())
 
 
@@ -192,6 +211,11 @@ class DecoderStack:
         self.weights = weights or [LayerWeights.random(shape, dtype, device, g) for _ in range(n_layers)]
         self.x = torch.empty((shape.tokens, shape.d_model), dtype=dtype, device=device)
         self.bufs = [LayerBuffers(shape, cfg, dtype, device) for _ in self.weights]
+        for w in self.weights:  # folds are torch ops: do them now, never inside a graph capture
+            if cfg.norm1.fuse:
+                w.folded("qkv")
+            if cfg.norm2.fuse:
+                w.folded("ffn1")
         self.racy: tuple[int, str] | None = None  # (layer, kernel) for the race-detection demonstration
         self.graph = None
 

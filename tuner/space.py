@@ -21,6 +21,8 @@ TILE_FIELDS = {
 RATIOS = ("overlap_ratio", "prefetch_ratio")
 # Kernels whose weights can be prefetched (attention has none).
 PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2")
+# On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline).
+SWITCHES = ("fuse",)
 
 
 class SpaceError(ValueError):
@@ -61,7 +63,7 @@ class SearchSpace:
         return out
 
 
-def _dim(where: str, value, ratio: bool) -> Dim:
+def _dim(where: str, value, ratio: bool, switch: bool = False) -> Dim:
     if isinstance(value, list):
         if not value:
             raise SpaceError(f"{where}: expected a non-empty list of choices")
@@ -70,7 +72,9 @@ def _dim(where: str, value, ratio: bool) -> Dim:
                 raise SpaceError(f"{where}: choice {v!r} is not a number")
             if ratio and not (v < 0 or 0 <= v <= 1):
                 raise SpaceError(f"{where}: ratio {v} must be negative (off) or in [0, 1]")
-            if not ratio and (not isinstance(v, int) or v <= 0):
+            if switch and v not in (0, 1):
+                raise SpaceError(f"{where}: choice {v!r} must be 0 (off) or 1 (on)")
+            if not ratio and not switch and (not isinstance(v, int) or v <= 0):
                 raise SpaceError(f"{where}: choice {v!r} must be a positive integer")
         return Dim(choices=tuple(float(v) if ratio else int(v) for v in value))
     if isinstance(value, dict) and ratio:
@@ -80,8 +84,14 @@ def _dim(where: str, value, ratio: bool) -> Dim:
         lo, hi = value["low"], value["high"]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi <= 1:
             raise SpaceError(f"{where}: need 0 <= low < high <= 1, got low={lo!r} high={hi!r}")
-        return Dim(low=float(lo), high=float(hi), step=value.get("step"), off=bool(value.get("off", False)))
-    expect = "a list of ratios or {low, high}" if ratio else "a list of positive integers"
+        step, off = value.get("step"), value.get("off", False)
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= hi - lo):
+            raise SpaceError(f"{where}.step: need 0 < step <= high - low, got {step!r}")
+        if not isinstance(off, bool):
+            raise SpaceError(f"{where}.off: expected true or false, got {off!r}")
+        return Dim(low=float(lo), high=float(hi), step=None if step is None else float(step), off=off)
+    expect = ("a list of ratios or {low, high}" if ratio else "a list of 0 and/or 1" if switch
+              else "a list of positive integers")
     raise SpaceError(f"{where}: expected {expect}, got {type(value).__name__}")
 
 
@@ -133,8 +143,10 @@ def parse(data, source: str = "<space>") -> SearchSpace:
             if k not in PREFETCHING and f == "prefetch_ratio":
                 raise SpaceError(f"{source}: kernels.{k}.prefetch_ratio: attention has no weights to prefetch")
             raw[f] = v
-        dims[k] = {f: _dim(f"{source}: {'kernels.' + k if f in ov else (fam if f not in RATIOS else 'ratios')}.{f}",
-                           v, f in RATIOS) for f, v in raw.items()}
+        # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
+        dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
+                                             else f"ratios.{f.removesuffix('_ratio')}"),
+                           v, f in RATIOS, f in SWITCHES) for f, v in raw.items()}
     return SearchSpace(source, dims)
 
 
@@ -149,7 +161,9 @@ def load(path: str | Path | None = None) -> SearchSpace:
     try:
         data = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
-        raise SpaceError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise SpaceError(f"{path}: not valid YAML{at} ({str(e).splitlines()[0]})") from None
     return parse(data, str(path))
 
 

@@ -1,0 +1,92 @@
+"""Test-only: an evaluator that misbehaves on chosen configs, to show that a bad candidate fails its own
+trial and never the study.
+
+It wraps another evaluator (normally the replay of ``tests/data/replay-bert-base-h200``) and, for configs
+whose flat parameters match a rule (``{"qkv.block_m": 128}``), does one of:
+
+* ``crash``: ``os._exit(11)``, as a worker aborting on a CUDA error;
+* ``segfault``: SIGSEGV to itself, as a compiler or driver bug;
+* ``hang``: sleeps forever, as a PDL wait that never returns;
+* ``raise``: raises, as a kernel launch that fails; ``compile_error`` raises a ``CompilationError``;
+* ``incorrect``: returns an ``incorrect`` result, as a racy candidate caught by the correctness check.
+
+``sleep_s`` slows every trial down (resume tests kill the study mid-trial). The command line reads the
+same settings from ``PDL_TUNE_FAULTS`` (JSON: ``{"rules": [{"match": {...}, "action": "hang"}],
+"sleep_s": 0.5}``), so that a test can drive ``tune decoder`` as a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+from tuner.worker import EvaluatorSpec
+
+ENV = "PDL_TUNE_FAULTS"
+ACTIONS = ("crash", "segfault", "hang", "raise", "compile_error", "incorrect")
+
+
+class CompilationError(Exception):
+    """Named like Triton's, so tuner.evaluate.classify files it as ``compile_error``."""
+
+
+def check_rules(rules: list[dict]) -> list[dict]:
+    for r in rules:
+        if r.get("action") not in ACTIONS or not isinstance(r.get("match"), dict):
+            raise ValueError(f"fault rule {r!r}: expected {{'match': {{param: value}}, 'action': one of {ACTIONS}}}")
+    return rules
+
+
+class FaultyEvaluator:
+    """Every attribute and method but ``evaluate`` is the wrapped evaluator's (the final phase is clean)."""
+
+    def __init__(self, inner: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0):
+        self.inner = inner.build()
+        self.rules = check_rules(list(rules))
+        self.sleep_s = sleep_s
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["inner"], name)
+
+    def matching_action(self, cfg) -> str | None:
+        from tuner.space import from_config
+
+        params = from_config(cfg)
+        for r in self.rules:
+            if all(params.get(k) == v for k, v in r["match"].items()):
+                return r["action"]
+        return None
+
+    def evaluate(self, cfg):
+        from tuner.evaluate import TrialResult
+
+        time.sleep(self.sleep_s)
+        action = self.matching_action(cfg)
+        if action == "crash":
+            os._exit(11)
+        if action == "segfault":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if action == "hang":
+            time.sleep(1e6)
+        if action == "raise":
+            raise RuntimeError("injected fault: the launch failed")
+        if action == "compile_error":
+            raise CompilationError("injected fault: the kernel does not compile")
+        if action == "incorrect":
+            return TrialResult("incorrect", reason="injected fault: wrong output", rel_error=1.0)
+        return self.inner.evaluate(cfg)
+
+
+def wrap(spec: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0) -> EvaluatorSpec:
+    return EvaluatorSpec("faults", {"inner": spec, "rules": check_rules(list(rules)), "sleep_s": float(sleep_s)})
+
+
+def from_env(spec: EvaluatorSpec) -> EvaluatorSpec:
+    """``spec`` wrapped in the faults of ``PDL_TUNE_FAULTS``, or unchanged when it is not set."""
+    text = os.environ.get(ENV)
+    if not text:
+        return spec
+    d = json.loads(text)
+    return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0))

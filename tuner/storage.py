@@ -1,0 +1,176 @@
+"""The study's storage: one URL for one process or many, and trials that outlive the process that ran them.
+
+Optuna's storage is the distributed engine: several study processes (one per GPU, or one per host) share
+one study through it. URLs: ``sqlite:///PATH`` (embedded default, one process), ``journal:PATH`` (Optuna's
+journal file, several processes on one host), ``postgresql://...`` (several hosts).
+
+A study process killed mid-trial (``kill -9``, a lost host) leaves its trial RUNNING forever. Two ways
+bring it back, both ending in the same place (the trial FAIL, one WAITING copy of its parameters that
+the next trial of any process picks up):
+
+* every trial records its owner (host, pid, process start time); a process that opens the study fails
+  the RUNNING trials of dead owners on its own host at once (any storage);
+* RDB storages also run Optuna's heartbeat, which catches owners on other hosts after ``grace_period_s``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import socket
+import warnings
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+JOURNAL_PREFIX = "journal:"
+HEARTBEAT_INTERVAL_S = 10
+# Six missed heartbeats: a study process busy compiling still beats (the beat is a thread, and the
+# candidate runs in another process), so a 60 s silence means the process is gone.
+GRACE_PERIOD_S = 60
+OWNER_ATTR = "owner"
+
+
+class StorageError(ValueError):
+    """A storage URL that is malformed or cannot be opened (the user's URL or server)."""
+
+
+def default_url(out_root: Path, workers: int = 1) -> str:
+    """SQLite for one study process; a journal file when several processes write (SQLite locks them out)."""
+    if workers > 1:
+        return f"{JOURNAL_PREFIX}{(out_root / 'studies.journal').as_posix()}"
+    return f"sqlite:///{(out_root / 'studies.db').as_posix()}"
+
+
+def _local_path(url: str) -> Path | None:
+    """The file a journal or SQLite URL names (None for a server URL or in-memory SQLite)."""
+    if url.startswith(JOURNAL_PREFIX):
+        return Path(url[len(JOURNAL_PREFIX):])
+    if url.startswith("sqlite:///") and len(url) > len("sqlite:///"):
+        return Path(url[len("sqlite:///"):])
+    return None
+
+
+def _retry_callback():
+    """``RetryHeartbeatStaleTrialCallback`` (optuna >= 4.9) or its older name, retrying a trial once."""
+    cls = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
+
+    class RetryOnce(cls):
+        def __call__(self, study, trial):
+            # The copy must not inherit the dead owner, or another process's recovery could fail it
+            # again between the moment it is picked up and the moment its new owner is written.
+            trial = copy.deepcopy(trial)
+            trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != OWNER_ATTR}
+            super().__call__(study, trial)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # experimental-feature warnings, once per process
+        return RetryOnce(max_retry=1)
+
+
+def _rdb(url: str, heartbeat_interval_s: int, grace_period_s: int):
+    params = inspect.signature(optuna.storages.RDBStorage).parameters
+    cb_name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
+    engine_kwargs = {}
+    if url.startswith("postgresql"):
+        engine_kwargs = {"connect_args": {"connect_timeout": 10}}  # an unreachable host fails in 10 s, not 2 min
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval_s,
+                                          grace_period=grace_period_s, **{cb_name: _retry_callback()})
+
+
+def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, grace_period_s: int = GRACE_PERIOD_S):
+    """The Optuna storage object for ``url``. A folder missing for a SQLite or journal file is created;
+    if the storage then fails to open, whatever was created here is removed again (StorageError)."""
+    if "://" not in url and not url.startswith(JOURNAL_PREFIX):
+        raise StorageError(f"--storage {url!r}: expected a URL like sqlite:///results/studies.db, "
+                           "postgresql://user@host/db, or journal:PATH for a journal file")
+    path = _local_path(url)
+    existed = path.exists() if path is not None else True
+    created_dirs = _make_parents(path) if path is not None else []
+    try:
+        if url.startswith(JOURNAL_PREFIX):
+            if not path or path.is_dir():
+                raise StorageError(f"--storage {url!r}: journal:PATH needs a file path")
+            from optuna.storages.journal import JournalFileBackend
+
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+        return _rdb(url, heartbeat_interval_s, grace_period_s)
+    except Exception as e:  # noqa: BLE001 - any failure here is the user's URL or server
+        if path is not None and not existed and path.is_file():
+            path.unlink()
+        for d in reversed(created_dirs):
+            _rmdir_quiet(d)
+        if isinstance(e, StorageError):
+            raise
+        first = " ".join(str(e).split())[:200]
+        hint = " (pip install psycopg2-binary)" if "psycopg2" in first else ""
+        raise StorageError(f"--storage {url!r}: cannot open it ({type(e).__name__}: {first}){hint}") from None
+
+
+def _make_parents(path: Path) -> list[Path]:
+    missing = [p for p in reversed(path.parents) if not p.exists()]
+    for p in missing:
+        p.mkdir()
+    return missing
+
+
+def _rmdir_quiet(d: Path) -> None:
+    try:
+        d.rmdir()
+    except OSError:
+        pass
+
+
+# ----------------------------------------------------------------------------------------------
+# Owners of trials, and the trials of owners that died
+# ----------------------------------------------------------------------------------------------
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time since boot (Linux): a pid reused by another process has another one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the parenthesised command name
+
+
+def this_owner() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+
+
+def owner_alive(owner: dict) -> bool | None:
+    """True/False for an owner on this host; None for one on another host (the heartbeat's job)."""
+    if owner.get("host") != socket.gethostname():
+        return None
+    pid = int(owner.get("pid", -1))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, another user's
+    start = _start_time(pid)
+    return owner.get("start") is None or start is None or start == owner["start"]
+
+
+def recover_orphans(study: optuna.Study) -> list[int]:
+    """Fail the RUNNING trials whose owner process on this host is dead, and queue each for one retry.
+    Returns their numbers. Safe to run from several processes: only the one whose FAIL lands retries."""
+    lost = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        owner = t.user_attrs.get(OWNER_ATTR)
+        if not owner or owner_alive(owner) is not False:
+            continue
+        try:
+            study.tell(t.number, state=TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - another process failed (or finished) it first
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            _retry_callback()(study, study.trials[t.number])
+        lost.append(t.number)
+    return lost

@@ -1,0 +1,315 @@
+"""Isolated trials: candidates compile and run in a worker process that the study process supervises.
+
+A candidate can take its process down with it: an illegal address leaves the CUDA context unusable, a
+compiler bug segfaults, a racy PDL config can hang in ``griddepcontrol.wait``. ``IsolatedEvaluator``
+keeps all of that in a child process (``multiprocessing`` spawn context, so the study process never
+initialises CUDA for a candidate) and turns it into the trial's status:
+
+* no answer within the per-trial timeout -> the child is killed, the trial is ``timeout``;
+* the child dies (segfault, ``os._exit``, a CUDA error that aborts) -> the trial is ``crashed`` with the
+  exit code or signal;
+* the candidate raised -> ``crashed`` (or ``compile_error``/``out_of_resources``), and the child is
+  replaced anyway, because a CUDA error poisons the context for every later trial.
+
+The next call starts a fresh child. The evaluator itself is named by a picklable ``EvaluatorSpec``
+(kind + keyword arguments), built inside the child.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+
+# A normal GPU trial (compile 7 kernels, check, time a graph) takes seconds; 120 s means stuck.
+TRIAL_TIMEOUT_S = 120.0
+# The first trial of a fresh worker also pays CUDA init, the stack's weights and a cold Triton cache.
+FIRST_TRIAL_EXTRA_S = 180.0
+# Starting a worker (imports, weights) and the final phase's calls (top-k re-measure, torch.compile
+# baseline) are long but bounded.
+START_TIMEOUT_S = 600.0
+CALL_TIMEOUT_S = 3600.0
+
+
+class WorkerError(RuntimeError):
+    """The worker failed outside a trial: it could not start, or a re-measure/baseline call failed."""
+
+
+class WorkerStartError(WorkerError):
+    """The worker could not be (re)started: every later trial would fail the same way, so the study stops."""
+
+
+class _WorkerDied(WorkerError):
+    pass
+
+
+class _WorkerHung(WorkerError):
+    pass
+
+
+@dataclass
+class EvaluatorSpec:
+    """What to build in the worker: ``gpu`` (GpuEvaluator), ``replay`` (ReplayEvaluator) or ``faults``
+    (tuner.faults.FaultyEvaluator, test-only), with the keyword arguments of its constructor."""
+
+    kind: str
+    kwargs: dict = field(default_factory=dict)
+
+    def build(self):
+        if self.kind == "gpu":
+            from tuner.evaluate import GpuEvaluator
+
+            return GpuEvaluator(**self.kwargs)
+        if self.kind == "replay":
+            from tuner.evaluate import ReplayEvaluator
+
+            return ReplayEvaluator(**self.kwargs)
+        if self.kind == "faults":
+            from tuner.faults import FaultyEvaluator
+
+            return FaultyEvaluator(**self.kwargs)
+        raise ValueError(f"unknown evaluator kind {self.kind!r}: expected gpu, replay or faults")
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
+    """Exit this process when ``parent_pid`` is gone (a ``kill -9`` of the study process must not leave a
+    worker holding a GPU). A thread, so it also fires while the main thread hangs in a candidate."""
+
+    def watch():
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class IsolatedEvaluator:
+    """The evaluator interface of tuner.evaluate (evaluate, remeasure, breakdown, baselines, policy,
+    invalid; pdl, replayed, device, device_name, shape), served by a supervised worker process."""
+
+    isolated = True
+
+    def __init__(self, spec: EvaluatorSpec, *, trial_timeout_s: float = TRIAL_TIMEOUT_S,
+                 first_trial_extra_s: float = FIRST_TRIAL_EXTRA_S, start_timeout_s: float = START_TIMEOUT_S,
+                 call_timeout_s: float = CALL_TIMEOUT_S, env: dict[str, str] | None = None):
+        self.spec = spec
+        self.trial_timeout_s, self.first_trial_extra_s = trial_timeout_s, first_trial_extra_s
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        self.env = dict(env or {})
+        self.starts = 0  # workers started so far: 1 + the number of restarts
+        self._proc = self._conn = None
+        self._fresh = True  # no trial finished on the current worker yet: allow for its compile time
+        self.info = self._start()  # started now: the study needs the device's name and abilities first
+        atexit.register(self.close)
+
+    # What the study reads from an evaluator, taken once from the worker.
+    pdl = property(lambda self: bool(self.info["pdl"]))
+    replayed = property(lambda self: bool(self.info["replayed"]))
+    device_name = property(lambda self: self.info["device_name"])
+    shape = property(lambda self: self.info["shape"])
+    source = property(lambda self: self.info["source"])
+    manifest = property(lambda self: self.info["manifest"])
+    worker_pid = property(lambda self: self.info["pid"])
+
+    @property
+    def restarts(self) -> int:
+        return self.starts - 1
+
+    @property
+    def device(self):
+        from tuner.device import DeviceInfo
+
+        d = self.info["device"]
+        return DeviceInfo.from_dict(d) if d else None
+
+    # ------------------------------------------------------------------ the evaluator interface
+
+    def evaluate(self, cfg):
+        from tuner.evaluate import TrialResult
+
+        timeout = self.trial_timeout_s + (self.first_trial_extra_s if self._fresh else 0.0)
+        try:
+            res = self._call("evaluate", cfg.to_dict(), timeout=timeout)
+        except _WorkerHung as e:
+            return TrialResult("timeout", reason=str(e))
+        except _WorkerDied as e:
+            return TrialResult("crashed", reason=str(e))
+        self._fresh = False
+        if res.status == "crashed":
+            self._stop()  # whatever raised may have left the CUDA context broken: the next trial starts clean
+        return res
+
+    def remeasure(self, cfgs, rounds: int = 40):
+        return self._call("remeasure", [c.to_dict() for c in cfgs], rounds, timeout=self.call_timeout_s)
+
+    def breakdown(self, cfg):
+        return self._call("breakdown", cfg.to_dict(), timeout=self.call_timeout_s)
+
+    def baselines(self, default, with_compile: bool = True):
+        return self._call("baselines", default.to_dict(), with_compile, timeout=self.call_timeout_s)
+
+    def invalid(self, cfg) -> str | None:
+        return self._call("invalid", cfg.to_dict(), timeout=self.call_timeout_s)
+
+    def policy(self) -> dict:
+        return self._call("policy", timeout=self.call_timeout_s)
+
+    def close(self) -> None:
+        """Stop the worker (also run at exit)."""
+        if self._proc is None:
+            return
+        try:
+            self._conn.send(("close", ()))
+            self._proc.join(timeout=5)
+        except (OSError, ValueError):
+            pass
+        self._stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ the worker process
+
+    def _start(self) -> dict:
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        # Not a daemon: a daemonic process may not start children, and torch.compile's workers are some.
+        # exit_with_parent in the child and close() at exit end it instead.
+        self._proc = ctx.Process(target=_serve, args=(child_conn, self.spec, os.getpid(), self.env),
+                                 name="pdl-tune-evaluator")
+        self._proc.start()
+        child_conn.close()  # only the child holds its end: its death reads as EOF here
+        self.starts += 1
+        self._fresh = True
+        try:
+            return self._receive(self.start_timeout_s, "while starting")
+        except WorkerError as e:
+            self._stop()
+            raise WorkerStartError(f"the evaluator worker did not start: {e}") from None
+
+    def _call(self, method: str, *args, timeout: float):
+        if self._proc is None:
+            self.info = self._start()
+        try:
+            self._conn.send((method, args))
+        except (OSError, ValueError):  # the worker died between two calls
+            code = self._exitcode()
+            self._stop()
+            raise _WorkerDied(f"worker died before {method} ({describe_exit(code)})") from None
+        return self._receive(timeout, f"in {method}")
+
+    def _receive(self, timeout: float, what: str):
+        ready = wait([self._conn, self._proc.sentinel], timeout)
+        if self._conn in ready:
+            try:
+                kind, payload = self._conn.recv()
+            except (EOFError, OSError):
+                kind = None  # it died while answering
+            if kind == "ok":
+                return payload
+            if kind == "error":
+                raise WorkerError(payload)
+        if not ready:
+            self._stop()
+            raise _WorkerHung(f"no answer {what} within {timeout:.0f} s: worker killed")
+        code = self._exitcode()
+        self._stop()
+        raise _WorkerDied(f"worker died {what} ({describe_exit(code)})")
+
+    def _exitcode(self) -> int | None:
+        self._proc.join(timeout=5)
+        return self._proc.exitcode
+
+    def _stop(self) -> None:
+        if self._proc is None:
+            return
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(timeout=10)
+        self._conn.close()
+        self._proc = self._conn = None
+
+
+# ---------------------------------------------------------------------- inside the worker
+
+
+def _serve(conn, spec: EvaluatorSpec, parent_pid: int, env: dict[str, str]) -> None:
+    """The worker's loop: build the evaluator, then answer (method, args) until told to close."""
+    os.environ.update(env)  # e.g. CUDA_VISIBLE_DEVICES, before anything initialises CUDA
+    # Ctrl-C reaches the whole process group: the study process decides, the worker must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    exit_with_parent(parent_pid)
+    try:
+        ev = spec.build()
+        conn.send(("ok", _describe(ev)))
+    except Exception as e:  # noqa: BLE001 - reported to the study process, which raises it there
+        conn.send(("error", _one_line(e)))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except (EOFError, OSError):
+            return  # the study process is gone
+        if method == "close":
+            return
+        try:
+            reply = ("ok", _dispatch(ev, method, args))
+        except Exception as e:  # noqa: BLE001 - a failing call fails that call, not the worker
+            reply = ("error", _one_line(e))
+        conn.send(reply)
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def _describe(ev) -> dict:
+    dev = getattr(ev, "device", None)
+    return {"pdl": bool(ev.pdl), "replayed": bool(ev.replayed),
+            "device_name": getattr(ev, "device_name", None) or dev.name,
+            "device": dev.to_dict() if dev is not None else None, "shape": ev.shape,
+            "source": getattr(ev, "source", None), "manifest": getattr(ev, "manifest", None), "pid": os.getpid()}
+
+
+def _dispatch(ev, method: str, args: tuple):
+    from tuner.config import DecoderConfig
+    from tuner.evaluate import TrialResult, classify
+
+    cfg = DecoderConfig.from_dict
+    if method == "evaluate":
+        try:
+            return ev.evaluate(cfg(args[0]))
+        except Exception as e:  # noqa: BLE001 - an evaluator that raises fails its trial
+            status, reason = classify(e)
+            return TrialResult(status, reason=reason)
+    if method == "remeasure":
+        return ev.remeasure([cfg(d) for d in args[0]], rounds=args[1])
+    if method == "breakdown":
+        return ev.breakdown(cfg(args[0]))
+    if method == "baselines":
+        return ev.baselines(cfg(args[0]), with_compile=args[1])
+    if method == "invalid":
+        return ev.invalid(cfg(args[0]))
+    if method == "policy":
+        return ev.policy()
+    raise ValueError(f"unknown evaluator method {method!r}")
