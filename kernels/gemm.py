@@ -180,7 +180,8 @@ def _gemm_kernel(
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
-    RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr,
+    RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
+    OOB_WRITE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -231,7 +232,11 @@ def _gemm_kernel(
         b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
         if HAS_LN:
-            af = a.to(tl.float32)
+            if LN_RELOAD:  # a separate (volatile) load for the statistics, not the MMA operand
+                af = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                             mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0, volatile=True).to(tl.float32)
+            else:
+                af = a.to(tl.float32)
             s1 += tl.sum(af, axis=1)
             s2 += tl.sum(af * af, axis=1)
         if UPCAST:
@@ -242,6 +247,10 @@ def _gemm_kernel(
             if i == trigger_k:
                 tl.extra.cuda.gdc_launch_dependents()
 
+    if OOB_WRITE:
+        # Test-only defect: a store 2 TB past the output, an illegal address the worker must survive.
+        tl.store(out_ptr + (1 << 40) + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty))
     if SPLIT_K == 1:
         if HAS_LN:
             acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
@@ -324,7 +333,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
-           _racy_read_before_wait: bool = False) -> torch.Tensor:
+           _racy_read_before_wait: bool = False, _ln_reload: bool = False,
+           _oob_write: bool = False) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -392,7 +402,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
-        HAS_LN=ln_colsum is not None,
+        HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

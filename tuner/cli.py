@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
+DEFAULT_TRIALS = 120
 
 
 class UserError(Exception):
     """A mistake of the user's: printed as one line, exit code 2, no traceback."""
+
+
+class RunError(Exception):
+    """A run that could not go on (e.g. the evaluator worker does not start): one line, exit code 1."""
 
 
 def _shapes(values: list[str] | None, shape_file: str | None = None):
@@ -87,13 +94,13 @@ def cmd_bench(args) -> int:
 
     shapes = _shapes(args.shape, args.shape_file)
     dtype = _dtype(args.dtype)
+    if args.config:  # schema and shape first: those mistakes are found without a GPU
+        for shape in shapes:
+            _bench_config(args.config, shape=shape, gpu="")
     _need_gpu("tune bench")
     extra = {}
     if args.config:
-        from tuner.export import load_config
-
-        cfg = load_config(args.config, strict=False)
-        extra[f"ours, {args.config}"] = cfg
+        extra[f"ours, {args.config}"] = _bench_config(args.config, gpu=None)  # None: this GPU's name
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
         print(f"bench {shape.label} ...", flush=True)
@@ -103,6 +110,18 @@ def cmd_bench(args) -> int:
         print(bench.format_table(res))
         print(f"written to {out}")
     return 0
+
+
+def _bench_config(path: str, **expect):
+    """A best.json's config, refused (one line, exit 2) when tuned for another schema, shape or GPU:
+    its timings would not transfer, and a bench table beside the baselines would mislead."""
+    from tuner.config import ConfigError
+    from tuner.export import load_config
+
+    try:
+        return load_config(path, strict=True, **expect)
+    except ConfigError as e:
+        raise UserError(f"--config {e}") from None
 
 
 def cmd_verify(args) -> int:
@@ -125,84 +144,247 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def _check_storage(url: str | None, out_root: Path) -> str:
-    import optuna
+def _check_storage(url: str) -> str:
+    """Open the storage once to check the URL (a missing folder of a SQLite/journal file is created;
+    a URL that fails leaves nothing behind)."""
+    from tuner.storage import StorageError, open_storage
 
-    if url is None:
-        out_root.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{(out_root / 'studies.db').as_posix()}"
-    if "://" not in url:
-        raise UserError(f"--storage {url!r}: expected a URL like sqlite:///results/studies.db, "
-                        "postgresql://user@host/db, or journal:PATH for a journal file")
     try:
-        optuna.storages.get_storage(_storage_obj(url))
-    except Exception as e:  # noqa: BLE001 - any failure here is the user's URL or server
-        first = " ".join(str(e).split())[:200]
-        raise UserError(f"--storage {url!r}: cannot open it ({type(e).__name__}: {first})") from None
+        open_storage(url)
+    except StorageError as e:
+        raise UserError(str(e)) from None
     return url
 
 
-def _storage_obj(url: str):
-    if url.startswith("journal:"):
-        import optuna.storages.journal as j
-
-        return optuna.storages.JournalStorage(j.JournalFileBackend(url[len("journal:"):]))
-    return url
-
-
-def cmd_decoder(args) -> int:
-    from tuner import space as space_mod
-    from tuner.evaluate import GpuEvaluator, ReplayEvaluator
-    from tuner.study import SAMPLERS, StudyError, StudyOptions, run_study
-
-    shapes = _shapes(args.shape, args.shape_file)
-    _dtype(args.dtype)
+def _check_decoder_numbers(args) -> None:
     if args.trials is not None and args.trials <= 0:
         raise UserError(f"--trials {args.trials}: must be a positive number of trials")
     if args.timeout is not None and args.timeout <= 0:
         raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds")
+    if args.trial_timeout <= 0:
+        raise UserError(f"--trial-timeout {args.trial_timeout}: must be a positive number of seconds")
     if args.top_k <= 0:
         raise UserError(f"--top-k {args.top_k}: must be positive")
+    if args.workers is not None and args.workers <= 0:
+        raise UserError(f"--workers {args.workers}: must be at least 1 (one study process per GPU)")
+
+
+def _gpus(args) -> list[str | None]:
+    """One entry per study process: the GPU it is pinned to, or None (not pinned)."""
+    if args.gpus is None:
+        n = args.workers or 1
+        if args.replay or n == 1:
+            return [None] * n
+        return [str(i) for i in range(n)]
+    if args.replay:
+        raise UserError("--gpus pins GPU workers; with --replay nothing runs on a GPU: use --workers N")
+    parts = [p.strip() for p in args.gpus.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise UserError(f"--gpus {args.gpus!r}: expected GPU indices separated by commas, e.g. --gpus 0,1,2,3")
+    ids = [str(int(p)) for p in parts]
+    twice = sorted({i for i in ids if ids.count(i) > 1})
+    if twice:
+        raise UserError(f"--gpus {args.gpus!r}: GPU {', '.join(twice)} listed twice (one worker per GPU)")
+    if args.workers is not None and args.workers != len(ids):
+        raise UserError(f"--workers {args.workers} and --gpus {args.gpus}: {len(ids)} GPUs listed; give one of them")
+    return ids
+
+
+def _check_gpu_indices(gpus: list[str | None]) -> None:
+    import torch
+
+    count = torch.cuda.device_count()
+    bad = [g for g in gpus if g is not None and int(g) >= count]
+    if bad:
+        raise UserError(f"--gpus: GPU {', '.join(bad)} does not exist; {count} CUDA GPU(s) visible "
+                        f"(indices 0..{count - 1})")
+
+
+def _evaluator_spec(args, shape):
+    from tuner import faults
+    from tuner.worker import EvaluatorSpec
+
+    if args.replay:
+        spec = EvaluatorSpec("replay", {"path": args.replay, "shape": shape})
+    else:
+        spec = EvaluatorSpec("gpu", {"shape": shape, "dtype": args.dtype, "l2": args.l2, "seed": args.seed})
+    return faults.from_env(spec)  # test-only fault injection (PDL_TUNE_FAULTS), else unchanged
+
+
+def _make_evaluator(args, shape, gpu: str | None):
+    """In a worker process (isolation: the default on a GPU) or in this process (--no-isolation)."""
+    from tuner.worker import IsolatedEvaluator
+
+    spec = _evaluator_spec(args, shape)
+    if _isolated(args):
+        env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
+        return IsolatedEvaluator(spec, trial_timeout_s=args.trial_timeout, env=env)
+    if gpu is not None:
+        import torch
+
+        torch.cuda.set_device(int(gpu))
+    return spec.build()
+
+
+def _isolated(args) -> bool:
+    return args.isolation if args.isolation is not None else not args.replay
+
+
+def _close(evaluator) -> None:
+    close = getattr(evaluator, "close", None)
+    if close is not None:
+        close()
+
+
+def _worker_argv(args, shape, url: str):
+    """The command line of worker ``index`` of a --workers/--gpus run: a search-only `tune decoder`."""
+
+    def argv(index: int, name: str) -> list[str]:
+        out = ["decoder", "--shape", shape.spec, "--dtype", args.dtype, "--l2", args.l2,
+               "--trials", str(args.trials or DEFAULT_TRIALS), "--sampler", args.sampler, "--seed", str(args.seed),
+               "--storage", url, "--study-name", name, "--out", args.out, "--trial-timeout", str(args.trial_timeout),
+               "--isolation" if _isolated(args) else "--no-isolation", "--no-progress",
+               "--search-only", "--workers", str(args.workers or len(args.gpus.split(","))),
+               "--worker-index", str(index)]
+        if args.timeout is not None:
+            out += ["--timeout", str(args.timeout)]
+        if args.search_space:
+            out += ["--search-space", args.search_space]
+        if args.replay:
+            out += ["--replay", args.replay]
+        return out
+
+    return argv
+
+
+def _decoder_inputs(args):
+    """Check every input of `tune decoder` before anything is created (no results/, no studies.db for a
+    typo). Returns the shapes (the recording's for --replay), the search space and the workers' GPUs."""
+    from tuner import space as space_mod
+    from tuner.study import SAMPLERS
+
+    shapes = _shapes(args.shape, args.shape_file)
+    _dtype(args.dtype)
+    _check_decoder_numbers(args)
     if args.sampler not in SAMPLERS:
         raise UserError(f"--sampler {args.sampler}: choose one of {', '.join(SAMPLERS)}")
     try:
         space = space_mod.load(args.search_space)
     except space_mod.SpaceError as e:
         raise UserError(str(e)) from None
-    if args.replay and len(shapes) > 1:
-        raise UserError("--replay serves one recording, i.e. one shape: give one --shape")
-    if args.replay and not Path(args.replay).exists():
-        raise UserError(f"--replay {args.replay}: no such file or folder")
+    if args.sampler == "grid":
+        _check_grid(space)
+    # A worker of a --workers run is already pinned (CUDA_VISIBLE_DEVICES) and is one of --workers.
+    gpus = [None] if args.search_only else _gpus(args)
+    if args.search_only and len(shapes) > 1:
+        raise UserError("--search-only: one shape per worker")
     if not args.replay:
         _need_gpu("tune decoder")
+        _check_gpu_indices(gpus)
+        return shapes, space, gpus
+    if len(shapes) > 1:
+        raise UserError("--replay serves one recording, i.e. one shape: give one --shape")
+    if not Path(args.replay).exists():
+        raise UserError(f"--replay {args.replay}: no such file or folder")
+    # Read the recording now: a wrong one is the user's mistake, reported before anything is written.
+    return [_check_replay(args, shapes[0] if args.shape or args.shape_file else None)], space, gpus
+
+
+def cmd_decoder(args) -> int:
+    from tuner.storage import default_url
+    from tuner.study import StudyOptions
+
+    shapes, space, gpus = _decoder_inputs(args)
     out_root = Path(args.out)
-    storage = _check_storage(args.storage, out_root)
-    opts = StudyOptions(trials=args.trials or 120, timeout_s=args.timeout, sampler=args.sampler, seed=args.seed,
-                        storage=_storage_obj(storage) if storage.startswith("journal:") else storage,
-                        study_name=args.study_name, top_k=args.top_k, dtype=args.dtype, l2=args.l2,
-                        progress=not args.no_progress)
-    runs = []
+    url = _check_storage(args.storage or default_url(out_root, len(gpus)))
+    opts = StudyOptions(trials=args.trials or DEFAULT_TRIALS, timeout_s=args.timeout, sampler=args.sampler,
+                        seed=args.seed, storage=url, study_name=args.study_name, top_k=args.top_k, dtype=args.dtype,
+                        l2=args.l2, progress=not args.no_progress, worker_index=args.worker_index,
+                        workers=(args.workers or 1) if args.search_only else len(gpus))
+    if args.search_only:
+        return _search_only(args, shapes[0], space, opts, gpus[0])
+    runs, problems = [], []
     for shape in shapes:
-        try:
-            if args.replay:
-                ev = ReplayEvaluator(args.replay, shape if args.shape else None)
-                shape = ev.shape
-                print(f"REPLAYING {args.replay}: timings recorded on {ev.device_name}, nothing is measured now")
-            else:
-                ev = GpuEvaluator(shape, dtype=args.dtype, l2=args.l2, seed=args.seed)
-            run = run_study(shape, ev, space, opts, out_root, ["tune"] + args.argv)
-        except (StudyError, ValueError, FileNotFoundError) as e:
-            raise UserError(str(e).splitlines()[0]) from None
+        run, failed = _decoder_run(args, shape, space, opts, out_root, gpus, url)
         runs.append(run)
+        problems += failed
         print((run / "topk.md").read_text())
         print(f"run folder: {run}")
     if len(runs) > 1:
-        from tuner import report
+        _write_summary(runs, out_root)
+    if problems:
+        print("tune: some workers failed (their trials are kept): " + "; ".join(problems), file=sys.stderr)
+        return EXIT_FAILED
+    return 0
 
-        path = out_root / f"summary-{time.strftime('%Y%m%d-%H%M%S')}.md"
-        report.write_summary([report.load_run(r) for r in runs], path)
-        print(path.read_text())
-        print(f"summary: {path}")
+
+def _write_summary(runs: list[Path], out_root: Path) -> None:
+    from tuner import report
+
+    path = out_root / f"summary-{time.strftime('%Y%m%d-%H%M%S')}.md"
+    report.write_summary([report.load_run(r) for r in runs], path)
+    print(path.read_text())
+    print(f"summary: {path}")
+
+
+def _check_grid(space) -> None:
+    from tuner.study import StudyError, make_sampler
+
+    try:
+        make_sampler("grid", 0, space, pdl=True)
+    except StudyError as e:
+        raise UserError(str(e)) from None
+
+
+def _check_replay(args, shape):
+    from tuner.evaluate import ReplayEvaluator
+
+    try:
+        return ReplayEvaluator(args.replay, shape).shape
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise UserError(f"--replay {args.replay}: {str(e).splitlines()[0]}") from None
+
+
+def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
+    """One shape: the study in this process, or spread over workers. Returns (run folder, failures)."""
+    from tuner.parallel import run_workers
+    from tuner.study import StudyError, run_study
+    from tuner.worker import WorkerError
+
+    command = ["tune"] + args.argv
+    ev = _make_evaluator(args, shape, gpus[0])
+    try:
+        if args.replay:
+            print(f"REPLAYING {args.replay}: timings recorded on {ev.device_name}, nothing is measured now")
+        if len(gpus) > 1:
+            return run_workers(shape, ev, space, opts, out_root, command, gpus, _worker_argv(args, shape, url))
+        return run_study(shape, ev, space, opts, out_root, command), []
+    except (StudyError, ValueError, FileNotFoundError) as e:
+        raise UserError(str(e).splitlines()[0]) from None
+    except WorkerError as e:
+        raise RunError(str(e)) from None
+    finally:
+        _close(ev)
+
+
+def _search_only(args, shape, space, opts, gpu) -> int:
+    """A worker of a --workers/--gpus run: search until the study's budget is spent, then exit."""
+    from tuner.study import StudyError, open_study, search
+    from tuner.worker import WorkerError, exit_with_parent
+
+    exit_with_parent(os.getppid())  # a killed parent takes its workers with it
+    where = f"worker {args.worker_index}" + (f" (CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']})"
+                                             if "CUDA_VISIBLE_DEVICES" in os.environ else "")
+    ev = _make_evaluator(args, shape, gpu)
+    try:
+        study = open_study(shape, ev, space, opts, Path(args.out))
+        search(study, shape, ev, space, opts)
+    except (StudyError, ValueError) as e:
+        raise UserError(f"{where}: {str(e).splitlines()[0]}") from None
+    except WorkerError as e:
+        raise RunError(f"{where}: {e}") from None
+    finally:
+        _close(ev)
     return 0
 
 
@@ -240,7 +422,10 @@ def cmd_export(args) -> int:
     except ConfigError as e:
         raise UserError(str(e)) from None
     if args.output:
-        write_json_atomic(Path(args.output), best)
+        try:
+            write_json_atomic(Path(args.output), best)
+        except OSError as e:
+            raise UserError(f"-o {args.output}: cannot write it ({e.strerror or type(e).__name__})") from None
         print(f"written {args.output}")
     else:
         print(json.dumps(best, indent=2))
@@ -269,19 +454,32 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("decoder", help="tune a decoder layer (Optuna study on the GPU, or --replay)")
     d.add_argument("--shape", action="append", help="preset, BxSxDxHxF or 'all' (repeatable); default bert-base")
     d.add_argument("--shape-file", help="YAML list of shapes (batch, seq, d_model, heads, ffn)")
-    d.add_argument("--trials", type=int, default=None, help="the study's total trial budget (default 120)")
-    d.add_argument("--timeout", type=float, default=420.0, help="seconds of search per shape (default 420)")
+    d.add_argument("--trials", type=int, default=None,
+                   help=f"the study's total trial budget, shared by all workers (default {DEFAULT_TRIALS})")
+    d.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds of search per shape (default 120: about 3 minutes a shape with the final phase)")
     d.add_argument("--sampler", default="tpe", help="tpe|random|grid|cmaes|gp|qmc")
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--storage", help="Optuna storage URL (default sqlite:///<out>/studies.db); journal:PATH too")
-    d.add_argument("--study-name")
+    d.add_argument("--storage", help="Optuna storage URL: sqlite:///PATH (default <out>/studies.db), journal:PATH "
+                                     "(default <out>/studies.journal with --workers), postgresql://... (several hosts)")
+    d.add_argument("--study-name", help="join this study (several hosts: the same name and --storage on each)")
     d.add_argument("--top-k", type=int, default=10)
     d.add_argument("--dtype", default="float16")
     d.add_argument("--l2", choices=["cold", "hot"], default="cold")
     d.add_argument("--out", default="results")
     d.add_argument("--search-space", help="a YAML search space (default: the shipped decoder.yaml)")
     d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv (no GPU needed)")
+    d.add_argument("--workers", type=int, help="study processes on one study, one per GPU (GPUs 0..N-1)")
+    d.add_argument("--gpus", help="the GPUs of the workers, e.g. 0,1,2,3 (one worker each)")
+    d.add_argument("--isolation", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile and run candidates in a supervised worker process (default: on a GPU, yes)")
+    d.add_argument("--trial-timeout", type=float, default=120.0,
+                   help="seconds before an isolated trial is killed as 'timeout' (default 120; the first trial "
+                        "of a worker gets 180 s more for compiling)")
     d.add_argument("--no-progress", action="store_true")
+    # Internal: how the parent of a --workers run starts its workers.
+    d.add_argument("--search-only", action="store_true", help=argparse.SUPPRESS)
+    d.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     d.set_defaults(func=cmd_decoder)
 
     r = sub.add_parser("report", help="re-draw tables and plots of a run folder")
@@ -315,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"tune: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RunError as e:
+        print(f"tune: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
         print("tune: interrupted; completed trials are kept in the study storage", file=sys.stderr)
         return 130

@@ -97,14 +97,34 @@ class GpuEvaluator:
         bad = check_config(cfg, self.shape, self.esize, self.device)
         return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
 
-    def evaluate(self, cfg: DecoderConfig) -> TrialResult:
+    # Test-only defects (tuner.faults' gpu_* actions): real kernels that fail on the real GPU.
+    DEFECTS = ("racy", "oob", "smem")
+
+    def evaluate(self, cfg: DecoderConfig, defect: str | None = None) -> TrialResult:
+        from dataclasses import replace
+
         from tuner.timing import time_replay
 
         why = self.invalid(cfg)
         if why:
             return TrialResult("invalid", reason=why)
+        if defect == "racy":  # reads its input before gdc_wait, with every kernel in the PDL chain
+            cfg = cfg.with_knobs(0.0, 1.0)
+        if defect == "smem":  # past the check on purpose: ~400 KB of shared memory per program
+            cfg = replace(cfg, qkv=replace(cfg.qkv, block_m=128, block_n=256, block_k=256, num_stages=4,
+                                           num_warps=8, split_k=1))
         try:
-            st = self._stack(cfg)
+            if defect in ("racy", "oob"):
+                from tuner.layer import DecoderStack
+
+                st = DecoderStack(self.shape, cfg, n_layers=self.n_layers, dtype=self.dtype, weights=self.weights)
+                if defect == "racy":
+                    st.racy = (1, "ffn2")
+                else:
+                    st.oob_layer = 1
+                st.capture()
+            else:
+                st = self._stack(cfg)
             self._checks += 1
             err = st.check(seed=self.seed * 100003 + self._checks)  # fresh random input every check
             if not err < st.tolerance():
@@ -186,7 +206,15 @@ class ReplayEvaluator:
         self.source = str(path)
         self.manifest = json.loads(man.read_text())
         df = pd.read_csv(csv)
-        self.params = [c for c in df.columns if "." in c and c.split(".")[0] in KERNELS]
+        from tuner.space import from_config
+
+        # Every parameter a config has today; one the recording predates (e.g. norm*.fuse) stands at its
+        # dataclass default in every recorded row, so a config that sets it otherwise is approximated.
+        defaults = from_config(DecoderConfig())
+        self.params = list(defaults)
+        for c in self.params:
+            if c not in df.columns:
+                df[c] = defaults[c]
         self.rows = df
         self.keys = {self._key(r): i for i, r in enumerate(df[self.params].to_dict("records"))}
         self.shape = shape or DecoderShape.from_dict(self.manifest["shape"])

@@ -9,6 +9,9 @@ whose flat parameters match a rule (``{"qkv.block_m": 128}``), does one of:
 * ``hang``: sleeps forever, as a PDL wait that never returns;
 * ``raise``: raises, as a kernel launch that fails; ``compile_error`` raises a ``CompilationError``;
 * ``incorrect``: returns an ``incorrect`` result, as a racy candidate caught by the correctness check.
+* ``gpu_racy``, ``gpu_oob``, ``gpu_smem`` (wrapping the real GPU evaluator): run a real defective kernel:
+  FFN2 reading its input before ``gdc_wait``; the QKV GEMM writing 2 TB past its output (illegal
+  address); a QKV tile that needs more shared memory than the GPU has (past the validity check).
 
 ``sleep_s`` slows every trial down (resume tests kill the study mid-trial). The command line reads the
 same settings from ``PDL_TUNE_FAULTS`` (JSON: ``{"rules": [{"match": {...}, "action": "hang"}],
@@ -25,7 +28,7 @@ import time
 from tuner.worker import EvaluatorSpec
 
 ENV = "PDL_TUNE_FAULTS"
-ACTIONS = ("crash", "segfault", "hang", "raise", "compile_error", "incorrect")
+ACTIONS = ("crash", "segfault", "hang", "raise", "compile_error", "incorrect", "gpu_racy", "gpu_oob", "gpu_smem")
 
 
 class CompilationError(Exception):
@@ -63,6 +66,9 @@ class FaultyEvaluator:
         from tuner.evaluate import TrialResult
 
         time.sleep(self.sleep_s)
+        why = self.inner.invalid(cfg)
+        if why:  # as on a GPU: an invalid config is refused before anything compiles or runs
+            return TrialResult("invalid", reason=why)
         action = self.matching_action(cfg)
         if action == "crash":
             os._exit(11)
@@ -76,6 +82,8 @@ class FaultyEvaluator:
             raise CompilationError("injected fault: the kernel does not compile")
         if action == "incorrect":
             return TrialResult("incorrect", reason="injected fault: wrong output", rel_error=1.0)
+        if action and action.startswith("gpu_"):
+            return self.inner.evaluate(cfg, defect=action[len("gpu_"):])
         return self.inner.evaluate(cfg)
 
 

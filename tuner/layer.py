@@ -130,10 +130,11 @@ class LayerBuffers:
 
 
 def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
-                   racy: str | None = None) -> list[tuple[str, callable]]:
+                   racy: str | None = None, oob: bool = False) -> list[tuple[str, callable]]:
     """The layer's kernel launches in order, as (kernel name, launch) pairs.
 
-    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait.
+    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
+    ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address).
     """
     r = lambda k: racy == k  # noqa: E731
     # A fused norm (NormConfig.fuse) launches no kernel: the next GEMM normalises x in its prologue.
@@ -149,7 +150,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
-                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), **ln1)),
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
@@ -217,6 +218,7 @@ class DecoderStack:
             if cfg.norm2.fuse:
                 w.folded("ffn1")
         self.racy: tuple[int, str] | None = None  # (layer, kernel) for the race-detection demonstration
+        self.oob_layer: int | None = None  # layer whose QKV GEMM writes out of bounds (test-only)
         self.graph = None
 
     @property
@@ -231,7 +233,9 @@ class DecoderStack:
         x = self.x
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
             racy = self.racy[1] if self.racy and self.racy[0] == i else None
-            x = layer_forward(self.shape, self.cfg, w, x, b, racy=racy)
+            for _, launch in layer_launches(self.shape, self.cfg, w, x, b, racy, oob=self.oob_layer == i):
+                launch()
+            x = b.y
         return x
 
     def launches(self, kernel: str) -> list:

@@ -284,7 +284,7 @@ def _status_counts(run: Run) -> str:
 # ----------------------------------------------------------------------------------------------
 
 TOPK_COLUMNS = ["rank", "trial", "latency_us", "spread_us", "speedup", "tie",
-                "qkv_op", "out_op", "ffn1_op", "ffn2_op", "tiles"]
+                "qkv_op", "out_op", "ffn1_op", "ffn2_op", "tiles", "replayed"]
 
 
 def topk_frame(run: Run) -> pd.DataFrame:
@@ -301,6 +301,7 @@ def topk_frame(run: Run) -> pd.DataFrame:
             c = kernels.get(g) or {}
             rec[f"{g}_op"] = format_op(c.get("overlap_ratio"), c.get("prefetch_ratio"))
         rec["tiles"] = format_tiles(kernels)
+        rec["replayed"] = run.replayed  # topk.csv read on its own still says its timings were not measured now
         for k in list(KERNELS) + sorted(set(kernels) - set(KERNELS)):
             for field, value in (kernels.get(k) or {}).items():
                 rec[f"{k}.{field}"] = value

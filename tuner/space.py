@@ -52,6 +52,19 @@ class SearchSpace:
     source: str
     dims: dict  # kernel -> {field: Dim}
 
+    def contains(self, params: dict, pdl: bool = True) -> bool:
+        """Whether fixed ``kernel.field`` values (a seed config) lie inside this space."""
+        for name, dim in self.params(pdl).items():
+            v = params.get(name)
+            if v is None:
+                return False
+            if dim.choices is not None:
+                if v not in dim.choices:
+                    return False
+            elif not (dim.low <= v <= dim.high or (dim.off and v < 0)):
+                return False
+        return True
+
     def params(self, pdl: bool = True) -> dict[str, Dim]:
         """Flat ``kernel.field`` -> Dim; the ratios vanish where PDL/prefetch cannot run."""
         out = {}
@@ -116,6 +129,8 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         unknown = set(sec) - set(names)
         if unknown:
             raise SpaceError(f"{source}: {fam}: unknown key(s) {sorted(unknown)}; expected {list(names)}")
+        # Switches added after version 1 shipped default to off, so older user files keep working.
+        sec = {**{f: [0] for f in SWITCHES if f in names}, **sec}
         missing = set(names) - set(sec)
         if missing:
             raise SpaceError(f"{source}: {fam}: missing key(s) {sorted(missing)}")

@@ -16,9 +16,12 @@ the next trial of any process picks up):
 from __future__ import annotations
 
 import copy
+import fcntl
 import inspect
 import os
+import re
 import socket
+import time
 import warnings
 from pathlib import Path
 
@@ -42,6 +45,11 @@ def default_url(out_root: Path, workers: int = 1) -> str:
     if workers > 1:
         return f"{JOURNAL_PREFIX}{(out_root / 'studies.journal').as_posix()}"
     return f"sqlite:///{(out_root / 'studies.db').as_posix()}"
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and manifests."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
 
 
 def _local_path(url: str) -> Path | None:
@@ -70,34 +78,61 @@ def _retry_callback():
         return RetryOnce(max_retry=1)
 
 
+def _with_driver(url: str) -> str:
+    """``postgresql://`` with the driver that is installed. SQLAlchemy 2.1 reads a bare postgresql:// as
+    psycopg 3; the test extra installs psycopg2-binary, which then needs ``postgresql+psycopg2://``."""
+    import importlib.util
+
+    if not url.startswith("postgresql://") or importlib.util.find_spec("psycopg") is not None:
+        return url
+    if importlib.util.find_spec("psycopg2") is not None:
+        return "postgresql+psycopg2://" + url[len("postgresql://"):]
+    return url
+
+
 def _rdb(url: str, heartbeat_interval_s: int, grace_period_s: int):
+    import sqlalchemy.exc
+
+    url = _with_driver(url)
     params = inspect.signature(optuna.storages.RDBStorage).parameters
     cb_name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
     engine_kwargs = {}
     if url.startswith("postgresql"):
         engine_kwargs = {"connect_args": {"connect_timeout": 10}}  # an unreachable host fails in 10 s, not 2 min
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs, heartbeat_interval=heartbeat_interval_s,
-                                          grace_period=grace_period_s, **{cb_name: _retry_callback()})
+    for attempt in range(3):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs,
+                                                  heartbeat_interval=heartbeat_interval_s,
+                                                  grace_period=grace_period_s, **{cb_name: _retry_callback()})
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError):
+            # Processes started together on an empty database all create Optuna's tables; all but one
+            # then fail on "already exists". The tables are there now: opening again succeeds.
+            if attempt == 2:
+                raise
+            time.sleep(0.5 + attempt)
 
 
 def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, grace_period_s: int = GRACE_PERIOD_S):
     """The Optuna storage object for ``url``. A folder missing for a SQLite or journal file is created;
     if the storage then fails to open, whatever was created here is removed again (StorageError)."""
     if "://" not in url and not url.startswith(JOURNAL_PREFIX):
-        raise StorageError(f"--storage {url!r}: expected a URL like sqlite:///results/studies.db, "
+        raise StorageError(f"--storage {redact(url)!r}: expected a URL like sqlite:///results/studies.db, "
                            "postgresql://user@host/db, or journal:PATH for a journal file")
     path = _local_path(url)
     existed = path.exists() if path is not None else True
-    created_dirs = _make_parents(path) if path is not None else []
+    try:
+        created_dirs = _make_parents(path) if path is not None else []
+    except OSError as e:
+        raise StorageError(f"--storage {redact(url)!r}: cannot create its folder ({e.strerror or e})") from None
     try:
         if url.startswith(JOURNAL_PREFIX):
             if not path or path.is_dir():
-                raise StorageError(f"--storage {url!r}: journal:PATH needs a file path")
+                raise StorageError(f"--storage {redact(url)!r}: journal:PATH needs a file path")
             from optuna.storages.journal import JournalFileBackend
 
-            return optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+            return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=FlockLock(str(path))))
         return _rdb(url, heartbeat_interval_s, grace_period_s)
     except Exception as e:  # noqa: BLE001 - any failure here is the user's URL or server
         if path is not None and not existed and path.is_file():
@@ -106,9 +141,31 @@ def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, 
             _rmdir_quiet(d)
         if isinstance(e, StorageError):
             raise
-        first = " ".join(str(e).split())[:200]
-        hint = " (pip install psycopg2-binary)" if "psycopg2" in first else ""
-        raise StorageError(f"--storage {url!r}: cannot open it ({type(e).__name__}: {first}){hint}") from None
+        first = " ".join(str(e).split()).replace(url, redact(url))[:200]
+        hint = " (pip install psycopg2-binary)" if url.startswith("postgresql") and isinstance(e, ImportError) else ""
+        raise StorageError(f"--storage {redact(url)!r}: cannot open it ({type(e).__name__}: {first}){hint}") from None
+
+
+class FlockLock:
+    """The journal file's write lock, as an ``flock`` on ``PATH.lock``: the kernel drops it when its holder
+    dies. Optuna's default lock is a symlink that a process killed mid-write leaves behind, and every
+    other process then waits out its 30 s grace period before breaking it. (Plain Optuna processes writing
+    the same journal at the same time would use their own lock: run the journal through `tune` only.)"""
+
+    def __init__(self, journal_path: str):
+        self._path = journal_path + ".lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> bool:
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self._fd = fd
+        return True
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 def _make_parents(path: Path) -> list[Path]:

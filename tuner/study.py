@@ -4,6 +4,11 @@ Strategy: one joint TPE (multivariate) study over every kernel's parameters. Its
 enqueued: the baseline (default tiles, every pair at (-1,-1)), and the hand-picked tiles with and
 without PDL + full prefetch, so every speedup is against a baseline measured in the same run and TPE
 starts from a known-good region. Parameters that clamp to an already-measured config reuse that result.
+
+One study may be shared by several processes (``tune decoder --workers N``, or the same command on
+several hosts): the trial budget is the study's, counted from the storage (``counts_against_budget``),
+so the processes together run exactly ``--trials`` trials. A process killed mid-trial leaves a FAIL
+trial that does not count and one retry of it (tuner.storage).
 """
 
 from __future__ import annotations
@@ -11,29 +16,36 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import optuna
+from optuna.trial import TrialState
 
 from tuner import manifest
-from tuner.config import KERNELS, DecoderConfig
+from tuner.config import DecoderConfig
 from tuner.evaluate import TrialResult
-from tuner.layer import check_config, default_config, fit_config
+from tuner.layer import default_config, fit_config
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
+from tuner.storage import OWNER_ATTR, default_url, open_storage, recover_orphans, redact, this_owner
+from tuner.worker import WorkerStartError
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
+MAX_GRID = 1_000_000
 
 
 class StudyError(ValueError):
     pass
 
 
-def make_sampler(name: str, seed: int, space: SearchSpace, pdl: bool):
+def make_sampler(name: str, seed: int, space: SearchSpace, pdl: bool, parallel: bool = False):
     if name == "tpe":
-        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=10)
+        # constant_liar: with several workers, a running trial counts as a bad result for the others'
+        # proposals, so two GPUs do not measure the same region at once.
+        return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=10, constant_liar=parallel)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
     if name == "qmc":
@@ -48,6 +60,10 @@ def make_sampler(name: str, seed: int, space: SearchSpace, pdl: bool):
             if d.choices is None:
                 raise StudyError("--sampler grid needs categorical choices only (no continuous ratio ranges)")
             grid[k] = list(d.choices)
+        size = math.prod(len(v) for v in grid.values())
+        if size > MAX_GRID:  # GridSampler lists every point up front: the default space would not fit in memory
+            raise StudyError(f"--sampler grid: the search space has {size:.2g} points (at most {MAX_GRID:.0e}); "
+                             "give a small --search-space or another sampler")
         return optuna.samplers.GridSampler(grid, seed=seed)
     raise StudyError(f"unknown sampler {name!r}: choose one of {', '.join(SAMPLERS)}")
 
@@ -64,20 +80,22 @@ def config_hash(cfg: DecoderConfig) -> str:
 
 @dataclass
 class StudyOptions:
-    trials: int = 120
-    timeout_s: float | None = 420.0
+    trials: int = 120  # the study's total budget, shared by every worker process
+    timeout_s: float | None = 120.0  # seconds of search, per process
     sampler: str = "tpe"
     seed: int = 0
-    storage: str | None = None
+    storage: object = None  # a URL (sqlite:///..., postgresql://..., journal:PATH) or an Optuna storage
     study_name: str | None = None
     top_k: int = 10
     dtype: str = "float16"
     l2: str = "cold"
     remeasure_rounds: int = 40
     progress: bool = True
+    workers: int = 1  # study processes sharing the study (recorded in the manifest)
+    worker_index: int = 0  # this process's index: its sampler seed is seed + index, so workers differ
 
 
-def _record(trial, cfg: DecoderConfig, res: TrialResult, baseline_us: float | None):
+def _record(trial, cfg: DecoderConfig, res: TrialResult):
     trial.set_user_attr("status", res.status)
     trial.set_user_attr("reason", res.reason[:500])
     trial.set_user_attr("spread_us", res.spread_us if not math.isnan(res.spread_us) else None)
@@ -86,104 +104,242 @@ def _record(trial, cfg: DecoderConfig, res: TrialResult, baseline_us: float | No
     trial.set_user_attr("config", cfg.to_dict())
 
 
-def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, out_root: Path,
-              command: list[str], log=print) -> Path:
-    """Run (or continue) the study for ``shape`` and write its run folder; returns the folder."""
+# ----------------------------------------------------------------------------------------------
+# The budget, shared by every process of the study
+# ----------------------------------------------------------------------------------------------
+
+def counts_against_budget(t) -> bool:
+    """A trial that is or will be evaluated. Not counted: a FAIL without a status (its process was
+    killed mid-trial; its retry counts instead) and a PRUNED one (a worker found the budget spent)."""
+    if t.state == TrialState.PRUNED:
+        return False
+    if t.state == TrialState.FAIL:
+        return "status" in t.user_attrs
+    return True
+
+
+def spent(trials) -> int:
+    """Budget spent: evaluated, running and queued trials."""
+    return sum(counts_against_budget(t) for t in trials)
+
+
+def evaluated(trials) -> int:
+    """Trials with a result (what the progress bar and the tables count)."""
+    return sum(t.state.is_finished() and counts_against_budget(t) for t in trials)
+
+
+def _budget_done(study, budget: int) -> bool:
+    trials = study.get_trials(deepcopy=False)
+    return spent(trials) >= budget and not any(t.state == TrialState.WAITING for t in trials)
+
+
+# ----------------------------------------------------------------------------------------------
+# Opening the study, searching, and the whole run
+# ----------------------------------------------------------------------------------------------
+
+def _device_name(evaluator) -> str:
+    return getattr(evaluator, "device_name", None) or evaluator.device.name
+
+
+def storage_url(opts: StudyOptions, out_root: Path) -> str:
+    """What the manifest records as the storage."""
+    if opts.storage is None:
+        return default_url(out_root, opts.workers)
+    return redact(opts.storage) if isinstance(opts.storage, str) else type(opts.storage).__name__
+
+
+def _check_identity(study, ident: dict) -> None:
+    old = study.user_attrs.get("identity")
+    if not old or old == ident:
+        study.set_user_attr("identity", ident)
+        return
+    if old.get("gpu") != ident["gpu"]:
+        raise StudyError(f"study {study.study_name!r} runs on {old.get('gpu')}, this process on {ident['gpu']}: "
+                         "workers of one study must use the same GPU model (or give another --study-name)")
+    diff = ", ".join(f"{k} {old.get(k)!r} (here {v!r})" for k, v in ident.items() if old.get(k) != v)
+    raise StudyError(f"study {study.study_name!r} was started with {diff}: use another --study-name")
+
+
+def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSpace, log=print) -> None:
+    """The baseline and the hand-picked tiles (with and without knobs), where the space holds them.
+
+    A seed outside a user's restricted space is not enqueued (Optuna would reject its values, and the
+    search must stay inside what the user asked for); the baseline is measured anyway in the final
+    phase, interleaved with the top-k, and every speedup is against that measurement.
+    """
     from tuner.bench import hand_picked
 
+    hp = hand_picked(shape)
+    seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None)]
+    if pdl:
+        seeds.append((hp.without_knobs(), None))
+    study.set_user_attr("seeded", True)
+    for cfg, attrs in seeds:
+        params = from_config(cfg, pdl)
+        if space.contains(params, pdl):
+            study.enqueue_trial(params, user_attrs=attrs)
+        elif attrs:
+            log(f"{shape.label}: the baseline's tiles are outside {space.source}: it is measured in the final "
+                "phase only")
+
+
+def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, out_root: Path,
+               log=print) -> optuna.Study:
+    """Create or load the study, check that this process may join it, recover the trials of dead
+    processes, and queue the first trials once."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     pdl = bool(evaluator.pdl)
-    dev_name = getattr(evaluator, "device_name", None) or evaluator.device.name
+    dev_name = _device_name(evaluator)
     name = opts.study_name or study_name(shape, opts.dtype, dev_name, opts.l2, evaluator.replayed)
-    storage = opts.storage or f"sqlite:///{(out_root / 'studies.db').as_posix()}"
-    sampler = make_sampler(opts.sampler, opts.seed, space, pdl)
-    study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler,
-                                load_if_exists=True)
-    ident = {"shape": shape.spec, "dtype": opts.dtype, "gpu": dev_name, "l2": opts.l2}
-    old = study.user_attrs.get("identity")
-    if old and old != ident:
-        raise StudyError(f"study {name!r} belongs to {old}, not {ident}: use another --study-name")
-    study.set_user_attr("identity", ident)
+    storage = opts.storage if opts.storage is not None else default_url(out_root, opts.workers)
+    if isinstance(storage, str):
+        storage = open_storage(storage)
+    sampler = make_sampler(opts.sampler, opts.seed + opts.worker_index, space, pdl, parallel=opts.workers > 1)
+    try:
+        study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler)
+        created = True
+    except optuna.exceptions.DuplicatedStudyError:
+        study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
+        created = False
+    _check_identity(study, {"shape": shape.spec, "dtype": opts.dtype, "gpu": dev_name, "l2": opts.l2})
+    lost = recover_orphans(study)
+    if lost:
+        log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died): "
+            "marked failed, retried once")
+    # The first trials are queued by the process that created the study: processes started together
+    # on several hosts would otherwise all see none queued yet and queue them once each. A study whose
+    # creator died before queueing them gets them from the next process that finds none.
+    trials = study.get_trials(deepcopy=False)
+    seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") for t in trials)
+    if created or (trials and not seeded):
+        _enqueue_first_trials(study, shape, pdl, space, log)
+    return study
 
-    base_cfg = default_config(shape)
-    done = [t for t in study.trials if t.state.is_finished()]
-    if not any(t.user_attrs.get("is_baseline") for t in done):
-        study.enqueue_trial(from_config(base_cfg, pdl), user_attrs={"is_baseline": True})
-        hp = hand_picked(shape)
-        study.enqueue_trial(from_config(hp if pdl else hp.without_knobs(), pdl))
-        if pdl:
-            study.enqueue_trial(from_config(hp.without_knobs(), pdl))
+
+def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget: int, log):
+    """The objective: claim a slot of the shared budget, then evaluate (or reuse a measured duplicate)."""
+    pdl = bool(evaluator.pdl)
+    owner = this_owner()
+    done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
     cache = {t.user_attrs["config_hash"]: t for t in done if "config_hash" in t.user_attrs}
 
-    def objective(trial: optuna.Trial) -> float:
+    def evaluate(trial: optuna.Trial) -> float:
         params = suggest(trial, space, pdl)
         cfg = fit_config(to_config(params), shape)
         h = config_hash(cfg)
         if h in cache and cache[h].user_attrs.get("status") not in (None, "crashed", "timeout"):
             prev = cache[h]
             for k, v in prev.user_attrs.items():
-                if k != "is_baseline":
+                if k not in ("is_baseline", OWNER_ATTR):
                     trial.set_user_attr(k, v)
             trial.set_user_attr("duplicate_of", prev.number)
             return prev.value if prev.value is not None else float("nan")
         res = evaluator.evaluate(cfg)
-        _record(trial, cfg, res, None)
+        _record(trial, cfg, res)
         cache[h] = trial
         if res.status != "ok":
             return float("nan")  # a FAIL trial for Optuna; the status says why
         return res.latency_us
 
-    remaining = opts.trials - len([t for t in study.trials if t.state.is_finished()])
+    def objective(trial: optuna.Trial) -> float:
+        trial.set_user_attr(OWNER_ATTR, owner)  # who to ask whether this trial is still running
+        earlier = [t for t in study.get_trials(deepcopy=False) if t.number < trial.number]
+        if spent(earlier) >= budget:
+            # Several processes asked for a trial at once and the others took the last slots: this one
+            # is left out (PRUNED, not counted) rather than running past the budget.
+            trial.set_user_attr("surplus", True)
+            raise optuna.TrialPruned("the budget was spent by other workers")
+        try:
+            return evaluate(trial)
+        except WorkerStartError:
+            raise  # no worker, no trial: stop the study rather than fail every trial the same way
+        except Exception as e:  # noqa: BLE001 - a trial without a status would be taken for an interrupted one
+            log(f"trial {trial.number}: {type(e).__name__}: {e}")
+            trial.set_user_attr("status", "crashed")
+            trial.set_user_attr("reason", f"{type(e).__name__}: {' '.join(str(e).split())}"[:500])
+            return float("nan")
+
+    return objective
+
+
+def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
+    """Run trials until the study's budget is spent (by this process and every other) or the timeout."""
+    if _budget_done(study, opts.trials):
+        return
+    objective = _objective(study, shape, evaluator, space, opts.trials, log)
+    bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
-    if remaining > 0:
-        bar = None
-        if opts.progress:
-            from tqdm import tqdm
 
-            bar = tqdm(total=opts.trials, initial=opts.trials - remaining, desc=f"{shape.label}", unit="trial")
+    def after_trial(st, tr):
+        recover_orphans(st)  # a sibling process may have died mid-trial
+        if bar is not None:
+            update_progress(bar, st, opts.timeout_s - (time.time() - t0) if opts.timeout_s else None)
+        if _budget_done(st, opts.trials):
+            st.stop()
 
-        def on_done(st, tr):
-            if bar is None:
-                return
-            bar.update(1)
-            try:
-                best = st.best_value
-                base = _baseline_trial(st)
-                sp = base.value / best if base is not None and base.value else float("nan")
-                left = opts.timeout_s - (time.time() - t0) if opts.timeout_s else None
-                bar.set_postfix_str(f"best {best:.2f} us, {sp:.2f}x" + (f", <= {left:.0f}s left" if left else ""))
-            except ValueError:
-                pass
-
-        study.optimize(objective, n_trials=remaining, timeout=opts.timeout_s, callbacks=[on_done],
-                       catch=(Exception,))
+    try:
+        # catch=(): the objective gives every failing candidate its status itself; what still escapes
+        # (no worker, Ctrl-C) must stop the study, not be counted as a trial.
+        study.optimize(objective, n_trials=None, timeout=opts.timeout_s, callbacks=[after_trial], catch=())
+    finally:
         if bar is not None:
             bar.close()
-    log(f"{shape.label}: {len(study.trials)} trials in the study, search took {time.time() - t0:.0f}s")
-    return finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, storage, log)
 
 
-def _baseline_trial(study):
-    for t in study.trials:
-        if t.user_attrs.get("is_baseline") and t.state == optuna.trial.TrialState.COMPLETE:
-            return t
-    return None
+def progress_bar(study, budget: int, label: str):
+    from tqdm import tqdm
+
+    return tqdm(total=budget, initial=evaluated(study.get_trials(deepcopy=False)), desc=label, unit="trial")
+
+
+def update_progress(bar, study, seconds_left: float | None = None) -> None:
+    """Every process's trials, read from the storage: best latency and its speedup over the baseline."""
+    trials = study.get_trials(deepcopy=False)
+    bar.n = evaluated(trials)
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
+    if ok:
+        best = min(t.value for t in ok)
+        base = next((t.value for t in ok if t.user_attrs.get("is_baseline")), None)
+        text = f"best {best:.2f} us" + (f", {base / best:.2f}x" if base else "")
+        bar.set_postfix_str(text + (f", <= {seconds_left:.0f}s left" if seconds_left else ""), refresh=False)
+    bar.refresh()
+
+
+def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, out_root: Path,
+              command: list[str], log=print) -> Path:
+    """Run (or continue) the study for ``shape`` and write its run folder; returns the folder."""
+    study = open_study(shape, evaluator, space, opts, out_root, log)
+    t0 = time.time()
+    search(study, shape, evaluator, space, opts, log)
+    log(f"{shape.label}: {evaluated(study.get_trials(deepcopy=False))} trials in the study, "
+        f"search took {time.time() - t0:.0f}s")
+    return finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
+                  storage_url(opts, out_root), log)
+
+
+def trial_status(t) -> str:
+    """The trial's status; a FAIL without one was interrupted (its process died mid-trial)."""
+    if "status" in t.user_attrs:
+        return t.user_attrs["status"]
+    return "interrupted" if t.state == TrialState.FAIL else "unknown"
 
 
 def trials_frame(study):
+    """One row per finished trial; surplus trials (PRUNED: never evaluated) are left out."""
     import pandas as pd
 
     rows = []
     for t in study.trials:
-        if not t.state.is_finished():
+        if not t.state.is_finished() or t.state == TrialState.PRUNED:
             continue
         ua = t.user_attrs
         cfg = ua.get("config")
-        row = {"number": t.number, "status": ua.get("status", "crashed" if t.state.name == "FAIL" else "unknown"),
+        row = {"number": t.number, "status": trial_status(t),
                "reason": ua.get("reason", ""), "latency_us": t.value if t.value is not None else math.nan,
                "spread_us": ua.get("spread_us") if ua.get("spread_us") is not None else math.nan,
                "approximated": bool(ua.get("approximated", False)), "is_baseline": bool(ua.get("is_baseline", False)),
-               "duplicate_of": ua.get("duplicate_of", "")}
+               "duplicate_of": ua.get("duplicate_of", ""), "retry_of": t.system_attrs.get("failed_trial", ""),
+               "worker_pid": (ua.get(OWNER_ATTR) or {}).get("pid", "")}
         if cfg:
             for k, c in cfg["kernels"].items():
                 for f, v in c.items():
@@ -234,8 +390,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     breakdown = None
     try:
         b_best = evaluator.breakdown(best_cfg)
-        b_base = evaluator.breakdown(base_cfg) if not evaluator.replayed else (
-            getattr(evaluator, "_breakdown", None) or {}).get("baseline")
+        b_base = evaluator.breakdown(base_cfg)
         if b_best:
             breakdown = {"best": b_best, "baseline": b_base, "floor_us": base.floor_us}
     except Exception as e:  # noqa: BLE001 - the breakdown is a report, not the result
@@ -247,17 +402,20 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     except Exception as e:  # noqa: BLE001
         log(f"parameter importance failed: {type(e).__name__}: {e}")
 
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run = out_root / shape.label / f"{stamp}-{opts.sampler}{'-replay' if evaluator.replayed else ''}"
+    final = _new_run_dir(out_root / shape.label, f"{opts.sampler}{'-replay' if evaluator.replayed else ''}")
+    # Written under a temporary name and renamed when complete: a killed run never leaves a run folder
+    # that looks finished but lacks best.json or its tables.
+    run = final.with_name(final.name + ".partial")
     dev = _device_dict(evaluator)
+    searched_base = df[df["is_baseline"] & (df["status"] == "ok")]
     baselines = dict(base.to_dict(), baseline_us=base_us, baseline_spread_us=base_spread,
-                     search_baseline_us=float(df.loc[df["is_baseline"], "latency_us"].iloc[0])
-                     if df["is_baseline"].any() else None)
+                     search_baseline_us=float(searched_base["latency_us"].iloc[0]) if len(searched_base) else None)
     man = manifest.make(command, kind="decoder", shape=shape.to_dict(), dtype=opts.dtype, replayed=evaluator.replayed,
                         replay_source=getattr(evaluator, "source", None), measured_on=dev,
                         policy=evaluator.policy(), sampler=opts.sampler, seed=opts.seed, study_name=study.study_name,
-                        storage=storage, n_trials=len(df), search_space=space.source, baselines=baselines,
-                        statuses=df["status"].value_counts().to_dict())
+                        storage=storage, n_trials=int((df["status"] != "interrupted").sum()),
+                        search_space=space.source, baselines=baselines, statuses=df["status"].value_counts().to_dict(),
+                        workers=opts.workers, isolated=bool(getattr(evaluator, "isolated", False)))
     if evaluator.replayed:
         man["gpu"] = dev  # the GPU the recording was made on
     manifest.write_json_atomic(run / "manifest.json", man)
@@ -276,6 +434,16 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     from tuner import report
 
     report.write_reports(run)
+    os.replace(run, final)
+    return final
+
+
+def _new_run_dir(parent: Path, suffix: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run, n = parent / f"{stamp}-{suffix}", 1
+    while run.exists() or run.with_name(run.name + ".partial").exists():  # two runs in one second
+        n += 1
+        run = parent / f"{stamp}-{suffix}-{n}"
     return run
 
 

@@ -2,8 +2,8 @@
 
 A candidate can take its process down with it: an illegal address leaves the CUDA context unusable, a
 compiler bug segfaults, a racy PDL config can hang in ``griddepcontrol.wait``. ``IsolatedEvaluator``
-keeps all of that in a child process (``multiprocessing`` spawn context, so the study process never
-initialises CUDA for a candidate) and turns it into the trial's status:
+keeps all of that in a child process (a fresh interpreter, so the study process never initialises CUDA
+for a candidate and a broken context dies with the child) and turns it into the trial's status:
 
 * no answer within the per-trial timeout -> the child is killed, the trial is ``timeout``;
 * the child dies (segfault, ``os._exit``, a CUDA error that aborts) -> the trial is ``crashed`` with the
@@ -18,13 +18,16 @@ The next call starts a fresh child. The evaluator itself is named by a picklable
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 # A normal GPU trial (compile 7 kernels, check, time a graph) takes seconds; 120 s means stuck.
 TRIAL_TIMEOUT_S = 120.0
@@ -34,6 +37,7 @@ FIRST_TRIAL_EXTRA_S = 180.0
 # baseline) are long but bounded.
 START_TIMEOUT_S = 600.0
 CALL_TIMEOUT_S = 3600.0
+POLL_S = 0.5
 
 
 class WorkerError(RuntimeError):
@@ -177,8 +181,8 @@ class IsolatedEvaluator:
             return
         try:
             self._conn.send(("close", ()))
-            self._proc.join(timeout=5)
-        except (OSError, ValueError):
+            self._proc.wait(timeout=5)
+        except (OSError, subprocess.TimeoutExpired):
             pass
         self._stop()
 
@@ -191,19 +195,23 @@ class IsolatedEvaluator:
     # ------------------------------------------------------------------ the worker process
 
     def _start(self) -> dict:
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        # Not a daemon: a daemonic process may not start children, and torch.compile's workers are some.
-        # exit_with_parent in the child and close() at exit end it instead.
-        self._proc = ctx.Process(target=_serve, args=(child_conn, self.spec, os.getpid(), self.env),
-                                 name="pdl-tune-evaluator")
-        self._proc.start()
-        child_conn.close()  # only the child holds its end: its death reads as EOF here
+        # A fresh interpreter (not fork: CUDA must start clean; not multiprocessing's spawn either: that
+        # re-runs the caller's __main__, which a notebook or an unguarded script cannot survive). It gets
+        # this process's sys.path, like spawn does, and one end of a socket pair as its connection.
+        ours, theirs = socket.socketpair()
+        boot = ("import json, sys; sys.path[:0] = json.loads(sys.argv[2]); "
+                "from tuner.worker import serve; serve(int(sys.argv[1]))")
+        self._proc = subprocess.Popen([sys.executable, "-c", boot, str(theirs.fileno()), json.dumps(sys.path)],
+                                      pass_fds=(theirs.fileno(),), env=dict(os.environ, **self.env),
+                                      stdin=subprocess.DEVNULL)
+        theirs.close()  # only the worker holds its end now
+        self._conn = Connection(ours.detach())
         self.starts += 1
         self._fresh = True
         try:
+            self._conn.send((self.spec, os.getpid()))
             return self._receive(self.start_timeout_s, "while starting")
-        except WorkerError as e:
+        except (WorkerError, OSError) as e:
             self._stop()
             raise WorkerStartError(f"the evaluator worker did not start: {e}") from None
 
@@ -212,40 +220,47 @@ class IsolatedEvaluator:
             self.info = self._start()
         try:
             self._conn.send((method, args))
-        except (OSError, ValueError):  # the worker died between two calls
+        except OSError:  # the worker died between two calls
             code = self._exitcode()
             self._stop()
             raise _WorkerDied(f"worker died before {method} ({describe_exit(code)})") from None
         return self._receive(timeout, f"in {method}")
 
     def _receive(self, timeout: float, what: str):
-        ready = wait([self._conn, self._proc.sentinel], timeout)
-        if self._conn in ready:
-            try:
-                kind, payload = self._conn.recv()
-            except (EOFError, OSError):
-                kind = None  # it died while answering
-            if kind == "ok":
-                return payload
-            if kind == "error":
-                raise WorkerError(payload)
-        if not ready:
-            self._stop()
-            raise _WorkerHung(f"no answer {what} within {timeout:.0f} s: worker killed")
+        deadline = time.monotonic() + timeout
+        # Short waits: a dead worker is noticed by its exit status too, in case a process it started
+        # still holds its end of the socket open.
+        while not wait([self._conn], min(POLL_S, max(0.0, deadline - time.monotonic()))):
+            if self._proc.poll() is not None:
+                return self._died(what)
+            if time.monotonic() >= deadline:
+                self._stop()
+                raise _WorkerHung(f"no answer {what} within {timeout:.0f} s: worker killed")
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            return self._died(what)  # it died while answering, or just before
+        if kind == "error":
+            raise WorkerError(payload)
+        return payload
+
+    def _died(self, what: str):
         code = self._exitcode()
         self._stop()
         raise _WorkerDied(f"worker died {what} ({describe_exit(code)})")
 
     def _exitcode(self) -> int | None:
-        self._proc.join(timeout=5)
-        return self._proc.exitcode
+        try:
+            return self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _stop(self) -> None:
         if self._proc is None:
             return
-        if self._proc.is_alive():
+        if self._proc.poll() is None:
             self._proc.kill()
-        self._proc.join(timeout=10)
+        self._proc.wait()
         self._conn.close()
         self._proc = self._conn = None
 
@@ -253,11 +268,14 @@ class IsolatedEvaluator:
 # ---------------------------------------------------------------------- inside the worker
 
 
-def _serve(conn, spec: EvaluatorSpec, parent_pid: int, env: dict[str, str]) -> None:
-    """The worker's loop: build the evaluator, then answer (method, args) until told to close."""
-    os.environ.update(env)  # e.g. CUDA_VISIBLE_DEVICES, before anything initialises CUDA
+def serve(fd: int) -> None:
+    """The worker's loop (``fd``: its end of the socket): build the evaluator, then answer (method, args)
+    until told to close or the study process is gone."""
+    os.set_inheritable(fd, False)  # processes the candidate starts must not keep the study's socket open
+    conn = Connection(fd)
     # Ctrl-C reaches the whole process group: the study process decides, the worker must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    spec, parent_pid = conn.recv()
     exit_with_parent(parent_pid)
     try:
         ev = spec.build()
@@ -269,7 +287,7 @@ def _serve(conn, spec: EvaluatorSpec, parent_pid: int, env: dict[str, str]) -> N
         try:
             method, args = conn.recv()
         except (EOFError, OSError):
-            return  # the study process is gone
+            return
         if method == "close":
             return
         try:

@@ -1,0 +1,388 @@
+"""`tune` end to end on CPU: `tune decoder --replay` serves the H200 recording in tests/data (a real
+`tune decoder` run), then resume, export, report, shapes, and every user mistake: exit code 2, one line
+on stderr, no traceback, nothing written.
+
+``tuner.cli.main(argv)`` runs in-process; one test runs the installed `tune` console script.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.resources
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pandas as pd
+import pytest
+import yaml
+
+import tuner
+from tuner import space as space_mod
+from tuner.cli import main
+from tuner.config import DecoderConfig
+from tuner.layer import default_config
+from tuner.report import REPLAYED_LINE
+from tuner.shapes import PRESETS
+
+REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
+BUDGET = 25
+STATUSES = {"ok", "invalid", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed"}
+SEED_HEADERS = ["Rank", "Latency(us)", "±", "Speedup", "QKV(o,p)", "Output(o,p)", "FFN1(o,p)", "FFN2(o,p)", "tiles"]
+TOPK_COLUMNS = ["rank", "trial", "latency_us", "spread_us", "speedup", "tie", "qkv_op", "out_op", "ffn1_op",
+                "ffn2_op", "tiles", "replayed"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def tune(*argv) -> tuple[int, str, str]:
+    """``tune ARGV`` in this process: (exit code, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def decoder(out, trials=BUDGET, *extra) -> tuple[int, str, str]:
+    return tune("decoder", "--replay", REPLAY, "--trials", trials, "--no-progress", "--out", out, *extra)
+
+
+def run_folder(stdout: str) -> Path:
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("run folder: ")]
+    assert len(lines) == 1, stdout[-2000:]
+    return Path(lines[0][len("run folder: "):])
+
+
+def study_of(run: Path) -> optuna.Study:
+    """The study a run folder came from, opened from ``<out>/studies.db`` (the default storage)."""
+    manifest = json.loads((run / "manifest.json").read_text())
+    out_root = run.parent.parent
+    return optuna.load_study(study_name=manifest["study_name"],
+                             storage=f"sqlite:///{(out_root / 'studies.db').as_posix()}")
+
+
+def finished(study) -> list[tuple]:
+    """(number, state, params, value) of every finished trial, in order."""
+    return [(t.number, t.state.name, t.params, t.value) for t in study.trials if t.state.is_finished()]
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under ``folder`` with a hash of its bytes (to show that nothing was written)."""
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): hashlib.sha1(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def first(tmp_path_factory):
+    """One replayed `tune decoder` run of the budget, shared by the tests that only read it."""
+    out = tmp_path_factory.mktemp("results")
+    rc, stdout, stderr = decoder(out)
+    assert rc == 0, stderr
+    return out, run_folder(stdout), stdout, stderr
+
+
+@pytest.fixture
+def run_copy(first, tmp_path):
+    """A copy of the shared run folder that a test may change."""
+    return Path(shutil.copytree(first[1], tmp_path / "run"))
+
+
+# ------------------------------------------------------------------------------------------------
+# tune decoder --replay, end to end
+# ------------------------------------------------------------------------------------------------
+
+def test_decoder_replay_writes_the_run_folder(first):
+    out, run, stdout, stderr = first
+    assert run.parent == out / "bert-base"
+    assert stdout.startswith("REPLAYING ") and "nothing is measured now" in stdout.splitlines()[0]
+    assert "Traceback" not in stderr
+    for name in ("manifest.json", "trials.csv", "topk.md", "topk.csv", "topk.json", "best.json"):
+        assert (run / name).is_file(), name
+    for name in ("history", "topk"):
+        png = run / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG, png
+    assert (out / "studies.db").is_file()
+
+
+def test_manifest_says_replayed(first):
+    _, run, _, _ = first
+    m = json.loads((run / "manifest.json").read_text())
+    assert m["replayed"] is True and m["kind"] == "decoder"
+    assert m["gpu"]["name"] == "NVIDIA H200"  # the GPU the recording was made on
+    assert m["shape"]["name"] == "bert-base" and m["n_trials"] == BUDGET
+    assert str(REPLAY) in json.dumps(m)  # where the timings came from
+
+
+def test_trials_csv(first):
+    _, run, _, _ = first
+    trials = pd.read_csv(run / "trials.csv")
+    assert trials["number"].tolist() == list(range(BUDGET))
+    assert set(trials["status"]) <= STATUSES
+    assert (trials["status"] == "ok").sum() >= 3
+    base = trials[trials["is_baseline"]]
+    assert base["number"].tolist() == [0] and base["status"].item() == "ok"
+    # The baseline row is the default tiles with every pair at (-1, -1), parameter by parameter.
+    for name, value in space_mod.from_config(default_config(PRESETS["bert-base"])).items():
+        assert base[name].item() == value, name
+    assert trials.loc[trials["status"] != "ok", "latency_us"].isna().all()
+
+
+def test_topk_tables(first):
+    _, run, stdout, _ = first
+    md = (run / "topk.md").read_text()
+    assert md.splitlines()[0] == REPLAYED_LINE
+    header = next(ln for ln in md.splitlines() if ln.startswith("| Rank"))
+    assert [c.strip() for c in header.strip("|").split("|")] == SEED_HEADERS
+    assert md in stdout  # the table is printed too
+    topk = pd.read_csv(run / "topk.csv")
+    assert topk.columns.tolist()[:len(TOPK_COLUMNS)] == TOPK_COLUMNS
+    assert 1 <= len(topk) <= 10 and topk["rank"].tolist() == list(range(1, len(topk) + 1))
+    assert topk["replayed"].all()  # a CSV read on its own still says where its timings came from
+    tj = json.loads((run / "topk.json").read_text())
+    assert tj["replayed"] is True and [r["trial"] for r in tj["rows"]] == topk["trial"].tolist()
+
+
+def test_best_json(first):
+    _, run, _, _ = first
+    best = json.loads((run / "best.json").read_text())
+    topk = json.loads((run / "topk.json").read_text())
+    assert best["schema_version"] == 1 and best["replayed"] is True
+    assert best["config"] == topk["rows"][0]["config"]
+    assert best["speedup"] == pytest.approx(best["baseline_us"] / best["latency_us"])
+
+
+def test_rerun_continues_the_same_study(first, tmp_path):
+    before = finished(study_of(first[1]))
+    assert len(before) == BUDGET
+    out = Path(shutil.copytree(first[0], tmp_path / "results"))
+
+    # The same command again: the budget is spent, nothing new is run.
+    rc, stdout, stderr = decoder(out)
+    assert rc == 0, stderr
+    again = run_folder(stdout)
+    assert finished(study_of(again)) == before
+    assert json.loads((again / "manifest.json").read_text())["n_trials"] == BUDGET
+
+    # A larger budget adds exactly the difference, and keeps every completed trial as it was.
+    rc, stdout, stderr = decoder(out, BUDGET + 5)
+    assert rc == 0, stderr
+    more = run_folder(stdout)
+    after = study_of(more)
+    now = finished(after)
+    assert len(now) == BUDGET + 5 and now[:BUDGET] == before
+    assert [t.number for t in after.trials] == list(range(BUDGET + 5))
+    # No completed trial is run again: a new trial whose config was already measured reuses that result.
+    hashes = {t.user_attrs["config_hash"]: t.number for t in after.trials[:BUDGET] if "config_hash" in t.user_attrs}
+    for t in after.trials[BUDGET:]:
+        h = t.user_attrs.get("config_hash")
+        if h in hashes:
+            assert t.user_attrs.get("duplicate_of") is not None, t.number
+    assert len(pd.read_csv(more / "trials.csv")) == BUDGET + 5
+    assert len({first[1].name, again.name, more.name}) == 3  # three runs, three folders
+
+
+def test_rerun_with_another_identity_is_refused(first, tmp_path):
+    out = Path(shutil.copytree(first[0], tmp_path / "results"))
+    name = json.loads((first[1] / "manifest.json").read_text())["study_name"]
+    before, files = finished(study_of(out / "bert-base" / first[1].name)), snapshot(out)
+    rc, stdout, stderr = decoder(out, BUDGET + 5, "--study-name", name, "--l2", "hot")
+    assert rc == 2 and stderr.startswith("tune: error: ") and stderr.count("\n") == 1, stderr
+    assert name in stderr and "--study-name" in stderr
+    assert finished(study_of(out / "bert-base" / first[1].name)) == before
+    assert snapshot(out) == files
+
+
+def test_export(first, tmp_path):
+    _, run, _, _ = first
+    target = tmp_path / "exported" / "best.json"
+    rc, stdout, stderr = tune("export", run, "-o", target)
+    assert rc == 0 and stderr == "" and str(target) in stdout
+    exported = json.loads(target.read_text())
+    assert exported == json.loads((run / "best.json").read_text())
+    cfg = tuner.load_config(target, shape="bert-base", gpu="NVIDIA H200", strict=True)
+    assert isinstance(cfg, DecoderConfig) and cfg.to_dict() == exported["config"]
+    # Without -o the JSON goes to stdout.
+    rc, stdout, _ = tune("export", run)
+    assert rc == 0 and json.loads(stdout) == exported
+
+
+def test_report_redraws_tables_and_plots(first, run_copy):
+    md = (run_copy / "topk.md").read_text()
+    for name in ("topk.md", "topk.csv"):
+        (run_copy / name).unlink()
+    shutil.rmtree(run_copy / "plots")
+    rc, stdout, stderr = tune("report", run_copy)
+    assert rc == 0 and stderr == ""
+    assert (run_copy / "topk.md").read_text() == md and md in stdout
+    assert (run_copy / "topk.csv").is_file()
+    for name in ("history", "topk"):
+        assert (run_copy / "plots" / f"{name}.png").read_bytes()[:8] == PNG
+
+
+def test_shapes():
+    rc, stdout, stderr = tune("shapes")
+    assert rc == 0 and stderr == ""
+    for name, shape in PRESETS.items():
+        line = next(ln for ln in stdout.splitlines() if ln.startswith(name + " "))
+        assert shape.spec in line
+    assert set(PRESETS) == {"tiny", "bert-base", "bert-large"}
+
+
+def _tune_script() -> str:
+    """The `tune` console script of this Python's installation (pip install -e . puts it beside python)."""
+    script = shutil.which("tune", path=str(Path(sys.executable).parent)) or shutil.which("tune")
+    assert script, "no `tune` console script: install the project with `pip install -e .`"
+    return script
+
+
+def test_console_script(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    out = tmp_path / "results"
+    p = subprocess.run([_tune_script(), "decoder", "--replay", str(REPLAY), "--trials", "6", "--top-k", "3",
+                        "--no-progress", "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = run_folder(p.stdout)
+    assert (run / "best.json").is_file() and len(pd.read_csv(run / "trials.csv")) == 6
+    assert "Traceback" not in p.stderr
+    # A user mistake through the real entry point: one line, exit code 2, nothing written.
+    bad = tmp_path / "bad"
+    p = subprocess.run([_tune_script(), "decoder", "--shape", "bert-huge", "--replay", str(REPLAY), "--out", str(bad)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.startswith("tune: error: unknown shape 'bert-huge'") and p.stderr.count("\n") == 1, p.stderr
+    assert not bad.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# User mistakes: exit code 2, one line, no traceback, nothing written
+# ------------------------------------------------------------------------------------------------
+
+def _space_file(folder: Path, edit=None, text=None) -> Path:
+    path = folder / "my-space.yaml"
+    if text is None:
+        data = yaml.safe_load(importlib.resources.files("tuner.search_spaces").joinpath("decoder.yaml").read_text())
+        edit(data)
+        text = yaml.safe_dump(data, sort_keys=False)
+    path.write_text(text)
+    return path
+
+
+def _unknown_gemm_key(d):
+    d["gemm"]["blockk"] = [32]
+
+
+def _non_list(d):
+    d["gemm"]["group_m"] = 8
+
+
+def _ratio_1_5(d):
+    d["ratios"]["overlap"] = [-1.0, 0.5, 1.5]
+
+
+# (id, extra argv for `tune decoder --replay REPLAY --no-progress --out OUT`, words the message must contain).
+# "{space}" is replaced with a search-space file written by the test.
+BAD_DECODER = [
+    ("unknown-shape", ["--shape", "bert-huge"], ["unknown shape 'bert-huge'", "tiny, bert-base, bert-large"]),
+    ("shape-zero", ["--shape", "1x0x768x12x3072"], ["seq=0", "positive"]),
+    ("shape-negative", ["--shape", "1x128x-768x12x3072"], ["d_model=-768", "positive"]),
+    ("shape-four-numbers", ["--shape", "1x128x768x12"], ["BxSxDxHxF"]),
+    ("shape-not-numbers", ["--shape", "1x128xbigx12x3072"], ["five integers"]),
+    ("shape-heads-do-not-divide", ["--shape", "1x128x770x12x3072"], ["d_model=770", "heads=12"]),
+    ("shape-head-dim-16", ["--shape", "1x128x256x16x1024"], ["head dim 16"]),
+    ("shape-head-dim-256", ["--shape", "1x128x1024x4x4096"], ["head dim 256"]),
+    ("trials-0", ["--trials", "0"], ["--trials 0"]),
+    ("trials-negative", ["--trials", "-3"], ["--trials -3"]),
+    ("unknown-sampler", ["--sampler", "anneal"], ["--sampler anneal", "tpe, random, grid, cmaes, gp, qmc"]),
+    ("grid-over-the-default-space", ["--sampler", "grid"], ["--sampler grid", "points"]),
+    ("unknown-dtype", ["--dtype", "fp8"], ["--dtype fp8", "float16"]),
+    ("top-k-0", ["--top-k", "0"], ["--top-k 0"]),
+    ("space-missing", ["--search-space", "{missing}"], ["{missing}", "not found"]),
+    ("space-bad-yaml", ["--search-space", "{space}"], ["{space}", "not valid YAML", "line 3"]),
+    ("space-unknown-key", ["--search-space", "{space}"], ["{space}", "gemm:", "'blockk'"]),
+    ("space-non-list", ["--search-space", "{space}"], ["{space}", "gemm.group_m:", "list"]),
+    ("space-ratio-1.5", ["--search-space", "{space}"], ["{space}", "ratios.overlap:", "1.5"]),
+    ("storage-not-a-url", ["--storage", "notaurl"], ["--storage", "notaurl"]),
+    ("storage-unreachable-postgresql", ["--storage", "postgresql://nobody@127.0.0.1:1/x"],
+     ["--storage", "postgresql://nobody@127.0.0.1:1/x"]),
+    ("replay-missing", ["--replay", "{missing}"], ["--replay", "{missing}"]),
+    ("replay-of-another-shape", ["--shape", "tiny"], ["1x128x768x12x3072", "1x32x256x4x1024"]),
+]
+SPACE_TEXT = {"space-bad-yaml": "version: 1\ngemm: [16, 32\nnorm: {}\n"}
+SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5}
+
+
+def assert_user_error(rc, stdout, stderr, words):
+    assert rc == 2, (rc, stderr[-3000:])
+    assert "Traceback" not in stderr and "Traceback" not in stdout
+    assert stderr.startswith("tune: error: ") and stderr.count("\n") == 1, stderr
+    for w in words:
+        assert w in stderr, (w, stderr)
+
+
+@pytest.mark.parametrize("argv, words", [(a, w) for _, a, w in BAD_DECODER], ids=[i for i, _, _ in BAD_DECODER])
+def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
+    case = request.node.callspec.id
+    # No mistake may reach Optuna's GridSampler, which would list every combination of the default space.
+    monkeypatch.setattr(optuna.samplers, "GridSampler", lambda *a, **k: pytest.fail("GridSampler was built"))
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    subst = {"{missing}": str(inputs / "nope")}
+    if case in SPACE_TEXT or case in SPACE_EDIT:
+        subst["{space}"] = str(_space_file(inputs, SPACE_EDIT.get(case), SPACE_TEXT.get(case)))
+
+    def fill(text: str) -> str:
+        for key, value in subst.items():
+            text = text.replace(key, value)
+        return text
+
+    out = tmp_path / "results"
+    rc, stdout, stderr = tune("decoder", "--replay", REPLAY, "--trials", "3", "--no-progress", "--out", out,
+                              *[fill(a) for a in argv])
+    assert_user_error(rc, stdout, stderr, [fill(w) for w in words])
+    assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
+
+
+def test_decoder_without_gpu_points_to_replay(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: `tune decoder` would start a real study")
+    out = tmp_path / "results"
+    rc, stdout, stderr = tune("decoder", "--shape", "tiny", "--trials", "3", "--out", out)
+    assert_user_error(rc, stdout, stderr, ["CUDA GPU", "--replay"])
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_report_on_a_folder_without_trials_csv(run_copy):
+    (run_copy / "trials.csv").unlink()
+    files = snapshot(run_copy)
+    assert_user_error(*tune("report", run_copy), [str(run_copy), "trials.csv is missing"])
+    assert snapshot(run_copy) == files
+
+
+def test_report_on_no_folder(tmp_path):
+    assert_user_error(*tune("report", tmp_path / "nope"), [str(tmp_path / "nope"), "not a run folder"])
+
+
+@pytest.mark.parametrize("case", ["no-best-json", "schema-99", "invalid-json"])
+def test_export_of_a_bad_run_folder(run_copy, tmp_path, case):
+    best = run_copy / "best.json"
+    if case == "no-best-json":
+        best.unlink()
+        words = [str(run_copy), "no best.json"]
+    elif case == "schema-99":
+        best.write_text(json.dumps(dict(json.loads(best.read_text()), schema_version=99)))
+        words = [str(best), "schema_version 99"]
+    else:
+        best.write_text("{half a file")
+        words = [str(best), "not valid JSON"]
+    files, target = snapshot(run_copy), tmp_path / "exported.json"
+    assert_user_error(*tune("export", run_copy, "-o", target), words)
+    assert not target.exists() and snapshot(run_copy) == files

@@ -1,0 +1,146 @@
+"""Kill and resume: `kill -9` of `tune decoder` mid-trial, then the same command. Completed trials are kept,
+the interrupted one is marked failed (it does not count) and retried once, and the study ends with exactly
+its budget of evaluated trials. SQLite (with Optuna's heartbeat) and the journal file (no heartbeat: the
+dead owner's pid gives it away) both recover; so does a trial whose host went away (the heartbeat)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from tuner import faults, space
+from tuner.evaluate import ReplayEvaluator
+from tuner.storage import OWNER_ATTR, open_storage
+from tuner.study import StudyOptions, open_study, search, trial_status
+
+REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
+BUDGET = 8
+
+
+def tune_decoder(out: Path, storage: str, *extra, sleep_s: float = 0.0) -> subprocess.Popen:
+    """`tune decoder --replay` as its own process; ``sleep_s``: every trial takes that long (tuner.faults)."""
+    env = {k: v for k, v in os.environ.items() if k != faults.ENV}
+    if sleep_s:
+        env[faults.ENV] = json.dumps({"sleep_s": sleep_s})
+    cmd = [sys.executable, "-m", "tuner.cli", "decoder", "--replay", str(REPLAY), "--trials", str(BUDGET),
+           "--out", str(out), "--storage", storage, "--no-progress", *extra]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def load(storage) -> optuna.Study:
+    """The one study in ``storage`` (a URL or an opened storage)."""
+    storage = open_storage(storage) if isinstance(storage, str) else storage
+    [summary] = optuna.get_all_study_summaries(storage)
+    return optuna.load_study(study_name=summary.study_name, storage=storage)
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def trials_midway(storage):
+    """Two trials done and the third running: the moment to kill."""
+    try:
+        trials = load(storage).get_trials(deepcopy=False)
+    except Exception:  # noqa: BLE001 - the study is not created yet
+        return None
+    done = [t for t in trials if t.state.is_finished()]
+    running = [t for t in trials if t.state == TrialState.RUNNING and OWNER_ATTR in t.user_attrs]
+    return (done, running) if len(done) >= 2 and running else None
+
+
+@pytest.mark.parametrize("storage_kind, isolation", [("sqlite", "--isolation"), ("journal", "--no-isolation")])
+def test_kill_mid_trial_then_resume(tmp_path, storage_kind, isolation):
+    out = tmp_path / "results"
+    storage = (f"sqlite:///{(tmp_path / 'studies.db').as_posix()}" if storage_kind == "sqlite"
+               else f"journal:{tmp_path / 'studies.journal'}")
+    proc = tune_decoder(out, storage, isolation, sleep_s=0.4)
+    watch = open_storage(storage)  # opened once: the test polls it while the study runs
+    done, running = wait_until(lambda: trials_midway(watch), 60, "two finished trials and one running")
+    evaluators = children(proc.pid)  # the isolated evaluator worker, if any
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    # The evaluator worker notices its study process is gone and exits: no worker keeps holding a GPU.
+    wait_until(lambda: not any(alive(p) for p in evaluators), 10, "the orphaned evaluator worker to exit")
+    before = {t.number: (t.state, t.value) for t in load(storage).get_trials(deepcopy=False) if t.state.is_finished()}
+    assert not out.exists() or not list(out.rglob("best.json")), "the killed run wrote a run folder"
+
+    rerun = tune_decoder(out, storage, isolation)
+    stdout, _ = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0, stdout[-3000:]
+    assert f"trial(s) {running[0].number} were interrupted" in stdout
+
+    trials = load(storage).get_trials(deepcopy=False)
+    by_number = {t.number: t for t in trials}
+    for n, (state, value) in before.items():  # nothing completed was lost or changed
+        assert (by_number[n].state, by_number[n].value) == (state, value)
+    killed = by_number[running[0].number]
+    assert killed.state == TrialState.FAIL and trial_status(killed) == "interrupted"
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == killed.number]
+    # The retry has the killed trial's parameters (those it had drawn before the kill: it may have died
+    # while drawing them), and is finished.
+    assert len(retries) == 1 and retries[0].state.is_finished()
+    assert killed.params.items() <= retries[0].params.items()
+    assert retries[0].user_attrs[OWNER_ATTR]["pid"] == rerun.pid
+    evaluated = [t for t in trials if t.state.is_finished() and trial_status(t) != "interrupted"]
+    assert len(evaluated) == BUDGET and len(trials) == BUDGET + 1
+    assert not [t for t in trials if not t.state.is_finished()]
+    [run] = [p.parent for p in out.rglob("best.json")]
+    assert not list(out.rglob("*.partial")) and len(open(run / "trials.csv").readlines()) == 1 + BUDGET + 1
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_heartbeat_retries_the_trial_of_a_lost_host(tmp_path):
+    """A RUNNING trial whose owner is on another host (no pid to check) goes stale when its heartbeats
+    stop: Optuna's heartbeat fails it and tuner.storage's callback queues one retry."""
+    url = f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"
+    storage = open_storage(url, heartbeat_interval_s=1, grace_period_s=2)
+    replay = ReplayEvaluator(REPLAY)
+    opts = StudyOptions(trials=5, storage=storage, progress=False, sampler="random")
+    study = open_study(replay.shape, replay, space.load(), opts, tmp_path, log=lambda *a: None)
+    lost = study.ask()  # the baseline, taken by a process on a host that then went away
+    lost.set_user_attr(OWNER_ATTR, {"host": "another-host", "pid": 1, "start": None})
+    storage.record_heartbeat(lost._trial_id)
+    time.sleep(3)
+    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None)
+    trials = study.get_trials(deepcopy=False)
+    assert trials[0].state == TrialState.FAIL and trial_status(trials[0]) == "interrupted"
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == 0]
+    assert retry.user_attrs["is_baseline"] and trial_status(retry) == "ok"
+    assert retry.user_attrs[OWNER_ATTR]["pid"] == os.getpid()  # not the lost owner, copied over
+    assert sum(t.state.is_finished() and trial_status(t) != "interrupted" for t in trials) == 5

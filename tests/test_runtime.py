@@ -1,0 +1,210 @@
+"""tuner.runtime.TunedLayer (a tuned layer in the user's PyTorch code), and the README snippet that uses it.
+
+The snippet is the fenced block ```python title="load-best"``` of README.md, executed as written except
+for its three setting lines (which best.json, which shape, which device), so the README cannot drift
+from the API. Without a GPU it runs through the Triton interpreter on a small custom shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tuner.bench import hand_picked
+from tuner.config import ConfigError, DecoderConfig
+from tuner.export import ConfigMismatchWarning
+from tuner.layer import LayerWeights
+from tuner.runtime import MODULE_NAMES, TunedLayer, WeightsError
+from tuner.shapes import DecoderShape
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+REPLAY = ROOT / "tests" / "data" / "replay-bert-base-h200"
+SMALL = DecoderShape(1, 24, 64, 2, 96, name="small")  # 24 tokens, head dim 32, ffn 96: odd, and quick to interpret
+
+
+class ReferenceLayer(nn.Module):
+    """A layer laid out with the module names TunedLayer reads."""
+
+    def __init__(self, d, ffn):
+        super().__init__()
+        self.ln1, self.qkv, self.out = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.ffn1, self.ffn2 = nn.LayerNorm(d), nn.Linear(d, ffn), nn.Linear(ffn, d)
+
+
+def _module(seed=0) -> nn.Module:
+    torch.manual_seed(seed)
+    m = ReferenceLayer(SMALL.d_model, SMALL.ffn)
+    with torch.no_grad():  # LayerNorm starts at (1, 0): move it so a swapped weight/bias would show
+        for ln in (m.ln1, m.ln2):
+            ln.weight.add_(0.1 * torch.randn_like(ln.weight))
+            ln.bias.add_(0.1 * torch.randn_like(ln.bias))
+    return m
+
+
+def _rel(y, ref) -> float:
+    return float((y.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("form", ["module", "state-dict", "field-names", "layer-weights"])
+def test_every_weights_form_gives_the_same_layer(form, device):
+    m = _module()
+    sd = m.state_dict()
+    fields = {f: sd[n] for f, n in MODULE_NAMES.items()}
+    weights = {"module": m, "state-dict": sd, "field-names": fields, "layer-weights": LayerWeights(**fields)}[form]
+    layer = TunedLayer(hand_picked(SMALL), SMALL, weights, dtype=torch.float16, device=device)
+    x = torch.randn(SMALL.batch, SMALL.seq, SMALL.d_model, dtype=torch.float16, device=device)
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.float16
+    ref = layer.reference(x)
+    assert _rel(y, ref) < 1e-2
+    # The reference is the plain PyTorch layer on the module's own weights (nothing lost in the conversion).
+    with torch.no_grad():
+        xf = x.float().cpu().view(SMALL.tokens, SMALL.d_model)
+        h = xf + m.out(_attn(m.qkv(m.ln1(xf))))
+        want = h + m.ffn2(nn.functional.gelu(m.ffn1(m.ln2(h)), approximate="tanh"))
+    assert _rel(ref.cpu().view_as(want), want) < 5e-3
+
+
+def _attn(qkv):
+    s, h, hd = SMALL.seq, SMALL.heads, SMALL.head_dim
+    q, k, v = qkv.view(1, s, 3, h, hd).permute(2, 0, 3, 1, 4)
+    return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(s, h * hd)
+
+
+def test_a_config_tuned_for_a_larger_shape_is_fitted(device):
+    """best.json of bert-base on a smaller layer: tiles shrink to the shape, the result stays right."""
+    from tuner.shapes import PRESETS
+
+    big = hand_picked(PRESETS["bert-large"])
+    layer = TunedLayer(big, SMALL, _module(), dtype=torch.float32, device=device)
+    assert layer.config.qkv.block_m <= 32 and layer.config.ffn2.split_k >= 1
+    x = torch.randn(SMALL.tokens, SMALL.d_model, device=device)
+    assert _rel(layer(x), layer.reference(x)) < 5e-3
+
+
+def test_the_output_buffer_is_reused(device):
+    layer = TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=torch.float32, device=device)
+    x1, x2 = (torch.randn(SMALL.tokens, SMALL.d_model, device=device) for _ in range(2))
+    y1 = layer(x1)
+    kept = y1.clone()
+    y2 = layer(x2)
+    assert y1.data_ptr() == y2.data_ptr() and not torch.equal(kept, y2)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", ["missing", "qkv.weight", "w_qkv"]),
+    ("shape", ["w_ffn1", "(96, 64)", "1x24x64x2x96"]),
+    ("type", ["LayerWeights", "list"]),
+], ids=["missing-tensor", "wrong-shape", "wrong-type"])
+def test_weights_errors_name_the_tensor(case, words):
+    sd = dict(_module().state_dict())
+    if case == "missing":
+        del sd["qkv.weight"]
+        weights = sd
+    elif case == "shape":
+        sd["ffn1.weight"] = sd["ffn1.weight"][:, :32]
+        weights = sd
+    else:
+        weights = [1, 2]
+    with pytest.raises(WeightsError) as e:
+        TunedLayer(hand_picked(SMALL), SMALL, weights, dtype=torch.float32, device="cpu")
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_input_and_config_errors(device):
+    layer = TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match=r"\[1, 24, 64\]"):
+        layer(torch.randn(2, SMALL.seq, SMALL.d_model, device=device))
+    with pytest.raises(ValueError, match="float16"):
+        layer(torch.randn(SMALL.tokens, SMALL.d_model, dtype=torch.float16, device=device))
+    from dataclasses import replace
+
+    bad = replace(DecoderConfig(), qkv=replace(DecoderConfig().qkv, num_warps=3))
+    with pytest.raises(ConfigError, match="qkv: num_warps=3"):
+        TunedLayer(bad, SMALL, _module(), dtype=torch.float32, device=device)
+
+
+def test_capture_needs_cuda():
+    layer = TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=torch.float32, device="cpu")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        layer.capture()
+
+
+@pytest.mark.gpu
+def test_captured_graph_matches_direct_launches():
+    layer = TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=torch.float16, device="cuda")
+    x = torch.randn(SMALL.tokens, SMALL.d_model, dtype=torch.float16, device="cuda")
+    direct = layer(x).clone()
+    layer.capture()
+    for _ in range(3):  # replays read the new input each time
+        x2 = torch.randn_like(x)
+        assert _rel(layer(x2), layer.reference(x2)) < 1e-2
+    assert _rel(layer(x), direct) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# The README snippet
+# ------------------------------------------------------------------------------------------------
+
+SETTINGS = {  # line prefix in the snippet -> what the test runs instead
+    "best_json = ": "best_json = {best!r}",
+    "shape = ": "shape = DecoderShape(1, 24, 64, 2, 96)  # a small custom shape (the interpreter is slow)",
+    "device, dtype = ": "device, dtype = {device!r}, torch.float16",
+}
+
+
+def readme_snippet() -> str:
+    m = re.search(r'^```python title="load-best"\n(.*?)^```', README.read_text(), re.S | re.M)
+    assert m, 'README.md has no ```python title="load-best"``` block'
+    return m.group(1)
+
+
+@pytest.fixture(scope="module")
+def best_json(tmp_path_factory) -> Path:
+    """A real best.json: the newest committed one, else one written by a short replayed run."""
+    committed = sorted(ROOT.glob("results/*/*/best.json"),
+                       key=lambda p: json.loads((p.parent / "manifest.json").read_text()).get("created", ""))
+    if committed:
+        return committed[-1]
+    from tuner.cli import main
+
+    out = tmp_path_factory.mktemp("results")
+    argv = ["decoder", "--replay", str(REPLAY), "--trials", "12", "--sampler", "random", "--no-progress",
+            "--out", str(out), "--storage", f"journal:{out / 'studies.journal'}"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    (best,) = out.glob("*/*/best.json")
+    return best
+
+
+def test_readme_snippet_runs(best_json, device):
+    code = readme_snippet()
+    for prefix, replacement in SETTINGS.items():
+        lines = [ln for ln in code.splitlines() if ln.startswith(prefix)]
+        assert len(lines) == 1, f"the README snippet must set {prefix.strip()} on one line of its own"
+        code = code.replace(lines[0], replacement.format(best=str(best_json), device=device))
+    out = io.StringIO()
+    with pytest.warns(ConfigMismatchWarning, match="tuned for shape"), contextlib.redirect_stdout(out):
+        scope = {"DecoderShape": DecoderShape}
+        exec(compile(code, f"{README.name} (load-best)", "exec"), scope)
+    assert isinstance(scope["layer"], TunedLayer)
+    assert scope["y"].shape == (1, 24, 64)
+    assert "rel. error" in out.getvalue()
+
+
+def test_readme_links_resolve():
+    """Every relative link and image of the README names a file or folder of the checkout."""
+    text = README.read_text()
+    targets = re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t and not t.startswith("mailto:")]
+    assert local, "README.md links no file"
+    missing = [t for t in local if not (ROOT / t).exists()]
+    assert not missing, f"README.md links missing files: {missing}"
