@@ -122,6 +122,20 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     return _ratio_error("overlap_ratio", c.overlap_ratio) or _ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
+def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
+    """The nearest config that passes :func:`check` on resources: fewer stages until the shared memory
+    fits, more warps (up to 8) until the accumulator fits the registers. The search calls this so that
+    a sampled combination of tiles is measured rather than thrown away (on the H200 more than half of
+    the default space's samples were over one of these two limits)."""
+    c = fit(config, problem)
+    limit = device.smem_per_block_bytes if device is not None else 227 * 1024
+    while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes) > limit:
+        c = replace(c, num_stages=c.num_stages - 1)
+    while c.num_warps < 8 and c.block_m * c.block_n // (32 * c.num_warps) > 256:
+        c = replace(c, num_warps=c.num_warps * 2)
+    return c
+
+
 def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
     """Shrink tiles that exceed the problem and reduce split_k until every split has K tiles."""
     caps = {n: max(16, triton.next_power_of_2(d)) for n, d in (("block_m", problem.m), ("block_n", problem.n),
@@ -232,7 +246,12 @@ def _gemm_kernel(
         b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
         if HAS_LN:
-            if LN_RELOAD:  # a separate (volatile) load for the statistics, not the MMA operand
+            # The row sums come from a second (volatile) load of the tile, not from the MMA operand: with
+            # triton 3.6 on the H200, reducing the operand itself came out wrong (rel. error 0.04-0.19) at
+            # block_k 128 with 4 warps and 2-6 stages, right at block_k 64/256 or 8 warps
+            # (scripts/ln_diag.py, docs/perf-notes.md). The second load hits L1/L2. _ln_reload=False
+            # keeps the old path for that diagnosis only.
+            if LN_RELOAD:
                 af = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
                              mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0, volatile=True).to(tl.float32)
             else:
@@ -333,7 +352,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
-           _racy_read_before_wait: bool = False, _ln_reload: bool = False,
+           _racy_read_before_wait: bool = False, _ln_reload: bool = True,
            _oob_write: bool = False) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 

@@ -1,4 +1,6 @@
-"""Diagnose the fused-LayerNorm GEMM at M=128 K=768 N=2304 over tiles (GPU): rel. error per config."""
+"""Diagnose (GPU) the fused-LayerNorm statistics path, old (reload=False) against the kept one.
+
+ the fused-LayerNorm GEMM at M=128 K=768 N=2304 over tiles (GPU): rel. error per config."""
 
 import torch
 

@@ -123,3 +123,33 @@ def test_linear_layernorm_needs_both(device):
     with pytest.raises(ValueError, match="go together"):
         linear(x, w, config=GemmConfig(block_m=16, block_n=32, block_k=32),
                ln_weight=torch.ones(32, dtype=torch.float16, device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_k, stages, warps", [(64, 4, 4), (128, 2, 4), (128, 4, 4), (128, 6, 4), (256, 3, 4)])
+def test_layernorm_prologue_on_gpu_tiles(block_k, stages, warps):
+    # Regression: reducing the MMA operand for the row sums came out wrong at block_k 128 / 4 warps
+    # (triton 3.6, H200); the kept path reloads the tile for the statistics.
+    from tuner.kernels.gemm import fold_layernorm
+
+    m, k, n = 128, 768, 2304
+    x, w, b, _ = _inputs(m, n, k, torch.float16, "cuda", seed=21)
+    x = (x * k**0.5 + 0.3).half()
+    g = torch.Generator().manual_seed(8)
+    lw = (1 + 0.1 * torch.randn(k, generator=g)).half().cuda()
+    lb = (0.1 * torch.randn(k, generator=g)).half().cuda()
+    wf, bf, u = fold_layernorm(w, b, lw, lb)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=block_k, num_stages=stages, num_warps=warps, overlap_ratio=0.0)
+    linear(x, wf, bf, config=cfg, ln_colsum=u, out=out)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)) < 1e-2
+
+
+def test_repair_moves_configs_inside_the_limits():
+    from tuner.kernels.gemm import repair
+
+    p = GemmProblem(128, 3072, 768)
+    c = repair(GemmConfig(block_m=128, block_n=256, block_k=256, num_stages=6, num_warps=2), p, DeviceInfo.interpreter())
+    assert check(c, p, DeviceInfo.interpreter()) is None
+    assert (c.block_m, c.block_n, c.block_k) == (128, 256, 256) and c.num_warps == 4 and c.num_stages == 1

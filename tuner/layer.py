@@ -57,6 +57,17 @@ def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
     return replace(cfg, attn=attn, **fitted)
 
 
+def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
+                  device: DeviceInfo | None = None) -> DecoderConfig:
+    """fit_config, then each GEMM moved to its nearest config within shared memory and registers
+    (gemm_k.repair): what the search measures for a sampled combination of tiles."""
+    from dataclasses import replace
+
+    cfg = fit_config(cfg, shape)
+    return replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
+                           for n, (m, nn, k) in shape.gemms().items()})
+
+
 def default_config(shape: DecoderShape) -> DecoderConfig:
     """The baseline of every comparison: default tiles (fitted to the shape), every pair at (-1, -1)."""
     return fit_config(DecoderConfig(), shape)

@@ -160,7 +160,8 @@ def _check_identity(study, ident: dict) -> None:
     raise StudyError(f"study {study.study_name!r} was started with {diff}: use another --study-name")
 
 
-def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSpace, log=print) -> None:
+def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSpace, log=print,
+                          budget: int | None = None) -> None:
     """The baseline and the hand-picked tiles (with and without knobs), where the space holds them.
 
     A seed outside a user's restricted space is not enqueued (Optuna would reject its values, and the
@@ -169,12 +170,15 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     """
     from tuner.bench import hand_picked
 
+    from dataclasses import replace
+
     hp = hand_picked(shape)
+    fused = replace(hp, norm1=replace(hp.norm1, fuse=1), norm2=replace(hp.norm2, fuse=1))
     seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None)]
     if pdl:
-        seeds.append((hp.without_knobs(), None))
+        seeds += [(hp.without_knobs(), None), (fused, None)]
     study.set_user_attr("seeded", True)
-    for cfg, attrs in seeds:
+    for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
         params = from_config(cfg, pdl)
         if space.contains(params, pdl):
             study.enqueue_trial(params, user_attrs=attrs)
@@ -212,7 +216,7 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     trials = study.get_trials(deepcopy=False)
     seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") for t in trials)
     if created or (trials and not seeded):
-        _enqueue_first_trials(study, shape, pdl, space, log)
+        _enqueue_first_trials(study, shape, pdl, space, log, budget=opts.trials)
     return study
 
 
@@ -223,9 +227,16 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
     cache = {t.user_attrs["config_hash"]: t for t in done if "config_hash" in t.user_attrs}
 
+    from tuner.layer import repair_config
+
+    dtype_bytes = 4 if getattr(evaluator, "dtype_name", "float16") == "float32" else 2
+    device = getattr(evaluator, "device", None) if not evaluator.replayed else None
+
     def evaluate(trial: optuna.Trial) -> float:
         params = suggest(trial, space, pdl)
-        cfg = fit_config(to_config(params), shape)
+        # Tiles beyond the problem, the shared memory or the registers are moved to the nearest config
+        # that runs (the trial records the config it measured); what still fails check() is invalid.
+        cfg = repair_config(to_config(params), shape, dtype_bytes, device)
         h = config_hash(cfg)
         if h in cache and cache[h].user_attrs.get("status") not in (None, "crashed", "timeout"):
             prev = cache[h]
