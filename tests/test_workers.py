@@ -18,6 +18,7 @@ from optuna.trial import TrialState
 
 from tuner import faults, space
 from tuner.cli import main
+from tuner.layer import default_config
 from tuner.evaluate import ReplayEvaluator
 from tuner.storage import OWNER_ATTR, open_storage, this_owner
 from tuner.study import StudyError, StudyOptions, open_study, search, trial_status
@@ -94,12 +95,14 @@ def test_running_trials_of_other_workers_count_against_the_budget(tmp_path):
 
 
 def test_a_trial_beyond_the_budget_is_left_out(tmp_path):
-    """Budget 2, three first trials queued: the third is picked up, found beyond the budget and pruned
-    as surplus (what happens when several workers ask for the last slot at once)."""
+    """Budget 2, three trials queued (the two first trials, capped at the budget, and one more queued
+    here): the third is picked up, found beyond the budget and pruned as surplus (what happens when
+    several workers ask for the last slot at once)."""
     replay = ReplayEvaluator(REPLAY)
     opts = StudyOptions(trials=2, sampler="random", progress=False,
                         storage=f"sqlite:///{(tmp_path / 'studies.db').as_posix()}")
     study = open_study(replay.shape, replay, space.load(), opts, tmp_path, log=lambda *a: None)
+    study.enqueue_trial(space.from_config(default_config(replay.shape)))
     search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None)
     trials = study.get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
@@ -131,7 +134,7 @@ def test_a_process_on_another_gpu_model_refuses_to_join(tmp_path, as_worker):
     for words in (OTHER_GPU, "NVIDIA H200", "same GPU model") + (("worker 1",) if as_worker else ()):
         assert words in stderr, (words, stderr)
     assert load(url, "shared").user_attrs["identity"]["gpu"] == OTHER_GPU
-    assert len(load(url, "shared").trials) == 3  # the first trials its creator queued, none run
+    assert len(load(url, "shared").trials) == 4  # the four first trials its creator queued, none run
     with pytest.raises(StudyError, match="same GPU model"):
         open_study(replay.shape, replay, space.load(), opts, tmp_path)
 
