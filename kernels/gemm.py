@@ -133,6 +133,8 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
         c = replace(c, num_stages=c.num_stages - 1)
     while c.num_warps < 8 and c.block_m * c.block_n // (32 * c.num_warps) > 256:
         c = replace(c, num_warps=c.num_warps * 2)
+    while c.num_warps > 1 and c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
+        c = replace(c, num_warps=c.num_warps // 2)
     return c
 
 

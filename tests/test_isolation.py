@@ -153,3 +153,14 @@ def test_in_process_evaluator_that_raises_fails_its_trial(tmp_path):
     assert len(trials) == 10
     crashed = trials[trials["status"] == "crashed"]
     assert len(crashed) and crashed["reason"].str.contains("injected fault").all()
+
+
+def test_classify_maps_compiler_and_launcher_failures():
+    from tuner.evaluate import classify
+
+    OutOfResources = type("OutOfResources", (Exception,), {})
+    PTXASError = type("PTXASError", (Exception,), {})
+    assert classify(OutOfResources("out of resource: shared memory, Required: 278528"))[0] == "out_of_resources"
+    assert classify(PTXASError("ptxas fatal"))[0] == "compile_error"
+    assert classify(ValueError("linear: invalid GemmConfig for M=32 N=768 K=256: shared memory"))[0] == "invalid"
+    assert classify(RuntimeError("CUDA error: an illegal memory access was encountered"))[0] == "crashed"
