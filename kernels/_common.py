@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import triton
@@ -14,6 +14,39 @@ import triton.language as tl
 from tuner.device import DeviceInfo
 
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class KnobConfig:
+    """What every kernel config shares: a JSON form and the (overlap, prefetch) pair.
+
+    Subclasses are frozen dataclasses whose float fields end in ``_ratio``; every other field is an int.
+    """
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown keys {sorted(unknown)}; expected {sorted(names)}")
+        return cls(**{k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in d.items()})
+
+    def without_knobs(self):
+        """Same tiles, launched without PDL and without prefetch: (-1, -1)."""
+        return replace(self, overlap_ratio=-1.0, prefetch_ratio=-1.0)
+
+
+def pow2(v: int) -> bool:
+    return v > 0 and (v & (v - 1)) == 0
+
+
+def ratio_error(name: str, r: float) -> str | None:
+    """Why a knob value is invalid: negative means off, else it must be in [0, 1]."""
+    if not (r < 0 or 0.0 <= r <= 1.0) or math.isnan(r):
+        return f"{name}={r} must be negative (off) or in [0, 1]"
+    return None
 
 
 def interpreting() -> bool:
@@ -35,6 +68,16 @@ def launch_mode(t: torch.Tensor) -> LaunchMode:
         return LaunchMode(pdl=False, prefetch=False, upcast_bf16=True)
     ok = DeviceInfo.from_torch(t.device).supports_pdl
     return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False)
+
+
+def effective_config(config, x: torch.Tensor):
+    """The config as it really runs on ``x``'s device (PDL and prefetch off where unsupported)."""
+    mode = launch_mode(x)
+    if not mode.pdl:
+        config = replace(config, overlap_ratio=-1.0)
+    if not mode.prefetch:
+        config = replace(config, prefetch_ratio=-1.0)
+    return config
 
 
 def trigger_index(n_iters: int, overlap_ratio: float) -> int:

@@ -21,7 +21,7 @@ PDL (the same contract as the GEMM, DESIGN.md):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,14 +29,14 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import launch_mode, pdl_wait
+from ._common import KnobConfig, effective_config, launch_mode, pdl_wait, pow2, ratio_error
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
 _LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
-class AttnConfig:
+class AttnConfig(KnobConfig):
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
@@ -44,20 +44,6 @@ class AttnConfig:
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "AttnConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"AttnConfig: unknown keys {sorted(unknown)}; expected {sorted(names)}")
-        kw = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in d.items()}
-        return cls(**kw)
-
-    def without_knobs(self) -> "AttnConfig":
-        return replace(self, overlap_ratio=-1.0, prefetch_ratio=-1.0)
 
 
 @dataclass(frozen=True)
@@ -69,14 +55,6 @@ class AttnProblem:
     dtype_bytes: int = 2
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and (v & (v - 1)) == 0
-
-
-def _ratio_error(name: str, r: float) -> str | None:
-    if not (r < 0 or 0.0 <= r <= 1.0) or math.isnan(r):
-        return f"{name}={r} must be negative (off) or in [0, 1]"
-    return None
 
 
 def block_d(head_dim: int) -> int:
@@ -102,7 +80,7 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
             return f"problem {name}={v} must be >= 1"
     for name in ("block_m", "block_n"):
         v = getattr(c, name)
-        if not _pow2(v) or v < 16:
+        if not pow2(v) or v < 16:
             return f"{name}={v} must be a power of two >= 16 (tl.dot)"
     if c.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
@@ -121,7 +99,7 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
     if need > limit:
         return (f"shared memory {need} B > {limit} B "
                 f"(num_stages*block_n*BLOCK_D*2*bytes + block_m*BLOCK_D*bytes)")
-    why = _ratio_error("overlap_ratio", c.overlap_ratio)
+    why = ratio_error("overlap_ratio", c.overlap_ratio)
     if why:
         return why
     if math.isnan(c.prefetch_ratio) or c.prefetch_ratio >= 0:
@@ -220,13 +198,6 @@ def _attn_fwd_kernel(
     acc = acc / l_i[:, None]
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_oc,
              acc.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-def effective_config(config: AttnConfig, x: torch.Tensor) -> AttnConfig:
-    """The config as it really runs on ``x``'s device (PDL off where unsupported)."""
-    if not launch_mode(x).pdl:
-        return replace(config, overlap_ratio=-1.0)
-    return config
 
 
 def _check_inputs(qkv: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int) -> int:

@@ -14,8 +14,7 @@ same ratio) sums them and applies the epilogue.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -23,7 +22,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import launch_mode, pdl_trigger, pdl_wait, prefetch_count, prefetch_l2, trigger_index
+from ._common import (KnobConfig, effective_config, launch_mode, pdl_wait, pow2, prefetch_count, prefetch_l2,
+                      ratio_error, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -32,7 +32,7 @@ _RED_BLOCK_M, _RED_BLOCK_N = 32, 64
 
 
 @dataclass(frozen=True)
-class GemmConfig:
+class GemmConfig(KnobConfig):
     block_m: int = 64
     block_n: int = 64
     block_k: int = 64
@@ -43,20 +43,6 @@ class GemmConfig:
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "GemmConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"GemmConfig: unknown keys {sorted(unknown)}; expected {sorted(names)}")
-        kw = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in d.items()}
-        return cls(**kw)
-
-    def without_knobs(self) -> "GemmConfig":
-        return replace(self, overlap_ratio=-1.0, prefetch_ratio=-1.0)
 
 
 @dataclass(frozen=True)
@@ -67,14 +53,6 @@ class GemmProblem:
     dtype_bytes: int = 2
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and (v & (v - 1)) == 0
-
-
-def _ratio_error(name: str, r: float) -> str | None:
-    if not (r < 0 or 0.0 <= r <= 1.0) or math.isnan(r):
-        return f"{name}={r} must be negative (off) or in [0, 1]"
-    return None
 
 
 def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
@@ -89,7 +67,7 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     c, p = config, problem
     for name in ("block_m", "block_n", "block_k"):
         v = getattr(c, name)
-        if not _pow2(v) or v < 16:
+        if not pow2(v) or v < 16:
             return f"{name}={v} must be a power of two >= 16 (tl.dot)"
     if c.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
@@ -119,7 +97,7 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
         return f"shared memory {need} B > {limit} B (num_stages*(block_m+block_n)*block_k*bytes)"
-    return _ratio_error("overlap_ratio", c.overlap_ratio) or _ratio_error("prefetch_ratio", c.prefetch_ratio)
+    return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
@@ -319,15 +297,6 @@ def _splitk_reduce_kernel(
               stride_on, HAS_BIAS, HAS_RES, ACT)
 
 
-def effective_config(config: GemmConfig, x: torch.Tensor) -> GemmConfig:
-    """The config as it really runs on ``x``'s device (PDL and prefetch off where unsupported)."""
-    mode = launch_mode(x)
-    c = config
-    if not mode.pdl:
-        c = replace(c, overlap_ratio=-1.0)
-    if not mode.prefetch:
-        c = replace(c, prefetch_ratio=-1.0)
-    return c
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:

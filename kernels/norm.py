@@ -15,8 +15,7 @@ and normalises ``s``. The knobs follow the GEMM (DESIGN.md):
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -24,14 +23,15 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import launch_mode, pdl_wait, prefetch_count, prefetch_l2, trigger_index
+from ._common import (KnobConfig, effective_config, pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error,
+                      trigger_index)
 
 MAX_COLS = 65536  # the whole row lives in registers
 MAX_ROWS_PER_PROGRAM = 64
 
 
 @dataclass(frozen=True)
-class NormConfig:
+class NormConfig(KnobConfig):
     rows_per_program: int = 1
     num_warps: int = 4
     overlap_ratio: float = -1.0
@@ -40,20 +40,6 @@ class NormConfig:
     # The layer runtime reads this; layer_norm() itself ignores it.
     fuse: int = 0
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "NormConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"NormConfig: unknown keys {sorted(unknown)}; expected {sorted(names)}")
-        kw = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in d.items()}
-        return cls(**kw)
-
-    def without_knobs(self) -> "NormConfig":
-        return replace(self, overlap_ratio=-1.0, prefetch_ratio=-1.0)
 
 
 @dataclass(frozen=True)
@@ -63,14 +49,6 @@ class NormProblem:
     dtype_bytes: int = 2
 
 
-def _pow2(v: int) -> bool:
-    return v > 0 and (v & (v - 1)) == 0
-
-
-def _ratio_error(name: str, r: float) -> str | None:
-    if not (r < 0 or 0.0 <= r <= 1.0) or math.isnan(r):
-        return f"{name}={r} must be negative (off) or in [0, 1]"
-    return None
 
 
 def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = None) -> str | None:
@@ -80,7 +58,7 @@ def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = 
     """
     c, p = config, problem
     rpp = c.rows_per_program
-    if not _pow2(rpp) or rpp > MAX_ROWS_PER_PROGRAM:
+    if not pow2(rpp) or rpp > MAX_ROWS_PER_PROGRAM:
         return f"rows_per_program={rpp} must be a power of two in 1..{MAX_ROWS_PER_PROGRAM}"
     if c.num_warps not in (1, 2, 4, 8, 16):
         return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
@@ -90,7 +68,7 @@ def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = 
     cap = max(1, triton.next_power_of_2(max(p.rows, 1)))
     if rpp > cap:
         return f"rows_per_program={rpp} exceeds the problem ({p.rows} rows -> {cap})"
-    return _ratio_error("overlap_ratio", c.overlap_ratio) or _ratio_error("prefetch_ratio", c.prefetch_ratio)
+    return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
 @triton.jit
@@ -158,15 +136,6 @@ def _norm_kernel(
                 tl.extra.cuda.gdc_launch_dependents()
 
 
-def effective_config(config: NormConfig, x: torch.Tensor) -> NormConfig:
-    """The config as it really runs on ``x``'s device (PDL and prefetch off where unsupported)."""
-    mode = launch_mode(x)
-    c = config
-    if not mode.pdl:
-        c = replace(c, overlap_ratio=-1.0)
-    if not mode.prefetch:
-        c = replace(c, prefetch_ratio=-1.0)
-    return c
 
 
 def _rows_contiguous(name: str, t: torch.Tensor, shape: tuple[int, ...], fn: str) -> None:

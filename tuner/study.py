@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 from tuner import manifest
 from tuner.config import DecoderConfig
 from tuner.evaluate import TrialResult
-from tuner.layer import default_config, fit_config
+from tuner.layer import default_config
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
 from tuner.storage import OWNER_ATTR, default_url, open_storage, recover_orphans, redact, this_owner
