@@ -13,6 +13,7 @@ from tuner.baselines import TorchStack
 from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels.attention import AttnConfig
+from tuner.kernels._common import REL_TOLERANCE
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
 from tuner.layer import DecoderStack, check_config, default_config, fit_config, stack_depth
@@ -76,7 +77,7 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
     weights = probe.weights  # every variant runs on the same weights
     del probe
     rows: list[Row] = []
-    tol = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3}[dtype]
+    tol = REL_TOLERANCE[dtype]
 
     t0 = time.time()
     eager = TorchStack(shape, weights, dtype)

@@ -258,19 +258,11 @@ class DecoderStack:
         return out
 
     def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(warmup):  # compile every kernel variant outside the capture
-                self.run()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            self.run()
-        torch.cuda.synchronize()
-        self.graph = g
-        return g
+        """One CUDA graph of the whole stack (the warm-up compiles every kernel variant outside it)."""
+        from tuner.timing import capture
+
+        self.graph = capture(self.run, warmup=warmup)
+        return self.graph
 
     def replay(self) -> None:
         if self.graph is not None:

@@ -137,19 +137,12 @@ class TunedLayer:
         Python's launch cost (tens of us per Triton kernel) is then paid once, here."""
         if self.device.type != "cuda":
             raise RuntimeError("TunedLayer.capture: CUDA graphs need a CUDA device; call the layer directly")
-        s = torch.cuda.Stream(self.device)
-        s.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(s):
-            for _ in range(warmup):  # compile every kernel outside the capture
-                layer_forward(self.shape, self.config, self.weights, self._x, self.buffers)
-        torch.cuda.current_stream(self.device).wait_stream(s)
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            layer_forward(self.shape, self.config, self.weights, self._x, self.buffers)
-        torch.cuda.synchronize(self.device)
-        self.graph = g
-        return g
+        from tuner.timing import capture
+
+        with torch.cuda.device(self.device):
+            self.graph = capture(lambda: layer_forward(self.shape, self.config, self.weights, self._x, self.buffers),
+                                 warmup=warmup)
+        return self.graph
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The same layer in fp32 PyTorch from the same weights (what the tuner's correctness gate compares
