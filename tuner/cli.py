@@ -37,17 +37,10 @@ def _shapes(values: list[str] | None, shape_file: str | None = None):
 
 
 def _read_shape_file(path: str):
-    import yaml
-
     from tuner.shapes import DecoderShape, ShapeError
+    from tuner.space import read_yaml
 
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"--shape-file {path}: no such file")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"--shape-file {path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    data = read_yaml(path, "--shape-file", UserError)
     items = data.get("shapes") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise UserError(f"--shape-file {path}: expected a list of shapes under 'shapes'")

@@ -165,21 +165,25 @@ def parse(data, source: str = "<space>") -> SearchSpace:
     return SearchSpace(source, dims)
 
 
+def read_yaml(path: str | Path, what: str, error=ValueError):
+    """A user's YAML file, or ``error`` with one line naming the file (and the line of a syntax error)."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{path}: {what} file not found")
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise error(f"{path}: not valid YAML{at} ({str(e).splitlines()[0]})") from None
+
+
 def load(path: str | Path | None = None) -> SearchSpace:
     """The shipped default (package data of tuner) or a user's YAML file."""
     if path is None:
         text = importlib.resources.files("tuner.search_spaces").joinpath("decoder.yaml").read_text()
         return parse(yaml.safe_load(text), "decoder.yaml (default)")
-    p = Path(path)
-    if not p.is_file():
-        raise SpaceError(f"{path}: search space file not found")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" at line {mark.line + 1}" if mark is not None else ""
-        raise SpaceError(f"{path}: not valid YAML{at} ({str(e).splitlines()[0]})") from None
-    return parse(data, str(path))
+    return parse(read_yaml(path, "search space", SpaceError), str(path))
 
 
 def to_config(params: dict, space_pdl: bool = True):
