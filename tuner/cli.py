@@ -40,7 +40,7 @@ def _read_shape_file(path: str):
     from tuner.shapes import DecoderShape, ShapeError
     from tuner.space import read_yaml
 
-    data = read_yaml(path, "--shape-file", UserError)
+    data = read_yaml(path, "shape", UserError)
     items = data.get("shapes") if isinstance(data, dict) else data
     if not isinstance(items, list):
         raise UserError(f"--shape-file {path}: expected a list of shapes under 'shapes'")
