@@ -386,3 +386,14 @@ def test_export_of_a_bad_run_folder(run_copy, tmp_path, case):
     files, target = snapshot(run_copy), tmp_path / "exported.json"
     assert_user_error(*tune("export", run_copy, "-o", target), words)
     assert not target.exists() and snapshot(run_copy) == files
+
+
+def test_summary_across_runs_writes_latest_and_stamped(first, tmp_path, capsys):
+    # `tune decoder --shape all` ends with this; the replay serves one shape, so the same run stands twice.
+    from tuner.cli import _write_summary
+
+    _write_summary([first[1], first[1]], tmp_path)
+    latest = (tmp_path / "summary.md").read_text()
+    stamped = sorted(tmp_path.glob("summary-*.md"))
+    assert len(stamped) == 1 and stamped[0].read_text() == latest
+    assert "SUMMARY OF ALL SHAPES" in latest and "REPLAYED" in latest and "bert-base" in latest

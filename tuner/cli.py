@@ -314,10 +314,13 @@ def cmd_decoder(args) -> int:
 def _write_summary(runs: list[Path], out_root: Path) -> None:
     from tuner import report
 
+    # summary.md is the latest (DESIGN's layout); the stamped copy keeps every earlier one.
     path = out_root / f"summary-{time.strftime('%Y%m%d-%H%M%S')}.md"
-    report.write_summary([report.load_run(r) for r in runs], path)
+    loaded = [report.load_run(r) for r in runs]
+    report.write_summary(loaded, path)
+    report.write_summary(loaded, out_root / "summary.md")
     print(path.read_text())
-    print(f"summary: {path}")
+    print(f"summary: {path} (and {out_root / 'summary.md'})")
 
 
 def _check_grid(space) -> None:
