@@ -45,7 +45,6 @@ class AttnConfig(KnobConfig):
     prefetch_ratio: float = -1.0
 
 
-
 @dataclass(frozen=True)
 class AttnProblem:
     batch: int

@@ -44,7 +44,6 @@ class GemmConfig(KnobConfig):
     prefetch_ratio: float = -1.0
 
 
-
 @dataclass(frozen=True)
 class GemmProblem:
     m: int

@@ -41,7 +41,6 @@ class NormConfig(KnobConfig):
     fuse: int = 0
 
 
-
 @dataclass(frozen=True)
 class NormProblem:
     rows: int

@@ -16,7 +16,7 @@ from tuner.kernels.attention import AttnConfig
 from tuner.kernels._common import REL_TOLERANCE
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
-from tuner.layer import DecoderStack, check_config, default_config, fit_config, stack_depth
+from tuner.layer import DecoderStack, check_config, default_config, fit_config, random_stack_weights, stack_depth
 from tuner.shapes import DecoderShape
 from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
 
@@ -73,26 +73,21 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
     dev = DeviceInfo.from_torch()
     esize = torch.tensor([], dtype=dtype).element_size()
     n_layers = stack_depth(shape, esize, dev.l2_bytes, l2)
-    probe = DecoderStack(shape, default_config(shape), n_layers=n_layers, dtype=dtype, seed=seed)
-    weights = probe.weights  # every variant runs on the same weights
-    del probe
+    weights = random_stack_weights(shape, n_layers, dtype, "cuda", seed)  # every variant runs on these
     rows: list[Row] = []
     tol = REL_TOLERANCE[dtype]
 
     t0 = time.time()
-    eager = TorchStack(shape, weights, dtype)
-    e = eager.check(seed)
-    t = eager.time(reps, warmup)
-    rows.append(Row("torch eager (cuBLAS+SDPA), CUDA graph", t.median_us, t.spread_us, e, e < tol))
-    del eager
-    log(f"  eager done ({time.time() - t0:.0f}s)")
+    torch_rows = [("torch eager (cuBLAS+SDPA), CUDA graph", False)]
     if compile_baseline:
-        comp = TorchStack(shape, weights, dtype, compiled=True)
-        e = comp.check(seed)
-        t = comp.time(reps, warmup)
-        rows.append(Row("torch.compile (inductor default), CUDA graph", t.median_us, t.spread_us, e, e < tol))
-        del comp
-        log(f"  torch.compile done ({time.time() - t0:.0f}s)")
+        torch_rows.append(("torch.compile (inductor default), CUDA graph", True))
+    for name, compiled in torch_rows:
+        ts = TorchStack(shape, weights, dtype, compiled=compiled)
+        e = ts.check(seed)
+        t = ts.time(reps, warmup)
+        rows.append(Row(name, t.median_us, t.spread_us, e, e < tol))
+        del ts
+        log(f"  {name.split(' (')[0]} done ({time.time() - t0:.0f}s)")
     rows.append(_ours(shape, default_config(shape), dtype, n_layers, weights, reps, warmup, seed,
                       "ours, (-1,-1), default tiles"))
     hp = hand_picked(shape)

@@ -67,15 +67,14 @@ class GpuEvaluator:
         import torch
 
         from tuner.device import DeviceInfo
-        from tuner.layer import DTYPES, LayerWeights, stack_depth
+        from tuner.layer import DTYPES, random_stack_weights, stack_depth
 
         self.shape, self.dtype_name, self.dtype = shape, dtype, DTYPES[dtype]
         self.device = DeviceInfo.from_torch()
         self.esize = torch.tensor([], dtype=self.dtype).element_size()
         self.n_layers = stack_depth(shape, self.esize, self.device.l2_bytes, l2)
         self.l2, self.reps, self.warmup, self.seed = l2, reps, warmup, seed
-        g = torch.Generator().manual_seed(seed)
-        self.weights = [LayerWeights.random(shape, self.dtype, "cuda", g) for _ in range(self.n_layers)]
+        self.weights = random_stack_weights(shape, self.n_layers, self.dtype, "cuda", seed)
         self._checks = 0
 
     @property

@@ -187,6 +187,12 @@ def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: t
     return b.y
 
 
+def random_stack_weights(shape: DecoderShape, n_layers: int, dtype, device, seed: int) -> list[LayerWeights]:
+    """Distinct random weights for each layer of a stack, the same for a given seed everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    return [LayerWeights.random(shape, dtype, device, g) for _ in range(n_layers)]
+
+
 def torch_layer(shape: DecoderShape, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The same layer in plain PyTorch (cuBLAS + SDPA): the eager and torch.compile baselines, and in
     fp32 the reference."""
@@ -219,8 +225,7 @@ class DecoderStack:
     def __init__(self, shape: DecoderShape, cfg: DecoderConfig, *, n_layers: int, dtype=torch.float16,
                  device="cuda", seed: int = 0, weights: list[LayerWeights] | None = None):
         self.shape, self.cfg, self.dtype, self.device = shape, cfg, dtype, torch.device(device)
-        g = torch.Generator().manual_seed(seed)
-        self.weights = weights or [LayerWeights.random(shape, dtype, device, g) for _ in range(n_layers)]
+        self.weights = weights or random_stack_weights(shape, n_layers, dtype, device, seed)
         self.x = torch.empty((shape.tokens, shape.d_model), dtype=dtype, device=device)
         self.bufs = [LayerBuffers(shape, cfg, dtype, device) for _ in self.weights]
         for w in self.weights:  # folds are torch ops: do them now, never inside a graph capture
