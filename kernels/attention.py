@@ -107,62 +107,14 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
 
 
 @triton.jit
-def _attn_fwd_kernel(
-    # pointers
-    qkv_ptr, out_ptr,
-    # sizes
-    seq, heads, head_dim, D,
-    # strides
-    stride_qt, stride_qc, stride_ot, stride_oc,
-    # softmax scale * log2(e); the PDL trigger ratio (ignored without PDL)
-    qk_scale, overlap,
-    # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr,
-):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-
-    # Row b*seq + s of qkv / out; int64 so that large batch*seq*stride never wraps.
-    row0 = (b * seq).to(tl.int64)
-    q_base = qkv_ptr + row0 * stride_qt + (h * head_dim) * stride_qc
-    k_base = qkv_ptr + row0 * stride_qt + (D + h * head_dim) * stride_qc
-    v_base = qkv_ptr + row0 * stride_qt + (2 * D + h * head_dim) * stride_qc
-    o_base = out_ptr + row0 * stride_ot + (h * head_dim) * stride_oc
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+               USE_PDL: tl.constexpr, UPCAST: tl.constexpr):
+    """softmax(q k^T) v for one tile of query rows over its first ``n_blocks`` KV blocks (online softmax),
+    issuing the PDL trigger after block ``trigger_j``. Shared by this kernel and the fused layer kernel."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
-    mask_m = offs_m < seq
     mask_d = offs_d < head_dim
-
-    # KV blocks of this program: causal stops at the block holding its last (valid) query row.
-    if CAUSAL:
-        kv_end = tl.minimum(seq, (pid_m + 1) * BLOCK_M)
-    else:
-        kv_end = seq
-    n_blocks = tl.cdiv(kv_end, BLOCK_N)
-
-    q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qc
-    q_mask = mask_m[:, None] & mask_d[None, :]
-    if RACY_READ_BEFORE_WAIT:
-        # Test-only defect: reads this program's Q tile before gdc_wait. The correctness gate must catch it.
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-        pdl_wait(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    if USE_PDL:
-        # floor((n_blocks - 1) * overlap) of this program's own count (overlap in [0, 1]).
-        trigger_j = tl.minimum(((n_blocks - 1) * overlap).to(tl.int32), n_blocks - 1)
-    else:
-        trigger_j = -1
-
     # Finite start: a row with every key masked so far keeps p == 0 and alpha == 1 (no inf - inf).
     m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -194,7 +146,66 @@ def _attn_fwd_kernel(
             if j == trigger_j:
                 tl.extra.cuda.gdc_launch_dependents()
 
-    acc = acc / l_i[:, None]
+    return acc / l_i[:, None]
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    # pointers
+    qkv_ptr, out_ptr,
+    # sizes
+    seq, heads, head_dim, D,
+    # strides
+    stride_qt, stride_qc, stride_ot, stride_oc,
+    # softmax scale * log2(e); the PDL trigger ratio (ignored without PDL)
+    qk_scale, overlap,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+
+    # Row b*seq + s of qkv / out; int64 so that large batch*seq*stride never wraps.
+    row0 = (b * seq).to(tl.int64)
+    q_base = qkv_ptr + row0 * stride_qt + (h * head_dim) * stride_qc
+    k_base = qkv_ptr + row0 * stride_qt + (D + h * head_dim) * stride_qc
+    v_base = qkv_ptr + row0 * stride_qt + (2 * D + h * head_dim) * stride_qc
+    o_base = out_ptr + row0 * stride_ot + (h * head_dim) * stride_oc
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < seq
+    mask_d = offs_d < head_dim
+
+    # KV blocks of this program: causal stops at the block holding its last (valid) query row.
+    if CAUSAL:
+        kv_end = tl.minimum(seq, (pid_m + 1) * BLOCK_M)
+    else:
+        kv_end = seq
+    n_blocks = tl.cdiv(kv_end, BLOCK_N)
+
+    q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qc
+    q_mask = mask_m[:, None] & mask_d[None, :]
+    if RACY_READ_BEFORE_WAIT:
+        # Test-only defect: reads this program's Q tile before gdc_wait. The correctness gate must catch it.
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        pdl_wait(USE_PDL)
+    else:
+        pdl_wait(USE_PDL)
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    if USE_PDL:
+        # floor((n_blocks - 1) * overlap) of this program's own count (overlap in [0, 1]).
+        trigger_j = tl.minimum(((n_blocks - 1) * overlap).to(tl.int32), n_blocks - 1)
+    else:
+        trigger_j = -1
+    acc = _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
+                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, USE_PDL, UPCAST)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_oc,
              acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from tuner.kernels.attention import AttnConfig
+from tuner.kernels.fused_layer import FusedLayerConfig
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
 
@@ -13,7 +14,9 @@ SCHEMA_VERSION = 1
 KERNELS = ("norm1", "qkv", "attn", "out", "norm2", "ffn1", "ffn2")
 GEMMS = ("qkv", "out", "ffn1", "ffn2")
 KIND = {"norm1": NormConfig, "qkv": GemmConfig, "attn": AttnConfig, "out": GemmConfig,
-        "norm2": NormConfig, "ffn1": GemmConfig, "ffn2": GemmConfig}
+        "norm2": NormConfig, "ffn1": GemmConfig, "ffn2": GemmConfig, "layer": FusedLayerConfig}
+# The seven kernels, then the one-kernel layer (``layer.fuse``: when 1, it replaces all seven).
+CONFIGS = KERNELS + ("layer",)
 
 
 class ConfigError(ValueError):
@@ -29,9 +32,16 @@ class DecoderConfig:
     norm2: NormConfig = NormConfig()
     ffn1: GemmConfig = GemmConfig()
     ffn2: GemmConfig = GemmConfig()
+    layer: FusedLayerConfig = FusedLayerConfig()
+
+    @property
+    def fused(self) -> bool:
+        """The whole layer runs as one persistent kernel (tuner.kernels.fused_layer)."""
+        return bool(self.layer.fuse)
 
     def kernels(self):
-        return [(name, getattr(self, name)) for name in KERNELS]
+        """(name, config) of the seven per-kernel configs and the one-kernel layer's."""
+        return [(name, getattr(self, name)) for name in CONFIGS]
 
     def without_knobs(self) -> "DecoderConfig":
         """Same tiles, every (overlap, prefetch) pair at (-1, -1): the seed's 'all mm: -1.0'."""
@@ -41,7 +51,7 @@ class DecoderConfig:
         """Every kernel at the same pair (attention never prefetches: it has no weights)."""
         out = {}
         for n, c in self.kernels():
-            p = -1.0 if isinstance(c, AttnConfig) else prefetch_ratio
+            p = -1.0 if isinstance(c, AttnConfig) else prefetch_ratio  # attention has no weights
             out[n] = replace(c, overlap_ratio=overlap_ratio, prefetch_ratio=p)
         return replace(self, **out)
 
@@ -56,13 +66,13 @@ class DecoderConfig:
         ks = d.get("kernels")
         if not isinstance(ks, dict):
             raise ConfigError("config has no 'kernels' mapping")
-        unknown = set(ks) - set(KERNELS)
+        unknown = set(ks) - set(CONFIGS)
         if unknown:
-            raise ConfigError(f"config names unknown kernels {sorted(unknown)}; expected {list(KERNELS)}")
+            raise ConfigError(f"config names unknown kernels {sorted(unknown)}; expected {list(CONFIGS)}")
         try:
-            return cls(**{n: KIND[n].from_dict(ks[n]) for n in KERNELS if n in ks})
+            return cls(**{n: KIND[n].from_dict(ks[n]) for n in CONFIGS if n in ks})
         except (TypeError, ValueError) as e:
             raise ConfigError(f"config: {e}") from None
 
 
-assert tuple(f.name for f in fields(DecoderConfig)) == KERNELS
+assert tuple(f.name for f in fields(DecoderConfig)) == CONFIGS

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from tuner.config import GEMMS, DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels import attention as attn_k
+from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
 from tuner.kernels._common import REL_TOLERANCE, rel_error
@@ -29,7 +30,11 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                  device: DeviceInfo | None = None) -> dict[str, str]:
-    """Why each kernel's config is invalid for ``shape`` (empty when all are valid)."""
+    """Why each kernel's config is invalid for ``shape`` (empty when all are valid). A fused layer
+    checks only its one kernel: the seven per-kernel configs are not launched."""
+    if cfg.fused:
+        why = fused_k.check(cfg.layer, layer_problem(shape, dtype_bytes), device)
+        return {"layer": why} if why else {}
     bad = {}
     m, d = shape.tokens, shape.d_model
     for name in ("norm1", "norm2"):
@@ -47,6 +52,10 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     return bad
 
 
+def layer_problem(shape: DecoderShape, dtype_bytes: int = 2) -> fused_k.LayerProblem:
+    return fused_k.LayerProblem(shape.tokens, shape.seq, shape.d_model, shape.heads, shape.ffn, dtype_bytes)
+
+
 def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
     """Shrink tiles that exceed the shape (tiny layers have 32 rows and 32 keys)."""
     from dataclasses import replace
@@ -54,7 +63,7 @@ def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
     fitted = {n: gemm_k.fit(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
     cap = max(16, 1 << (shape.seq - 1).bit_length())
     attn = replace(cfg.attn, block_m=min(cfg.attn.block_m, cap), block_n=min(cfg.attn.block_n, cap))
-    return replace(cfg, attn=attn, **fitted)
+    return replace(cfg, attn=attn, layer=fused_k.fit(cfg.layer, layer_problem(shape)), **fitted)
 
 
 def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
@@ -101,6 +110,13 @@ class LayerWeights:
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
+    def fused(self) -> fused_k.LayerTensors:
+        """What the one-kernel layer reads: both norms folded into the next GEMM (computed once)."""
+        w_qkv, b_qkv, u_qkv = self.folded("qkv")
+        w_ffn1, b_ffn1, u_ffn1 = self.folded("ffn1")
+        return fused_k.LayerTensors(w_qkv, b_qkv, u_qkv, self.w_out, self.b_out, w_ffn1, b_ffn1, u_ffn1,
+                                    self.w_ffn2, self.b_ffn2)
+
     @classmethod
     def random(cls, shape: DecoderShape, dtype, device, generator: torch.Generator) -> "LayerWeights":
         d, f = shape.d_model, shape.ffn
@@ -128,15 +144,24 @@ class LayerBuffers:
     def __init__(self, shape: DecoderShape, cfg: DecoderConfig, dtype, device):
         m, d, f = shape.tokens, shape.d_model, shape.ffn
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
+        self.ws = {}
+        self.fused = None
+        if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
+            self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
+            self.ln1 = self.ln2 = e(0)
+            self.qkv, self.attn, self.h, self.ffn1 = self.fused.activations()
+            self.y = e(d)
+            return
         self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y = (
             e(d), e(3 * d), e(d), e(d), e(d), e(f), e(d))
-        self.ws = {}
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
 
     def all(self):
-        return [self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y] + [
+        """Every buffer a launch writes (poisoned before a correctness check); not the sync counters."""
+        extra = [self.fused.ws] if self.fused is not None else []
+        return [self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y] + extra + [
             w for w in self.ws.values() if w is not None]
 
 
@@ -148,6 +173,9 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address).
     """
     r = lambda k: racy == k  # noqa: E731
+    if cfg.fused:
+        return [("layer", lambda: fused_k.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads,
+                                                        config=cfg.layer, scratch=b.fused, out=b.y, eps=LN_EPS))]
     # A fused norm (NormConfig.fuse) launches no kernel: the next GEMM normalises x in its prologue.
     w_qkv, b_qkv, w_ffn1, b_ffn1 = w.w_qkv, w.b_qkv, w.w_ffn1, w.b_ffn1
     ln1 = ln2 = {}
@@ -229,9 +257,9 @@ class DecoderStack:
         self.x = torch.empty((shape.tokens, shape.d_model), dtype=dtype, device=device)
         self.bufs = [LayerBuffers(shape, cfg, dtype, device) for _ in self.weights]
         for w in self.weights:  # folds are torch ops: do them now, never inside a graph capture
-            if cfg.norm1.fuse:
+            if cfg.norm1.fuse or cfg.fused:
                 w.folded("qkv")
-            if cfg.norm2.fuse:
+            if cfg.norm2.fuse or cfg.fused:
                 w.folded("ffn1")
         self.racy: tuple[int, str] | None = None  # (layer, kernel) for the race-detection demonstration
         self.oob_layer: int | None = None  # layer whose QKV GEMM writes out of bounds (test-only)
