@@ -202,6 +202,21 @@ def fit(config: FusedLayerConfig, problem: LayerProblem) -> FusedLayerConfig:
     return c
 
 
+N_STAMPS = 12  # _stamp slots per program (diagnostics: scripts/fused_phases.py)
+
+
+@triton.jit
+def _stamp(times_ptr, pid, slot, TIMES: tl.constexpr):
+    """Diagnostics only (TIMES): %globaltimer (ns) and %clock64 of this program at a phase boundary."""
+    if TIMES:
+        tl.debug_barrier()
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
+                                      pack=1)
+        c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1)
+        tl.store(times_ptr + (pid * N_STAMPS + slot) * 2, t)
+        tl.store(times_ptr + (pid * N_STAMPS + slot) * 2 + 1, c)
+
+
 @triton.jit
 def _grid_barrier(sync_ptr, idx, NPROG: tl.constexpr):
     """Every program arrives (release: its stores are visible first), then waits for all (acquire)."""
@@ -324,7 +339,7 @@ def _prefetch_weights(pid, w_ptr, n_lines, NPROG: tl.constexpr, LINE_ELEMS: tl.c
 @triton.jit
 def _layer_kernel(
     x_ptr, wqkv_ptr, bqkv_ptr, uqkv_ptr, wout_ptr, bout_ptr, w1_ptr, b1_ptr, u1_ptr, w2_ptr, b2_ptr,
-    qkv_ptr, attn_ptr, h_ptr, f1_ptr, y_ptr, ws_ptr, sync_ptr,
+    qkv_ptr, attn_ptr, h_ptr, f1_ptr, y_ptr, ws_ptr, sync_ptr, times_ptr,
     M, D, F, n_batch, seq, heads, head_dim, qk_scale, eps,
     pf_qkv, pf_out, pf_ffn1, pf_ffn2, trigger_phase,
     NPROG: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
@@ -332,44 +347,58 @@ def _layer_kernel(
     BN_F1: tl.constexpr, SK_F1: tl.constexpr, BN_F2: tl.constexpr, SK_F2: tl.constexpr,
     ABM: tl.constexpr, ABN: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINE_ELEMS: tl.constexpr,
+    TIMES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cnt = sync_ptr + 8
+    _stamp(times_ptr, pid, 0, TIMES)
     if PREFETCH:  # weights only: nothing the predecessor writes is touched before the wait
         _prefetch_weights(pid, wqkv_ptr, pf_qkv, NPROG, LINE_ELEMS, 256)
         _prefetch_weights(pid, wout_ptr, pf_out, NPROG, LINE_ELEMS, 256)
         _prefetch_weights(pid, w1_ptr, pf_ffn1, NPROG, LINE_ELEMS, 256)
         _prefetch_weights(pid, w2_ptr, pf_ffn2, NPROG, LINE_ELEMS, 256)
+    _stamp(times_ptr, pid, 1, TIMES)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+    _stamp(times_ptr, pid, 2, TIMES)
+    if USE_PDL:
         if trigger_phase == 1:
             tl.extra.cuda.gdc_launch_dependents()
     _gemm_phase(pid, x_ptr, wqkv_ptr, bqkv_ptr, uqkv_ptr, x_ptr, qkv_ptr, ws_ptr, cnt, M, 3 * D, D, eps,
                 NPROG, BM, BN_QKV, BK, SK_QKV, STAGES, True, False, 0, UPCAST)
+    _stamp(times_ptr, pid, 3, TIMES)
     _grid_barrier(sync_ptr, 0, NPROG)
+    _stamp(times_ptr, pid, 4, TIMES)
     if USE_PDL:
         if trigger_phase == 2:
             tl.extra.cuda.gdc_launch_dependents()
     _attn_phase(pid, qkv_ptr, attn_ptr, n_batch, seq, heads, head_dim, D, qk_scale, NPROG, ABM, ABN, BLOCK_D,
                 UPCAST)
+    _stamp(times_ptr, pid, 5, TIMES)
     _grid_barrier(sync_ptr, 1, NPROG)
+    _stamp(times_ptr, pid, 6, TIMES)
     if USE_PDL:
         if trigger_phase == 3:
             tl.extra.cuda.gdc_launch_dependents()
     _gemm_phase(pid, attn_ptr, wout_ptr, bout_ptr, bout_ptr, x_ptr, h_ptr, ws_ptr, cnt, M, D, D, eps,
                 NPROG, BM, BN_OUT, BK, SK_OUT, STAGES, False, True, 0, UPCAST)
+    _stamp(times_ptr, pid, 7, TIMES)
     _grid_barrier(sync_ptr, 2, NPROG)
+    _stamp(times_ptr, pid, 8, TIMES)
     if USE_PDL:
         if trigger_phase == 4:
             tl.extra.cuda.gdc_launch_dependents()
     _gemm_phase(pid, h_ptr, w1_ptr, b1_ptr, u1_ptr, h_ptr, f1_ptr, ws_ptr, cnt, M, F, D, eps,
                 NPROG, BM, BN_F1, BK, SK_F1, STAGES, True, False, 1, UPCAST)
+    _stamp(times_ptr, pid, 9, TIMES)
     _grid_barrier(sync_ptr, 3, NPROG)
+    _stamp(times_ptr, pid, 10, TIMES)
     if USE_PDL:
         if trigger_phase == 5:
             tl.extra.cuda.gdc_launch_dependents()
     _gemm_phase(pid, f1_ptr, w2_ptr, b2_ptr, b2_ptr, h_ptr, y_ptr, ws_ptr, cnt, M, D, F, eps,
                 NPROG, BM, BN_F2, BK, SK_F2, STAGES, False, True, 0, UPCAST)
+    _stamp(times_ptr, pid, 11, TIMES)
     # The last program out resets the barrier counters for the next launch (the tile counters reset
     # themselves); everyone has passed every barrier by then.
     tl.debug_barrier()
@@ -416,8 +445,12 @@ def programs_for(config: FusedLayerConfig, x: torch.Tensor) -> int:
 
 
 def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, config: FusedLayerConfig,
-                  scratch: LayerScratch, out: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    """One pre-LN causal decoder layer of ``x`` ``[batch*seq, d_model]`` into ``out``, one launch."""
+                  scratch: LayerScratch, out: torch.Tensor, eps: float = 1e-5,
+                  _times: torch.Tensor | None = None) -> torch.Tensor:
+    """One pre-LN causal decoder layer of ``x`` ``[batch*seq, d_model]`` into ``out``, one launch.
+
+    ``_times`` (diagnostics, GPU only): int64 ``[programs, N_STAMPS, 2]`` receiving each program's
+    (%globaltimer, %clock64) at the phase boundaries."""
     M, D = x.shape
     F = w.w_ffn1.shape[0]
     p = LayerProblem(M, seq, D, heads, F, x.element_size())
@@ -442,6 +475,7 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
     _layer_kernel[(nprog,)](
         x, w.w_qkv, w.b_qkv, w.u_qkv, w.w_out, w.b_out, w.w_ffn1, w.b_ffn1, w.u_ffn1, w.w_ffn2, w.b_ffn2,
         scratch.qkv, scratch.attn, scratch.h, scratch.ffn1, out, scratch.ws, scratch.sync,
+        _times if _times is not None else scratch.sync,
         M, D, F, M // seq, seq, heads, head_dim, _LOG2E / math.sqrt(head_dim), eps,
         *pf, 1 + int(math.floor(4 * min(c.overlap_ratio, 1.0))) if use_pdl else 0,
         NPROG=nprog, BM=c.block_m, BK=c.block_k, STAGES=c.num_stages,
@@ -449,6 +483,6 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
         BN_F1=c.ffn1_block_n, SK_F1=c.ffn1_split_k, BN_F2=c.ffn2_block_n, SK_F2=c.ffn2_split_k,
         ABM=c.attn_block_m, ABN=c.attn_block_n, BLOCK_D=block_d(head_dim),
         USE_PDL=use_pdl, PREFETCH=sum(pf) > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
-        LINE_ELEMS=line, num_warps=c.num_warps, num_stages=1, launch_pdl=use_pdl,
+        LINE_ELEMS=line, TIMES=_times is not None, num_warps=c.num_warps, num_stages=1, launch_pdl=use_pdl,
     )
     return out
