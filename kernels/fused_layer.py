@@ -213,8 +213,8 @@ def _stamp(times_ptr, pid, slot, TIMES: tl.constexpr):
         t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
                                       pack=1)
         c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1)
-        tl.store(times_ptr + (pid * N_STAMPS + slot) * 2, t)
-        tl.store(times_ptr + (pid * N_STAMPS + slot) * 2 + 1, c)
+        tl.store(times_ptr + (pid * 12 + slot) * 2, t)
+        tl.store(times_ptr + (pid * 12 + slot) * 2 + 1, c)
 
 
 @triton.jit
