@@ -249,6 +249,14 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
         mask_m = offs_m < M
         mask_n = offs_n < N
         k0 = s * per
+        if SPLIT == 1:
+            # The epilogue's operands are issued before the K loop: their latency hides under it.
+            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if HAS_LN:
+                u = tl.load(u_ptr + offs_n, mask=mask_n, other=0.0)
+            if HAS_RES:
+                res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :],
+                              mask=mask_m[:, None] & mask_n[None, :], other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         s1 = tl.zeros((BM,), dtype=tl.float32)
         s2 = tl.zeros((BM,), dtype=tl.float32)
@@ -256,21 +264,35 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
             k = (k0 + i) * BK + offs_k
             a_ptrs = a_ptr + offs_m[:, None] * K + k[None, :]
             a_mask = mask_m[:, None] & (k[None, :] < K)
-            a = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".cg")
+            # Activations through L1: no SM reads a buffer of this launch before it is written (each
+            # buffer is written once per launch), so no stale line can be hit.
+            a = tl.load(a_ptrs, mask=a_mask, other=0.0)
             b = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=mask_n[None, :] & (k[:, None] < K),
                         other=0.0)
             if HAS_LN:
-                # Row sums from a second load of the tile, not the MMA operand (gemm.py: triton 3.6 on
-                # the H200 reduced the operand wrongly at some tiles).
-                af = tl.load(a_ptrs, mask=a_mask, other=0.0, volatile=True).to(tl.float32)
+                # Row sums from a second load of the tile (an L1 hit), not the MMA operand (gemm.py:
+                # triton 3.6 on the H200 reduced the operand wrongly at some tiles).
+                af = tl.load(a_ptrs, mask=a_mask, other=0.0, cache_modifier=".ca").to(tl.float32)
                 s1 += tl.sum(af, axis=1)
                 s2 += tl.sum(af * af, axis=1)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        done = SPLIT == 1
-        if SPLIT > 1:
+        if SPLIT == 1:
+            if HAS_LN:
+                mean = s1 / K
+                rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
+                acc = rstd[:, None] * (acc - mean[:, None] * u[None, :])
+            acc += bias[None, :]
+            if ACT == 1:  # gelu, tanh approximation (as gemm._epilogue)
+                z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+                acc = acc * tl.sigmoid(2.0 * z)
+            if HAS_RES:
+                acc += res.to(tl.float32)
+            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_n[None, :])
+        else:
             # Store this split's partial; the last split of the tile to arrive reduces and finishes it.
             rows = tl.arange(0, BM)
             part = ws_ptr + item * (BM * BN)
@@ -281,8 +303,7 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
                 tl.store(st + 1, s2)
             tl.debug_barrier()
             old = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            done = old == SPLIT - 1
-            if done:
+            if old == SPLIT - 1:
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
                 s1 = tl.zeros((BM,), dtype=tl.float32)
                 s2 = tl.zeros((BM,), dtype=tl.float32)
@@ -294,10 +315,9 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
                         s1 += tl.load(sj, cache_modifier=".cg")
                         s2 += tl.load(sj + 1, cache_modifier=".cg")
                 tl.atomic_xchg(cnt_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next phase
-        if done:
-            if HAS_LN:
-                acc = _ln_correct(acc, s1, s2, u_ptr, offs_n, N, K, eps)
-            _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, N, 1, N, 1, True, HAS_RES, ACT)
+                if HAS_LN:
+                    acc = _ln_correct(acc, s1, s2, u_ptr, offs_n, N, K, eps)
+                _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, N, 1, N, 1, True, HAS_RES, ACT)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from tuner.kernels import fused_layer as fk
 from tuner.layer import LN_EPS, fit_config, layer_problem, random_stack_weights, stack_depth
 from tuner.shapes import resolve
 from tuner.timing import capture, time_replay
+from tuner.bench import hand_picked_fused
 from tuner.config import DecoderConfig
 
 SLOTS = ["start", "prefetched", "waited", "qkv", "bar0", "attn", "bar1", "out", "bar2", "ffn1", "bar3", "ffn2"]
@@ -49,16 +50,14 @@ def main():
     dev = DeviceInfo.from_torch()
     n = stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
-    m = shape.tokens
-    base = fk.FusedLayerConfig(fuse=1, block_m=min(64, m), block_k=64, num_stages=3, qkv_block_n=64, out_block_n=32,
-                               ffn1_block_n=64, ffn2_block_n=64, ffn2_split_k=4, num_warps=8, overlap_ratio=-1.0,
-                               prefetch_ratio=1.0)
+    base = hand_picked_fused(shape).layer
     variants = {
-        "w8 (-1,1)": base,
-        "w8 (0,1)": replace(base, overlap_ratio=0.0),
-        "w8 (-1,-1)": replace(base, prefetch_ratio=-1.0),
-        "w8 bk128 s4 (-1,1)": replace(base, block_k=128, num_stages=4),
-        "w8 bn32 (-1,1)": replace(base, qkv_block_n=32, ffn1_block_n=32, ffn2_block_n=32, out_block_n=16),
+        "hand-picked (0,1)": base,
+        "attn 16x128": replace(base, attn_block_m=16),
+        "stages 8": replace(base, num_stages=8),
+        "bm128 qkv n32/sk2 ffn1 n32 ffn2 n32/sk4": replace(base, block_m=128, qkv_block_n=32, qkv_split_k=2,
+                                                           out_block_n=16, ffn1_block_n=32, ffn2_block_n=32),
+        "96 programs": replace(base, programs=96),
     }
     report = {}
     for name, c in variants.items():

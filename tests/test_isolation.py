@@ -116,7 +116,7 @@ def small_space() -> space.SearchSpace:
         for name, value in space.from_config(cfg, pdl=False).items():
             kernel, field = name.split(".", 1)
             used.setdefault((space.FAMILY[kernel], field), set()).add(value)
-    for fam in ("gemm", "norm", "attn"):
+    for fam in ("gemm", "norm", "attn", "layer"):
         data[fam] = {field: sorted(used[(fam, field)]) for field in data[fam]}
     data["attn"].update(num_warps=[2, 4, 8], num_stages=[1, 2, 3])
     data["kernels"] = {}
@@ -126,12 +126,12 @@ def small_space() -> space.SearchSpace:
 def test_study_with_faulty_candidates_completes_its_budget(tmp_path):
     """A random search in which candidates crash, hang or compute wrong output: every trial ends with
     its status, each crash or hang costs one worker restart, the budget is spent, the run folder written.
-    (Random sampler, seed 3: the 12 trials hit the crash and hang rules once and the wrong-output rule twice.)"""
+    (Random sampler, seed 13: the 12 trials hit each of the three rules once.)"""
     rules = [{"match": {"attn.num_warps": 2, "attn.num_stages": 1}, "action": "crash"},
              {"match": {"attn.num_warps": 8, "attn.num_stages": 1}, "action": "hang"},
              {"match": {"attn.num_warps": 2, "attn.num_stages": 3}, "action": "incorrect"}]
     budget = 12
-    opts = StudyOptions(trials=budget, sampler="random", seed=3, top_k=2, remeasure_rounds=2, progress=False)
+    opts = StudyOptions(trials=budget, sampler="random", seed=13, top_k=2, remeasure_rounds=2, progress=False)
     with IsolatedEvaluator(faulty_spec(rules), trial_timeout_s=TIMEOUT_S, first_trial_extra_s=0.0) as ev:
         run = run_study(ev.shape, ev, small_space(), opts, tmp_path, ["pytest"], log=lambda *a: None)
         restarts = ev.restarts

@@ -16,7 +16,7 @@ import yaml
 
 from tuner import space
 from tuner.bench import hand_picked
-from tuner.config import KERNELS, KIND
+from tuner.config import CONFIGS as CONFIG_NAMES, KERNELS, KIND
 from tuner.layer import default_config
 from tuner.shapes import PRESETS
 from tuner.space import RATIOS, SpaceError
@@ -54,8 +54,8 @@ def test_default_space_loads_from_package_data():
     sp = space.load()
     assert sp.source == "decoder.yaml (default)"
     params = sp.params()
-    assert {name.split(".")[0] for name in params} == set(KERNELS)
-    for k in KERNELS:
+    assert {name.split(".")[0] for name in params} == set(CONFIG_NAMES)
+    for k in CONFIG_NAMES:
         assert f"{k}.overlap_ratio" in params and f"{k}.prefetch_ratio" in params
     # The seed's grid, categorical.
     assert params["qkv.overlap_ratio"].choices == (-1.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
@@ -78,7 +78,7 @@ def test_params_without_pdl_drop_the_ratios():
     with_pdl, without = sp.params(pdl=True), sp.params(pdl=False)
     assert not [n for n in without if n.split(".", 1)[1] in RATIOS]
     assert set(without) == {n for n in with_pdl if n.split(".", 1)[1] not in RATIOS}
-    assert len(with_pdl) - len(without) == 2 * len(KERNELS)
+    assert len(with_pdl) - len(without) == 2 * len(CONFIG_NAMES)
 
 
 @pytest.mark.parametrize("shape", list(PRESETS), ids=list(PRESETS))
@@ -130,10 +130,10 @@ def test_continuous_switch_off_and_on_with_fixed_values(tmp_path):
     sp = load_edit(tmp_path, continuous)
     base = space.from_config(default_config(PRESETS["bert-base"]))
     fixed = {k: v for k, v in base.items() if not k.endswith("_ratio")}
-    fixed.update({f"{k}.prefetch_ratio": 0.5 for k in KERNELS if k != "attn"}, **{"attn.prefetch_ratio": -1.0})
-    off = dict(fixed, **{f"{k}.overlap_ratio.on": False for k in KERNELS})
+    fixed.update({f"{k}.prefetch_ratio": 0.5 for k in CONFIG_NAMES if k != "attn"}, **{"attn.prefetch_ratio": -1.0})
+    off = dict(fixed, **{f"{k}.overlap_ratio.on": False for k in CONFIG_NAMES})
     assert all(space.suggest(optuna.trial.FixedTrial(off), sp)[f"{k}.overlap_ratio"] == -1.0 for k in KERNELS)
-    on = dict(fixed, **{f"{k}.overlap_ratio.on": True for k in KERNELS}, **{f"{k}.overlap_ratio": 0.3 for k in KERNELS})
+    on = dict(fixed, **{f"{k}.overlap_ratio.on": True for k in CONFIG_NAMES}, **{f"{k}.overlap_ratio": 0.3 for k in CONFIG_NAMES})
     cfg = space.to_config(space.suggest(optuna.trial.FixedTrial(on), sp))
     assert cfg.qkv.overlap_ratio == 0.3 and cfg.ffn2.prefetch_ratio == 0.5 and cfg.attn.prefetch_ratio == -1.0
 

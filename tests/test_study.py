@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tuner import space
-from tuner.bench import hand_picked
+from tuner.bench import hand_picked, hand_picked_fused
 from tuner.config import DecoderConfig
 from tuner.evaluate import ReplayEvaluator
 from tuner.kernels.norm import NormConfig
@@ -50,7 +50,7 @@ def grid_space() -> space.SearchSpace:
         for name, value in space.from_config(cfg, pdl=False).items():
             kernel, field = name.split(".", 1)
             used.setdefault((space.FAMILY[kernel], field), set()).add(value)
-    for fam in ("gemm", "norm", "attn"):
+    for fam in ("gemm", "norm", "attn", "layer"):
         data[fam] = {field: sorted(used[(fam, field)]) for field in data[fam]}
     sp = space.parse(data, "grid test space")
     assert math.prod(len(d.choices) for d in sp.params(pdl=False).values()) <= 50_000
@@ -198,9 +198,11 @@ def test_first_trial_is_the_enqueued_baseline(tmp_path, replay):
     base = default_config(BERT_BASE)
     assert trials[0].user_attrs["is_baseline"] and trials[0].params == space.from_config(base)
     assert not any(t.user_attrs.get("is_baseline") for t in trials[1:])
-    # Then the hand-picked tiles with PDL + full prefetch, and the same tiles with the knobs off.
+    # Then the hand-picked tiles with PDL + full prefetch, the one-kernel layer, and the hand-picked
+    # tiles with the knobs off.
     assert trials[1].params == space.from_config(hand_picked(BERT_BASE))
-    assert trials[2].params == space.from_config(hand_picked(BERT_BASE).without_knobs())
+    assert trials[2].params == space.from_config(hand_picked_fused(BERT_BASE))
+    assert trials[3].params == space.from_config(hand_picked(BERT_BASE).without_knobs())
     # The baseline's replayed latency is the recording's baseline trial.
     recorded = pd.read_csv(REPLAY / "trials.csv")
     assert trials[0].value == recorded.loc[recorded["is_baseline"], "latency_us"].item()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +41,18 @@ def hand_picked(shape: DecoderShape) -> DecoderConfig:
                         split_k=4 if k_tiles_ffn2 >= 16 else 1),
     )
     return fit_config(cfg, shape).with_knobs(0.0, 1.0)
+
+
+def hand_picked_fused(shape: DecoderShape) -> DecoderConfig:
+    """hand_picked's per-kernel tiles plus the one-kernel layer switched on (tuner.kernels.fused_layer):
+    8 warps, 64-row tiles, 4-stage K loops, split-K 4 on FFN2, PDL at the start + full weight prefetch
+    (H200 phase timelines: docs/perf-notes.md section 6)."""
+    from tuner.kernels.fused_layer import FusedLayerConfig
+
+    layer = FusedLayerConfig(fuse=1, num_warps=8, num_stages=4, block_m=64, block_k=64, qkv_block_n=64,
+                             out_block_n=32, ffn1_block_n=64, ffn2_block_n=64, ffn2_split_k=4, attn_block_m=32,
+                             attn_block_n=128, overlap_ratio=0.0, prefetch_ratio=1.0)
+    return fit_config(replace(hand_picked(shape), layer=layer), shape)
 
 
 @dataclass

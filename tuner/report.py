@@ -248,8 +248,29 @@ def _int(v) -> str:
     return "?" if f is None else str(int(f))
 
 
+def fused_layer(kernels: dict) -> dict | None:
+    """The one-kernel layer's config when it is switched on (it then replaces the seven kernels)."""
+    c = kernels.get("layer")
+    return c if isinstance(c, dict) and _num(c.get("fuse")) == 1 else None
+
+
+def gemm_op(kernels: dict, g: str) -> str:
+    """A GEMM's '(o,p)'; in a fused layer every GEMM runs under the layer's one pair."""
+    c = fused_layer(kernels) or kernels.get(g) or {}
+    return format_op(c.get("overlap_ratio"), c.get("prefetch_ratio")) if c else "-"
+
+
 def format_tiles(kernels: dict) -> str:
-    """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K)."""
+    """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K);
+    a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'."""
+    f = fused_layer(kernels)
+    if f is not None:
+        progs = _int(f.get("programs"))
+        return (f"layer {_int(f.get('block_m'))}x*x{_int(f.get('block_k'))}/{_int(f.get('num_warps'))}w"
+                f"{_int(f.get('num_stages'))}s " + "; ".join(
+                    f"{g} n{_int(f.get(f'{g}_block_n'))}/sk{_int(f.get(f'{g}_split_k'))}" for g in GEMMS)
+                + f"; attn {_int(f.get('attn_block_m'))}x{_int(f.get('attn_block_n'))}"
+                + ("" if progs == "0" else f"; {progs} programs"))
     parts = []
     for g in GEMMS:
         c = kernels.get(g)
@@ -298,8 +319,7 @@ def topk_frame(run: Run) -> pd.DataFrame:
                "latency_us": _num(r.get("latency_us")), "spread_us": _num(r.get("spread_us")),
                "speedup": _num(r.get("speedup")), "tie": bool(r.get("tie", False))}
         for g in GEMMS:
-            c = kernels.get(g) or {}
-            rec[f"{g}_op"] = format_op(c.get("overlap_ratio"), c.get("prefetch_ratio"))
+            rec[f"{g}_op"] = gemm_op(kernels, g)
         rec["tiles"] = format_tiles(kernels)
         rec["replayed"] = run.replayed  # topk.csv read on its own still says its timings were not measured now
         for k in list(KERNELS) + sorted(set(kernels) - set(KERNELS)):
@@ -410,8 +430,7 @@ def summary_frame(runs: list[Run]) -> pd.DataFrame:
                "replayed": run.replayed, "baseline_us": run.baseline_us, "best_us": best_us,
                "speedup": speedup, "compile_us": run.compile_us, "vs_compile": vs_compile}
         for g in GEMMS:
-            c = kernels.get(g) or {}
-            rec[f"best_{g}"] = format_op(c.get("overlap_ratio"), c.get("prefetch_ratio")) if c else "-"
+            rec[f"best_{g}"] = gemm_op(kernels, g)
         records.append(rec)
     return pd.DataFrame.from_records(records)
 
@@ -473,15 +492,20 @@ def _grid(values: pd.Series) -> pd.Series:
 
 def ratio_plane_data(run: Run) -> pd.DataFrame:
     """Long form: gemm, overlap_ratio, prefetch_ratio, median_speedup, n_trials over ok trials.
-    Empty when trials.csv has no ratio columns (a device without PDL drops them)."""
+    Empty when trials.csv has no ratio columns (a device without PDL drops them). A fused-layer trial
+    counts for every GEMM at the layer's one pair."""
     ok = _ok(run)
     ok = ok[ok["speedup"].notna()]
+    fused = (pd.to_numeric(ok["layer.fuse"], errors="coerce") == 1) if "layer.fuse" in ok.columns else None
     parts = []
     for g in GEMMS:
         o, p = f"{g}.overlap_ratio", f"{g}.prefetch_ratio"
         if o not in ok.columns or p not in ok.columns:
             continue
-        sub = pd.DataFrame({"overlap_ratio": _grid(ok[o]), "prefetch_ratio": _grid(ok[p]),
+        oo, pp = ok[o], ok[p]
+        if fused is not None and "layer.overlap_ratio" in ok.columns and "layer.prefetch_ratio" in ok.columns:
+            oo, pp = oo.where(~fused, ok["layer.overlap_ratio"]), pp.where(~fused, ok["layer.prefetch_ratio"])
+        sub = pd.DataFrame({"overlap_ratio": _grid(oo), "prefetch_ratio": _grid(pp),
                             "speedup": ok["speedup"].astype(float)}).dropna()
         if sub.empty:
             continue

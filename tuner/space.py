@@ -9,18 +9,25 @@ from pathlib import Path
 
 import yaml
 
-from tuner.config import KERNELS, KIND
+from tuner.config import CONFIGS, KIND
+from tuner.kernels.fused_layer import FusedLayerConfig
 
 FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out": "gemm", "ffn1": "gemm",
-          "ffn2": "gemm"}
+          "ffn2": "gemm", "layer": "layer"}
 TILE_FIELDS = {
     "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k"),
     "norm": ("rows_per_program", "num_warps", "fuse"),
     "attn": ("block_m", "block_n", "num_warps", "num_stages"),
+    # The one-kernel layer (tuner.kernels.fused_layer); fuse: 1 replaces the seven kernels above.
+    "layer": tuple(f.name for f in fields(FusedLayerConfig) if not f.name.endswith("_ratio")),
 }
+# Families a version-1 file may leave out or leave partly out: missing fields take the config's default.
+OPTIONAL = {"layer": FusedLayerConfig()}
+# Fields whose choices may include 0 (FusedLayerConfig.programs: 0 = one program per SM).
+ZERO_OK = ("programs",)
 RATIOS = ("overlap_ratio", "prefetch_ratio")
 # Kernels whose weights can be prefetched (attention has none).
-PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2")
+PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline).
 SWITCHES = ("fuse",)
 
@@ -68,7 +75,7 @@ class SearchSpace:
     def params(self, pdl: bool = True) -> dict[str, Dim]:
         """Flat ``kernel.field`` -> Dim; the ratios vanish where PDL/prefetch cannot run."""
         out = {}
-        for k in KERNELS:
+        for k in CONFIGS:
             for f, dim in self.dims[k].items():
                 if f in RATIOS and not pdl:
                     continue
@@ -76,7 +83,7 @@ class SearchSpace:
         return out
 
 
-def _dim(where: str, value, ratio: bool, switch: bool = False) -> Dim:
+def _dim(where: str, value, ratio: bool, switch: bool = False, zero: bool = False) -> Dim:
     if isinstance(value, list):
         if not value:
             raise SpaceError(f"{where}: expected a non-empty list of choices")
@@ -87,8 +94,8 @@ def _dim(where: str, value, ratio: bool, switch: bool = False) -> Dim:
                 raise SpaceError(f"{where}: ratio {v} must be negative (off) or in [0, 1]")
             if switch and v not in (0, 1):
                 raise SpaceError(f"{where}: choice {v!r} must be 0 (off) or 1 (on)")
-            if not ratio and not switch and (not isinstance(v, int) or v <= 0):
-                raise SpaceError(f"{where}: choice {v!r} must be a positive integer")
+            if not ratio and not switch and (not isinstance(v, int) or v < (0 if zero else 1)):
+                raise SpaceError(f"{where}: choice {v!r} must be a {'non-negative' if zero else 'positive'} integer")
         return Dim(choices=tuple(float(v) if ratio else int(v) for v in value))
     if isinstance(value, dict) and ratio:
         unknown = set(value) - {"low", "high", "step", "off"}
@@ -111,7 +118,7 @@ def _dim(where: str, value, ratio: bool, switch: bool = False) -> Dim:
 def parse(data, source: str = "<space>") -> SearchSpace:
     if not isinstance(data, dict):
         raise SpaceError(f"{source}: expected a mapping at the top level")
-    known = {"version", "ratios", "gemm", "norm", "attn", "kernels"}
+    known = {"version", "ratios", "gemm", "norm", "attn", "layer", "kernels"}
     unknown = set(data) - known
     if unknown:
         raise SpaceError(f"{source}: unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
@@ -124,6 +131,8 @@ def parse(data, source: str = "<space>") -> SearchSpace:
     fam_data = {}
     for fam, names in TILE_FIELDS.items():
         sec = data.get(fam)
+        if fam in OPTIONAL and sec is None:
+            sec = {}
         if not isinstance(sec, dict):
             raise SpaceError(f"{source}: '{fam}' must be a mapping of {', '.join(names)}")
         unknown = set(sec) - set(names)
@@ -131,6 +140,8 @@ def parse(data, source: str = "<space>") -> SearchSpace:
             raise SpaceError(f"{source}: {fam}: unknown key(s) {sorted(unknown)}; expected {list(names)}")
         # Switches added after version 1 shipped default to off, so older user files keep working.
         sec = {**{f: [0] for f in SWITCHES if f in names}, **sec}
+        if fam in OPTIONAL:
+            sec = {**{f: [getattr(OPTIONAL[fam], f)] for f in names}, **sec}
         missing = set(names) - set(sec)
         if missing:
             raise SpaceError(f"{source}: {fam}: missing key(s) {sorted(missing)}")
@@ -139,10 +150,10 @@ def parse(data, source: str = "<space>") -> SearchSpace:
     if not isinstance(overrides, dict):
         raise SpaceError(f"{source}: 'kernels' must map kernel names to overrides")
     for k in overrides:
-        if k not in KERNELS:
-            raise SpaceError(f"{source}: kernels: unknown kernel {k!r}; expected one of {list(KERNELS)}")
+        if k not in CONFIGS:
+            raise SpaceError(f"{source}: kernels: unknown kernel {k!r}; expected one of {list(CONFIGS)}")
     dims = {}
-    for k in KERNELS:
+    for k in CONFIGS:
         fam = FAMILY[k]
         raw = dict(fam_data[fam])
         raw.update(base_ratio)
@@ -161,7 +172,7 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
         dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
                                              else f"ratios.{f.removesuffix('_ratio')}"),
-                           v, f in RATIOS, f in SWITCHES) for f, v in raw.items()}
+                           v, f in RATIOS, f in SWITCHES, f in ZERO_OK) for f, v in raw.items()}
     return SearchSpace(source, dims)
 
 
@@ -190,12 +201,12 @@ def to_config(params: dict, space_pdl: bool = True):
     """Flat ``kernel.field`` parameters -> DecoderConfig (missing ratios are -1: off)."""
     from tuner.config import DecoderConfig
 
-    per = {k: {} for k in KERNELS}
+    per = {k: {} for k in CONFIGS}
     for key, v in params.items():
         k, f = key.split(".", 1)
         per[k][f] = v
     kw = {}
-    for k in KERNELS:
+    for k in CONFIGS:
         cls = KIND[k]
         names = {f.name for f in fields(cls)}
         d = {f: v for f, v in per[k].items() if f in names}

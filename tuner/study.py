@@ -168,18 +168,24 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     search must stay inside what the user asked for); the baseline is measured anyway in the final
     phase, interleaved with the top-k, and every speedup is against that measurement.
     """
-    from tuner.bench import hand_picked
-
     from dataclasses import replace
+
+    from tuner.bench import hand_picked, hand_picked_fused
 
     hp = hand_picked(shape)
     fused = replace(hp, norm1=replace(hp.norm1, fuse=1), norm2=replace(hp.norm2, fuse=1))
-    seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None)]
+    layer = hand_picked_fused(shape)
+    seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None),
+             (layer if pdl else layer.without_knobs(), None)]
     if pdl:
         seeds += [(hp.without_knobs(), None), (fused, None)]
     study.set_user_attr("seeded", True)
     for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
         params = from_config(cfg, pdl)
+        if cfg.fused:  # the seven per-kernel configs are not launched: any value of the space will do
+            for name, dim in space.params(pdl).items():
+                if not name.startswith("layer.") and dim.choices is not None and params[name] not in dim.choices:
+                    params[name] = dim.choices[0]
         if space.contains(params, pdl):
             study.enqueue_trial(params, user_attrs=attrs)
         elif attrs:
