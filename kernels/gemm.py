@@ -323,7 +323,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -340,9 +340,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}")
     M, K = x.shape
     N = weight.shape[0]
-    why = check(config, GemmProblem(M, N, K, x.element_size()),
-                DeviceInfo.from_torch(x.device) if x.is_cuda else None)
-    if why:
+    why = None if _unchecked else check(config, GemmProblem(M, N, K, x.element_size()),
+                                        DeviceInfo.from_torch(x.device) if x.is_cuda else None)
+    if why:  # _unchecked (test-only): launch anyway, so that a config beyond the GPU's limits fails for real
         raise ValueError(f"linear: invalid GemmConfig for M={M} N={N} K={K}: {why}")
     if bias is not None and bias.shape != (N,):
         raise ValueError(f"linear: bias {tuple(bias.shape)} must be ({N},)")

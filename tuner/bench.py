@@ -109,6 +109,8 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
                       "ours, PDL + full prefetch (0.0,1.0), hand-picked tiles"))
     rows.append(_ours(shape, hp.with_knobs(1.0, 1.0), dtype, n_layers, weights, reps, warmup, seed,
                       "ours, PDL + full prefetch (1.0,1.0), hand-picked tiles"))
+    rows.append(_ours(shape, hand_picked_fused(shape), dtype, n_layers, weights, reps, warmup, seed,
+                      "ours, one-kernel layer (0.0,1.0), hand-picked"))
     for name, cfg in (extra_configs or {}).items():
         rows.append(_ours(shape, cfg, dtype, n_layers, weights, reps, warmup, seed, name))
     log(f"  ours done ({time.time() - t0:.0f}s)")

@@ -118,14 +118,16 @@ class GpuEvaluator:
             cfg = replace(cfg, qkv=replace(cfg.qkv, block_m=16, block_n=256, block_k=256, num_stages=2,
                                            num_warps=4, split_k=1))
         try:
-            if defect in ("racy", "oob"):
+            if defect in ("racy", "oob", "smem"):
                 from tuner.layer import DecoderStack
 
                 st = DecoderStack(self.shape, cfg, n_layers=self.n_layers, dtype=self.dtype, weights=self.weights)
                 if defect == "racy":
                     st.racy = (1, "ffn2")
-                else:
+                elif defect == "oob":
                     st.oob_layer = 1
+                else:  # launched past its config check: Triton's launcher meets the real limit
+                    st.unchecked_layer = 1
                 st.capture()
             else:
                 st = self._stack(cfg)

@@ -166,11 +166,14 @@ class LayerBuffers:
 
 
 def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
-                   racy: str | None = None, oob: bool = False) -> list[tuple[str, callable]]:
+                   racy: str | None = None, oob: bool = False,
+                   unchecked: bool = False) -> list[tuple[str, callable]]:
     """The layer's kernel launches in order, as (kernel name, launch) pairs.
 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
-    ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address).
+    ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
+    ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
+    shared memory then fails in Triton's launcher, as a real out-of-resources fault).
     """
     r = lambda k: racy == k  # noqa: E731
     if cfg.fused:
@@ -189,7 +192,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
-                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob, **ln1)),
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob,
+                                      _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
@@ -263,6 +267,7 @@ class DecoderStack:
                 w.folded("ffn1")
         self.racy: tuple[int, str] | None = None  # (layer, kernel) for the race-detection demonstration
         self.oob_layer: int | None = None  # layer whose QKV GEMM writes out of bounds (test-only)
+        self.unchecked_layer: int | None = None  # layer whose QKV GEMM skips its config check (test-only)
         self.graph = None
 
     @property
@@ -277,7 +282,8 @@ class DecoderStack:
         x = self.x
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
             racy = self.racy[1] if self.racy and self.racy[0] == i else None
-            for _, launch in layer_launches(self.shape, self.cfg, w, x, b, racy, oob=self.oob_layer == i):
+            for _, launch in layer_launches(self.shape, self.cfg, w, x, b, racy, oob=self.oob_layer == i,
+                                            unchecked=self.unchecked_layer == i):
                 launch()
             x = b.y
         return x
