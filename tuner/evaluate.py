@@ -127,7 +127,7 @@ class GpuEvaluator:
                 elif defect == "oob":
                     st.oob_layer = 1
                 else:  # launched past its config check: Triton's launcher meets the real limit
-                    st.unchecked_layer = 1
+                    st.unchecked = True
                 st.capture()
             else:
                 st = self._stack(cfg)
