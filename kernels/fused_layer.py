@@ -47,11 +47,9 @@ from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _ln_correct
 
 GEMM_PHASES = ("qkv", "out", "ffn1", "ffn2")
-# Counters in the sync buffer: one per barrier, one for the exit, then one per split-K tile.
-_N_BARRIERS = 4
-_EXIT = 4
+# The sync buffer (int32, zeroed once): counters 0-3 for the four barriers, 4 for the exit, then from
+# _TILE_COUNTERS on one per split-K tile (the kernel spells these offsets as literals).
 _TILE_COUNTERS = 8
-_PREFETCH_LINES = 256  # lines per prefetch step of one program
 _LOG2E = 1.4426950408889634
 
 
@@ -229,6 +227,19 @@ def _grid_barrier(sync_ptr, idx, NPROG: tl.constexpr):
 
 
 @triton.jit
+def _next_phase(sync_ptr, times_ptr, pid, b, trigger_phase, NPROG: tl.constexpr, USE_PDL: tl.constexpr,
+                TIMES: tl.constexpr):
+    """Between phase ``b + 1`` and ``b + 2`` (1-based): grid barrier ``b`` (stamped on both sides), then
+    the PDL trigger if it belongs at the start of the next phase."""
+    _stamp(times_ptr, pid, 2 * b + 3, TIMES)
+    _grid_barrier(sync_ptr, b, NPROG)
+    _stamp(times_ptr, pid, 2 * b + 4, TIMES)
+    if USE_PDL:
+        if trigger_phase == b + 2:
+            tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr, M, N, K, eps,
                 NPROG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                 SPLIT: tl.constexpr, STAGES: tl.constexpr, HAS_LN: tl.constexpr, HAS_RES: tl.constexpr,
@@ -386,36 +397,16 @@ def _layer_kernel(
             tl.extra.cuda.gdc_launch_dependents()
     _gemm_phase(pid, x_ptr, wqkv_ptr, bqkv_ptr, uqkv_ptr, x_ptr, qkv_ptr, ws_ptr, cnt, M, 3 * D, D, eps,
                 NPROG, BM, BN_QKV, BK, SK_QKV, STAGES, True, False, 0, UPCAST)
-    _stamp(times_ptr, pid, 3, TIMES)
-    _grid_barrier(sync_ptr, 0, NPROG)
-    _stamp(times_ptr, pid, 4, TIMES)
-    if USE_PDL:
-        if trigger_phase == 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    _next_phase(sync_ptr, times_ptr, pid, 0, trigger_phase, NPROG, USE_PDL, TIMES)
     _attn_phase(pid, qkv_ptr, attn_ptr, n_batch, seq, heads, head_dim, D, qk_scale, NPROG, ABM, ABN, BLOCK_D,
                 UPCAST)
-    _stamp(times_ptr, pid, 5, TIMES)
-    _grid_barrier(sync_ptr, 1, NPROG)
-    _stamp(times_ptr, pid, 6, TIMES)
-    if USE_PDL:
-        if trigger_phase == 3:
-            tl.extra.cuda.gdc_launch_dependents()
+    _next_phase(sync_ptr, times_ptr, pid, 1, trigger_phase, NPROG, USE_PDL, TIMES)
     _gemm_phase(pid, attn_ptr, wout_ptr, bout_ptr, bout_ptr, x_ptr, h_ptr, ws_ptr, cnt, M, D, D, eps,
                 NPROG, BM, BN_OUT, BK, SK_OUT, STAGES, False, True, 0, UPCAST)
-    _stamp(times_ptr, pid, 7, TIMES)
-    _grid_barrier(sync_ptr, 2, NPROG)
-    _stamp(times_ptr, pid, 8, TIMES)
-    if USE_PDL:
-        if trigger_phase == 4:
-            tl.extra.cuda.gdc_launch_dependents()
+    _next_phase(sync_ptr, times_ptr, pid, 2, trigger_phase, NPROG, USE_PDL, TIMES)
     _gemm_phase(pid, h_ptr, w1_ptr, b1_ptr, u1_ptr, h_ptr, f1_ptr, ws_ptr, cnt, M, F, D, eps,
                 NPROG, BM, BN_F1, BK, SK_F1, STAGES, True, False, 1, UPCAST)
-    _stamp(times_ptr, pid, 9, TIMES)
-    _grid_barrier(sync_ptr, 3, NPROG)
-    _stamp(times_ptr, pid, 10, TIMES)
-    if USE_PDL:
-        if trigger_phase == 5:
-            tl.extra.cuda.gdc_launch_dependents()
+    _next_phase(sync_ptr, times_ptr, pid, 3, trigger_phase, NPROG, USE_PDL, TIMES)
     _gemm_phase(pid, f1_ptr, w2_ptr, b2_ptr, b2_ptr, h_ptr, y_ptr, ws_ptr, cnt, M, D, F, eps,
                 NPROG, BM, BN_F2, BK, SK_F2, STAGES, False, True, 0, UPCAST)
     _stamp(times_ptr, pid, 11, TIMES)
