@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.device import DeviceInfo
+from tuner.device import SMEM_DEFAULT_BYTES, DeviceInfo
 
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,6 +40,31 @@ class KnobConfig:
 
 def pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
+
+
+def tile_cap(dim: int) -> int:
+    """The largest useful tl.dot tile along a dimension: its next power of two, at least 16. A larger
+    tile is the same program as this one doing masked work."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def smem_limit(device: DeviceInfo | None) -> int:
+    """Shared memory per block on ``device`` (the H100/H200 limit when none is named)."""
+    return device.smem_per_block_bytes if device is not None else SMEM_DEFAULT_BYTES
+
+
+def empty_split(k_tiles: int, split_k: int) -> bool:
+    """Whether splitting ``k_tiles`` K tiles into ``split_k`` runs of ceil(k_tiles/split_k) leaves the
+    last split without a tile."""
+    return triton.cdiv(k_tiles, split_k) * (split_k - 1) >= k_tiles
+
+
+def fit_split_k(split_k: int, k_tiles: int) -> int:
+    """The largest split_k <= the requested one (and <= k_tiles) that leaves no split empty."""
+    sk = max(1, min(split_k, k_tiles))
+    while sk > 1 and empty_split(k_tiles, sk):
+        sk -= 1
+    return sk
 
 
 def ratio_error(name: str, r: float) -> str | None:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import KnobConfig, effective_config, launch_mode, pdl_wait, pow2, ratio_error
+from ._common import KnobConfig, effective_config, launch_mode, pdl_wait, pow2, ratio_error, smem_limit, tile_cap
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
 _LOG2E = 1.4426950408889634
@@ -58,7 +58,7 @@ class AttnProblem:
 
 def block_d(head_dim: int) -> int:
     """The head dim as the kernel tiles it: the next power of two (masked beyond ``head_dim``)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return tile_cap(head_dim)
 
 
 def smem_bytes(c: AttnConfig, head_dim: int, dtype_bytes: int) -> int:
@@ -89,11 +89,11 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
         return (f"head_dim={p.head_dim} is not supported: it must be in {HEAD_DIM_MIN}..{HEAD_DIM_MAX} "
                 f"(padded to a power of two inside the kernel)")
     # A tile much larger than the sequence is the same program as a smaller one doing masked work.
-    cap = max(16, triton.next_power_of_2(p.seq))
+    cap = tile_cap(p.seq)
     for name in ("block_m", "block_n"):
         if getattr(c, name) > cap:
             return f"{name}={getattr(c, name)} exceeds the problem (seq={p.seq} -> {cap})"
-    limit = device.smem_per_block_bytes if device is not None else 227 * 1024
+    limit = smem_limit(device)
     need = smem_bytes(c, p.head_dim, p.dtype_bytes)
     if need > limit:
         return (f"shared memory {need} B > {limit} B "

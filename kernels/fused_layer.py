@@ -42,7 +42,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import KnobConfig, effective_config, interpreting, launch_mode, pow2, prefetch_l2, ratio_error
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pow2,
+                      prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _ln_correct
 
@@ -150,23 +151,23 @@ def check(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | 
             return f"{name}={v} must be a power of two >= 16 (tl.dot)"
     caps = {"block_m": p.tokens, "attn_block_m": p.seq, "attn_block_n": p.seq}
     for name, dim in caps.items():
-        if getattr(c, name) > max(16, triton.next_power_of_2(dim)):
-            return f"{name}={getattr(c, name)} exceeds the problem ({dim} -> {max(16, triton.next_power_of_2(dim))})"
+        if getattr(c, name) > tile_cap(dim):
+            return f"{name}={getattr(c, name)} exceeds the problem ({dim} -> {tile_cap(dim)})"
     for g, (m, n, k) in p.gemms().items():
         bn = getattr(c, f"{g}_block_n")
-        if bn > max(16, triton.next_power_of_2(n)):
+        if bn > tile_cap(n):
             return f"{g}_block_n={bn} exceeds N={n}"
-        if c.block_k > max(16, triton.next_power_of_2(k)):
+        if c.block_k > tile_cap(k):
             return f"block_k={c.block_k} exceeds K={k} of {g}"
         k_tiles = triton.cdiv(k, c.block_k)
         sk = getattr(c, f"{g}_split_k")
         if sk < 1 or sk > k_tiles:
             return f"{g}_split_k={sk} must be in 1..{k_tiles} (K tiles of K={k} at block_k={c.block_k})"
-        if triton.cdiv(k_tiles, sk) * (sk - 1) >= k_tiles:
+        if empty_split(k_tiles, sk):
             return f"{g}_split_k={sk} leaves a split without K tiles (K tiles={k_tiles})"
         if c.block_m * bn // (32 * c.num_warps) > 256:
             return f"{g}: accumulator {c.block_m}x{bn} needs more than 256 registers per thread at num_warps={c.num_warps}"
-    limit = device.smem_per_block_bytes if device is not None else 227 * 1024
+    limit = smem_limit(device)
     need = smem_bytes(c, p)
     if need > limit:
         return f"shared memory {need} B > {limit} B"
@@ -179,20 +180,16 @@ def fit(config: FusedLayerConfig, problem: LayerProblem) -> FusedLayerConfig:
     from dataclasses import replace
 
     c, p = config, problem
-    cap = lambda v, dim: min(v, max(16, triton.next_power_of_2(dim)))  # noqa: E731
+    cap = lambda v, dim: min(v, tile_cap(dim))  # noqa: E731
     kw = {"block_m": cap(c.block_m, p.tokens), "attn_block_m": cap(c.attn_block_m, p.seq),
           "attn_block_n": cap(c.attn_block_n, p.seq),
           "block_k": cap(c.block_k, min(k for _, _, k in p.gemms().values()))}
     for g, (_, n, _) in p.gemms().items():
         kw[f"{g}_block_n"] = cap(getattr(c, f"{g}_block_n"), n)
     c = replace(c, **kw)
-    for g, (_, _, k) in p.gemms().items():
-        k_tiles = triton.cdiv(k, c.block_k)
-        sk = max(1, min(getattr(c, f"{g}_split_k"), k_tiles))
-        while sk > 1 and triton.cdiv(k_tiles, sk) * (sk - 1) >= k_tiles:
-            sk -= 1
-        c = replace(c, **{f"{g}_split_k": sk})
-    while c.num_stages > 1 and smem_bytes(c, p) > 227 * 1024:
+    c = replace(c, **{f"{g}_split_k": fit_split_k(getattr(c, f"{g}_split_k"), triton.cdiv(k, c.block_k))
+                      for g, (_, _, k) in p.gemms().items()})
+    while c.num_stages > 1 and smem_bytes(c, p) > smem_limit(None):
         c = replace(c, num_stages=c.num_stages - 1)
     while c.num_warps < 8 and max(c.block_m * getattr(c, f"{g}_block_n") for g in GEMM_PHASES) // (
             32 * c.num_warps) > 256:

@@ -22,8 +22,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, launch_mode, pdl_wait, pow2, prefetch_count, prefetch_l2,
-                      ratio_error, trigger_index)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, launch_mode, pdl_wait, pow2,
+                      prefetch_count, prefetch_l2, ratio_error, smem_limit, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -76,7 +76,7 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"group_m={c.group_m} must be >= 1"
     # A tile much larger than the problem is the same program as a smaller one doing masked work.
     for name, dim in (("block_m", p.m), ("block_n", p.n), ("block_k", p.k)):
-        cap = max(16, triton.next_power_of_2(dim))
+        cap = tile_cap(dim)
         if getattr(c, name) > cap:
             return f"{name}={getattr(c, name)} exceeds the problem ({dim} -> {cap})"
     k_tiles = triton.cdiv(p.k, c.block_k)
@@ -84,15 +84,14 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"split_k={c.split_k} must be >= 1"
     if c.split_k > k_tiles:
         return f"split_k={c.split_k} exceeds the {k_tiles} K tiles of K={p.k} at block_k={c.block_k}"
-    per = triton.cdiv(k_tiles, c.split_k)
-    if per * (c.split_k - 1) >= k_tiles:
+    if empty_split(k_tiles, c.split_k):
         return f"split_k={c.split_k} leaves a split without K tiles (K tiles={k_tiles})"
     acc_regs = c.block_m * c.block_n // (32 * c.num_warps)
     if acc_regs > 256:
         return f"accumulator needs {acc_regs} registers per thread (block_m*block_n/(32*num_warps) > 256)"
     if c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
-    limit = device.smem_per_block_bytes if device is not None else 227 * 1024
+    limit = smem_limit(device)
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
         return f"shared memory {need} B > {limit} B (num_stages*(block_m+block_n)*block_k*bytes)"
@@ -105,7 +104,7 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
     a sampled combination of tiles is measured rather than thrown away (on the H200 more than half of
     the default space's samples were over one of these two limits)."""
     c = fit(config, problem)
-    limit = device.smem_per_block_bytes if device is not None else 227 * 1024
+    limit = smem_limit(device)
     while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes) > limit:
         c = replace(c, num_stages=c.num_stages - 1)
     while c.num_warps < 8 and c.block_m * c.block_n // (32 * c.num_warps) > 256:
@@ -117,14 +116,9 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
 
 def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
     """Shrink tiles that exceed the problem and reduce split_k until every split has K tiles."""
-    caps = {n: max(16, triton.next_power_of_2(d)) for n, d in (("block_m", problem.m), ("block_n", problem.n),
-                                                                ("block_k", problem.k))}
+    caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
-    k_tiles = triton.cdiv(problem.k, c.block_k)
-    sk = max(1, min(c.split_k, k_tiles))
-    while sk > 1 and triton.cdiv(k_tiles, sk) * (sk - 1) >= k_tiles:
-        sk -= 1
-    return replace(c, split_k=sk)
+    return replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)))
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from tuner.baselines import TorchStack
 from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels.attention import AttnConfig
-from tuner.kernels._common import REL_TOLERANCE
+from tuner.kernels._common import REL_TOLERANCE, tile_cap
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
 from tuner.layer import DecoderStack, check_config, default_config, fit_config, random_stack_weights, stack_depth
@@ -34,7 +34,7 @@ def hand_picked(shape: DecoderShape) -> DecoderConfig:
     k_tiles_ffn2 = -(-shape.ffn // 64)
     cfg = DecoderConfig(
         norm1=NormConfig(rows_per_program=1, num_warps=4), qkv=gemm,
-        attn=AttnConfig(block_m=min(64, max(16, 1 << (shape.seq - 1).bit_length())), block_n=32, num_warps=4,
+        attn=AttnConfig(block_m=min(64, tile_cap(shape.seq)), block_n=32, num_warps=4,
                         num_stages=2),
         out=gemm, norm2=NormConfig(rows_per_program=1, num_warps=4), ffn1=gemm,
         ffn2=GemmConfig(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=4,

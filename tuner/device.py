@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+# Shared memory per block when no GPU is named (the H100/H200 opt-in limit, 227 KiB).
+SMEM_DEFAULT_BYTES = 227 * 1024
+
 
 @dataclass(frozen=True)
 class DeviceInfo:
@@ -29,7 +32,7 @@ class DeviceInfo:
     @classmethod
     def interpreter(cls) -> "DeviceInfo":
         """The Triton interpreter on the CPU: no PDL, no prefetch; limits of an H100 for validity."""
-        return cls("triton-interpreter", (0, 0), 132, 50 * 2**20, 227 * 1024)
+        return cls("triton-interpreter", (0, 0), 132, 50 * 2**20, SMEM_DEFAULT_BYTES)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -50,7 +53,7 @@ def _cached(idx: int) -> DeviceInfo:
         import torch
 
         p = torch.cuda.get_device_properties(idx)
-        smem = getattr(p, "shared_memory_per_block_optin", 0) or 227 * 1024
+        smem = getattr(p, "shared_memory_per_block_optin", 0) or SMEM_DEFAULT_BYTES
         _CACHE[idx] = DeviceInfo(p.name, (p.major, p.minor), p.multi_processor_count,
                                  int(getattr(p, "L2_cache_size", 50 * 2**20)), int(smem))
     return _CACHE[idx]

@@ -21,7 +21,7 @@ from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels._common import REL_TOLERANCE, rel_error, tile_cap
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
@@ -61,7 +61,7 @@ def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
     from dataclasses import replace
 
     fitted = {n: gemm_k.fit(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
-    cap = max(16, 1 << (shape.seq - 1).bit_length())
+    cap = tile_cap(shape.seq)
     attn = replace(cfg.attn, block_m=min(cfg.attn.block_m, cap), block_n=min(cfg.attn.block_n, cap))
     return replace(cfg, attn=attn, layer=fused_k.fit(cfg.layer, layer_problem(shape)), **fitted)
 
