@@ -45,7 +45,7 @@ from tuner.device import DeviceInfo
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pow2,
                       prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
-from .gemm import _epilogue, _ln_correct
+from .gemm import _activate, _epilogue, _ln_apply, _ln_correct
 
 GEMM_PHASES = ("qkv", "out", "ffn1", "ffn2")
 # The sync buffer (int32, zeroed once): counters 0-3 for the four barriers, 4 for the exit, then from
@@ -289,13 +289,8 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
             acc = tl.dot(a, b, acc)
         if SPLIT == 1:
             if HAS_LN:
-                mean = s1 / K
-                rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
-                acc = rstd[:, None] * (acc - mean[:, None] * u[None, :])
-            acc += bias[None, :]
-            if ACT == 1:  # gelu, tanh approximation (as gemm._epilogue)
-                z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-                acc = acc * tl.sigmoid(2.0 * z)
+                acc = _ln_apply(acc, s1, s2, u, K, eps)
+            acc = _activate(acc + bias[None, :], ACT)
             if HAS_RES:
                 acc += res.to(tl.float32)
             tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),

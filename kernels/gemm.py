@@ -122,12 +122,27 @@ def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
 
 
 @triton.jit
-def _ln_correct(acc, s1, s2, u_ptr, offs_n, N, K, eps):
-    """LN(x) @ W'^T from x @ W'^T, W' = W*gamma folded: rstd * (acc - mean * colsum(W')) (fold_layernorm)."""
+def _ln_apply(acc, s1, s2, u, K, eps):
+    """LN(x) @ W'^T from x @ W'^T, W' = W*gamma folded: rstd * (acc - mean * colsum(W')) (fold_layernorm);
+    s1, s2: the rows' sums of x and x^2 over K; u: colsum(W') of the tile's columns."""
     mean = s1 / K
     rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
-    u = tl.load(u_ptr + offs_n, mask=offs_n < N, other=0.0)
     return rstd[:, None] * (acc - mean[:, None] * u[None, :])
+
+
+@triton.jit
+def _ln_correct(acc, s1, s2, u_ptr, offs_n, N, K, eps):
+    return _ln_apply(acc, s1, s2, tl.load(u_ptr + offs_n, mask=offs_n < N, other=0.0), K, eps)
+
+
+@triton.jit
+def _activate(acc, ACT: tl.constexpr):
+    if ACT == 1:  # gelu, tanh approximation: 0.5*(1+tanh(z)) == sigmoid(2z)
+        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * z)
+    elif ACT == 2:  # silu
+        acc = acc * tl.sigmoid(acc)
+    return acc
 
 
 @triton.jit
@@ -137,11 +152,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, 
     mask_n = offs_n < N
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if ACT == 1:  # gelu, tanh approximation: 0.5*(1+tanh(z)) == sigmoid(2z)
-        z = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
-        acc = acc * tl.sigmoid(2.0 * z)
-    elif ACT == 2:  # silu
-        acc = acc * tl.sigmoid(acc)
+    acc = _activate(acc, ACT)
     mask = mask_m[:, None] & mask_n[None, :]
     if HAS_RES:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask, other=0.0)
