@@ -95,7 +95,7 @@ class LayerProblem:
         return {"qkv": (m, 3 * d, d), "out": (m, d, d), "ffn1": (m, f, d), "ffn2": (m, d, f)}
 
 
-def _n_items(c: FusedLayerConfig, m: int, n: int, k: int, g: str) -> tuple[int, int]:
+def _n_items(c: FusedLayerConfig, m: int, n: int, g: str) -> tuple[int, int]:
     """(tiles, work items = tiles * split) of GEMM phase ``g``."""
     tiles = triton.cdiv(m, c.block_m) * triton.cdiv(n, getattr(c, f"{g}_block_n"))
     return tiles, tiles * getattr(c, f"{g}_split_k")
@@ -104,15 +104,15 @@ def _n_items(c: FusedLayerConfig, m: int, n: int, k: int, g: str) -> tuple[int, 
 def workspace_numel(c: FusedLayerConfig, p: LayerProblem) -> int:
     """fp32 elements for split-K partials (and their LayerNorm row sums): the largest phase's need."""
     need = 0
-    for g, (m, n, k) in p.gemms().items():
+    for g, (m, n, _) in p.gemms().items():
         if getattr(c, f"{g}_split_k") > 1:
-            _, items = _n_items(c, m, n, k, g)
+            _, items = _n_items(c, m, n, g)
             need = max(need, items * c.block_m * (getattr(c, f"{g}_block_n") + 2))
     return need
 
 
 def sync_numel(c: FusedLayerConfig, p: LayerProblem) -> int:
-    return _TILE_COUNTERS + max(_n_items(c, m, n, k, g)[0] for g, (m, n, k) in p.gemms().items())
+    return _TILE_COUNTERS + max(_n_items(c, m, n, g)[0] for g, (m, n, _) in p.gemms().items())
 
 
 def smem_bytes(c: FusedLayerConfig, p: LayerProblem) -> int:

@@ -112,10 +112,12 @@ class LayerWeights:
 
     def fused(self) -> fused_k.LayerTensors:
         """What the one-kernel layer reads: both norms folded into the next GEMM (computed once)."""
-        w_qkv, b_qkv, u_qkv = self.folded("qkv")
-        w_ffn1, b_ffn1, u_ffn1 = self.folded("ffn1")
-        return fused_k.LayerTensors(w_qkv, b_qkv, u_qkv, self.w_out, self.b_out, w_ffn1, b_ffn1, u_ffn1,
-                                    self.w_ffn2, self.b_ffn2)
+        if "_fused" not in self.__dict__:
+            w_qkv, b_qkv, u_qkv = self.folded("qkv")
+            w_ffn1, b_ffn1, u_ffn1 = self.folded("ffn1")
+            self._fused = fused_k.LayerTensors(w_qkv, b_qkv, u_qkv, self.w_out, self.b_out, w_ffn1, b_ffn1,
+                                               u_ffn1, self.w_ffn2, self.b_ffn2)
+        return self._fused
 
     @classmethod
     def random(cls, shape: DecoderShape, dtype, device, generator: torch.Generator) -> "LayerWeights":
