@@ -106,7 +106,9 @@ def effective_config(config, x: torch.Tensor):
 
 
 def trigger_index(n_iters: int, overlap_ratio: float) -> int:
-    """Loop iteration after which a kernel issues gdc_launch_dependents (DESIGN: floor((k_tiles-1)*o)).
+    """How many loop iterations a kernel completes before it issues gdc_launch_dependents (DESIGN: after
+    floor((k_tiles-1)*o) of its K tiles). 0: at the start, before gdc_wait: issuing the trigger reads
+    nothing of the predecessor's, and the successor's own gdc_wait still waits for this whole grid.
 
     -1 means: no early trigger (the kernel is not in the PDL chain).
     """
@@ -143,6 +145,14 @@ def prefetch_l2(ptrs):
 def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_trigger(done, trigger, USE_PDL: tl.constexpr):
+    """gdc_launch_dependents once ``done`` iterations are complete, ``trigger`` being trigger_index's."""
+    if USE_PDL:
+        if done == trigger:
+            tl.extra.cuda.gdc_launch_dependents()
 
 
 

@@ -12,9 +12,9 @@ PDL (the same contract as the GEMM, DESIGN.md):
 
 * ``overlap_ratio < 0``: launched without PDL, no early trigger.
 * ``overlap_ratio`` in ``[0, 1]``: launched with PDL; every program calls ``gdc_wait`` before it reads
-  ``qkv`` and before any store, and ``gdc_launch_dependents`` after KV block
-  ``floor((n_kv_blocks - 1) * overlap_ratio)`` of its own (causal programs have different counts, so the
-  index is computed in the kernel from the program's count).
+  ``qkv`` and before any store, and ``gdc_launch_dependents`` after
+  ``floor((n_kv_blocks - 1) * overlap_ratio)`` KV blocks of its own (causal programs have different
+  counts, so the point is computed in the kernel; after 0 blocks: before ``gdc_wait``).
 * Attention has no weights: ``prefetch_ratio`` must stay negative.
 """
 
@@ -29,7 +29,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import KnobConfig, effective_config, launch_mode, pdl_wait, pow2, ratio_error, smem_limit, tile_cap
+from ._common import (KnobConfig, effective_config, launch_mode, pdl_trigger, pdl_wait, pow2, ratio_error, smem_limit,
+                      tile_cap)
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
 _LOG2E = 1.4426950408889634
@@ -111,7 +112,8 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                USE_PDL: tl.constexpr, UPCAST: tl.constexpr):
     """softmax(q k^T) v for one tile of query rows over its first ``n_blocks`` KV blocks (online softmax),
-    issuing the PDL trigger after block ``trigger_j``. Shared by this kernel and the fused layer kernel."""
+    issuing the PDL trigger once ``trigger_j`` blocks are done (0: the caller triggers). Shared by this kernel
+    and the fused layer kernel."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     mask_d = offs_d < head_dim
@@ -143,7 +145,7 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
         if USE_PDL:
-            if j == trigger_j:
+            if j + 1 == trigger_j:
                 tl.extra.cuda.gdc_launch_dependents()
 
     return acc / l_i[:, None]
@@ -187,6 +189,13 @@ def _attn_fwd_kernel(
         kv_end = seq
     n_blocks = tl.cdiv(kv_end, BLOCK_N)
 
+    if USE_PDL:
+        # After floor((n_blocks - 1) * overlap) of this program's KV blocks (overlap in [0, 1]); after 0:
+        # before gdc_wait, so that the out-projection launches and prefetches its weights meanwhile.
+        trigger_j = ((n_blocks - 1) * overlap).to(tl.int32)
+    else:
+        trigger_j = -1
+    pdl_trigger(0, trigger_j, USE_PDL)
     q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qc
     q_mask = mask_m[:, None] & mask_d[None, :]
     if RACY_READ_BEFORE_WAIT:
@@ -199,11 +208,6 @@ def _attn_fwd_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    if USE_PDL:
-        # floor((n_blocks - 1) * overlap) of this program's own count (overlap in [0, 1]).
-        trigger_j = tl.minimum(((n_blocks - 1) * overlap).to(tl.int32), n_blocks - 1)
-    else:
-        trigger_j = -1
     acc = _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
                      BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, USE_PDL, UPCAST)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_oc,

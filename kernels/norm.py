@@ -7,7 +7,9 @@ and normalises ``s``. The knobs follow the GEMM (DESIGN.md):
 
 * ``overlap_ratio < 0``: launched without PDL, no early trigger. In ``[0, 1]``: launched with PDL; every
   program calls ``gdc_wait`` before its first read of ``x``/``residual`` and before any global write, and
-  ``gdc_launch_dependents`` after row ``floor((rows_per_program - 1) * overlap_ratio)`` of its row loop.
+  ``gdc_launch_dependents`` after ``floor((rows_per_program - 1) * overlap_ratio)`` rows of its row loop
+  (after 0 rows: at the start, before ``gdc_wait``, so that the next kernel launches and prefetches its
+  weights while this one still waits).
 * ``prefetch_ratio`` in ``[0, 1]``: before ``gdc_wait`` each program pulls the first
   ``ceil(prefetch_ratio * n_lines)`` of the 128-byte lines of gamma (and beta) into L2. Weights only:
   nothing a predecessor writes is touched before the wait.
@@ -23,8 +25,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error,
-                      trigger_index)
+from ._common import (KnobConfig, effective_config, pdl_trigger, pdl_wait, pow2, prefetch_count, prefetch_l2,
+                      ratio_error, trigger_index)
 
 MAX_COLS = 65536  # the whole row lives in registers
 MAX_ROWS_PER_PROGRAM = 64
@@ -78,7 +80,7 @@ def _norm_kernel(
     M, N, eps,
     # strides (rows; columns are contiguous)
     stride_xm, stride_rm, stride_om, stride_rom,
-    # PDL / prefetch points: the row-loop iteration that triggers, the weight lines to prefetch
+    # PDL / prefetch points: rows done before the trigger, the weight lines to prefetch
     trigger_row, n_lines,
     # meta-parameters
     BLOCK_N: tl.constexpr, ROWS: tl.constexpr, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -103,6 +105,7 @@ def _norm_kernel(
     if RACY_READ_BEFORE_WAIT:
         # Test-only defect: reads x before gdc_wait. The correctness gate must catch it.
         x0 = tl.load(x_ptr + row0 * stride_xm + cols, mask=cmask & (row0 < M), other=0.0)
+    pdl_trigger(0, trigger_row, USE_PDL)
     pdl_wait(USE_PDL)
 
     w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -130,9 +133,7 @@ def _norm_kernel(
             if HAS_BIAS:
                 y += b
         tl.store(out_ptr + row * stride_om + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
-        if USE_PDL:
-            if r == trigger_row:
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger(r + 1, trigger_row, USE_PDL)
 
 
 

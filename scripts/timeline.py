@@ -1,0 +1,110 @@
+"""Where a per-kernel layer spends its time: every kernel's start and end inside the timed CUDA graph.
+
+usage: python3 scripts/timeline.py SHAPE [VARIANT ...]   (variants: hp, hp-off, hp-fused-norms, or a best.json)
+For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
+torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
+replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
+duration, and what it adds to the layer (its end minus the previous kernel's end). The un-profiled
+per-layer time of the same graph is printed beside, for the profiler's own cost.
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+
+import torch
+
+from tuner.bench import hand_picked
+from tuner.device import DeviceInfo
+from tuner.export import load_config
+from tuner.layer import DecoderStack, check_config, fit_config, random_stack_weights, stack_depth
+from tuner.shapes import resolve
+from tuner.timing import time_replay
+
+
+def variant(shape, name):
+    """hp, hp-off, hp-fused-norms, a best.json, or BASE:kernel.field=value,... (e.g. hp:out.split_k=3)."""
+    if ":" in name:
+        base, edits = name.split(":", 1)
+        cfg = variant(shape, base)
+        for e in edits.split(","):
+            key, v = e.split("=")
+            k, f = key.split(".")
+            c = getattr(cfg, k)
+            cfg = replace(cfg, **{k: replace(c, **{f: type(getattr(c, f))(float(v) if "." in v else int(v))})})
+        return fit_config(cfg, shape)
+    hp = hand_picked(shape)
+    if name == "hp":
+        return hp
+    if name == "hp-off":
+        return hp.without_knobs()
+    if name == "hp-fused-norms":
+        return replace(hp, norm1=replace(hp.norm1, fuse=1), norm2=replace(hp.norm2, fuse=1))
+    return load_config(name, shape=shape)
+
+
+def kernels_of(replay, reps):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "t.json")
+        prof.export_chrome_trace(p)
+        ev = json.load(open(p))["traceEvents"]
+    ks = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks]
+
+
+def main():
+    shape = resolve(sys.argv[1])
+    names = sys.argv[2:] or ["hp", "hp-off", "hp-fused-norms"]
+    dev = DeviceInfo.from_torch()
+    n = stack_depth(shape, 2, dev.l2_bytes)
+    weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
+    reps = 5
+    for name in names:
+        cfg = variant(shape, name)
+        bad = check_config(cfg, shape, 2, dev)
+        if bad:
+            print(f"\n## {shape.name} {name}: invalid {bad}")
+            continue
+        st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
+        st.capture()
+        err = st.check(1)
+        t = time_replay(st.replay, n, reps=30, warmup=5)
+        ks = kernels_of(st.replay, reps)
+        per_layer = len(ks) // (reps * n)
+        if per_layer * reps * n != len(ks):
+            print(f"{name}: {len(ks)} kernel records, not a multiple of {reps}x{n}; skipped")
+            continue
+        rows = {}
+        for r in range(reps):
+            rep = ks[r * n * per_layer:(r + 1) * n * per_layer]
+            for layer in range(1, n - 1):
+                for j in range(per_layer):
+                    i = layer * per_layer + j
+                    kname, s, e = rep[i]
+                    prev_end = rep[i - 1][2]
+                    rows.setdefault(j, []).append((kname, s - prev_end, e - s, e - prev_end))
+            layer_us = (rep[-1][2] - rep[0][1]) / n
+        med = lambda xs: statistics.median(xs)  # noqa: E731
+        print(f"\n## {shape.name} {name}: {t.median_us:.2f} us/layer un-profiled, {layer_us:.2f} profiled; "
+              f"rel err {err:.1e}; {per_layer} kernels a layer, {n} layers")
+        print("| kernel | start - prev end | duration | adds |")
+        print("|---|---:|---:|---:|")
+        total = 0.0
+        for j, v in rows.items():
+            adds = med([x[3] for x in v])
+            total += adds
+            print(f"| {v[0][0][:40]} | {med([x[1] for x in v]):.2f} | {med([x[2] for x in v]):.2f} | {adds:.2f} |")
+        print(f"| sum | | | {total:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
