@@ -107,8 +107,9 @@ def effective_config(config, x: torch.Tensor):
 
 def trigger_index(n_iters: int, overlap_ratio: float) -> int:
     """How many loop iterations a kernel completes before it issues gdc_launch_dependents (DESIGN: after
-    floor((k_tiles-1)*o) of its K tiles). 0: at the start, before gdc_wait: issuing the trigger reads
-    nothing of the predecessor's, and the successor's own gdc_wait still waits for this whole grid.
+    floor((k_tiles-1)*o) of its K tiles). At 0 the GEMMs trigger right after gdc_wait, the norm and the
+    attention before it (issuing the trigger reads nothing of the predecessor's, and the successor's own
+    gdc_wait still waits for this whole grid).
 
     -1 means: no early trigger (the kernel is not in the PDL chain).
     """

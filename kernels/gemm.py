@@ -4,14 +4,15 @@
 
 * ``overlap_ratio < 0``: launched without PDL, no early trigger. In ``[0, 1]``: launched with PDL; the
   kernel calls ``gdc_wait`` before its first read of ``x``/``residual`` and before any global write, and
-  ``gdc_launch_dependents`` after ``floor((k_tiles - 1) * overlap_ratio)`` of its K tiles (after 0: at the
-  start, before ``gdc_wait``; the successor's own ``gdc_wait`` still waits for this whole grid).
+  ``gdc_launch_dependents`` after ``floor((k_tiles - 1) * overlap_ratio)`` of its K tiles, counted from
+  ``gdc_wait`` (0: right after it, as CUTLASS example 63's DMA warp does; never before it, so that a chain
+  of GEMMs launches at most one kernel ahead; the norm and attention kernels, which have no weights of
+  note and run short, trigger before their wait at 0).
 * ``prefetch_ratio`` in ``[0, 1]``: before ``gdc_wait`` each program pulls ``ceil(prefetch_ratio * k_tiles)``
   of its own weight K tiles into L2. Weights only: nothing a predecessor writes is touched before the wait.
 
-``split_k > 1``: each split writes its fp32 partial to a workspace and counts itself in on a per-tile
-counter; the tile's last split to arrive sums the partials, applies the epilogue and resets the counter
-(one kernel: no reduction launch in the chain).
+``split_k > 1`` writes fp32 partials to a workspace and a second kernel (in the PDL chain too, with the
+same ratio) sums them and applies the epilogue.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, la
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
+# The split-K reduction's tile: 32x64 gives 48 programs for a 128x768 output, 192 for 128x3072.
+_RED_BLOCK_M, _RED_BLOCK_N = 32, 64
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,7 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, 
 @triton.jit
 def _gemm_kernel(
     # pointers
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr, ln_u_ptr, stats_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr,
     # sizes
     M, N, K,
     # strides
@@ -210,13 +213,13 @@ def _gemm_kernel(
             k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
             prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
 
-    pdl_trigger(0, trigger_k, USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RACY_READ_BEFORE_WAIT:
         # Test-only defect: reads x before gdc_wait. The correctness gate must catch it.
         a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
                      mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
     pdl_wait(USE_PDL)
+    pdl_trigger(0, trigger_k, USE_PDL)
     if HAS_LN:
         # Row sums of the raw x for the fused LayerNorm, gathered from the A tiles the loop loads anyway.
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -259,44 +262,51 @@ def _gemm_kernel(
         _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
                   stride_on, HAS_BIAS, HAS_RES, ACT)
     else:
-        # This split's partial (and row sums); the tile's last split to arrive finishes the tile.
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tile_ptrs = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(ws_ptr + pid_k * M * N + tile_ptrs, acc, mask=mask)
+        ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
         if HAS_LN:
-            # Every tile of the row block stores the same sums: the finishing program reads those of its own
-            # tile's splits, which its counter orders before it.
-            st = stats_ptr + (pid_k * M + offs_m) * 2
-            tl.store(st, s1, mask=offs_m < M)
-            tl.store(st + 1, s2, mask=offs_m < M)
-        tl.debug_barrier()  # every thread's stores are issued before the arrival (release)
-        old = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if old == SPLIT_K - 1:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, SPLIT_K):
-                acc += tl.load(ws_ptr + s * M * N + tile_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-            if HAS_LN:
-                s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-                for s in range(0, SPLIT_K):
-                    st = stats_ptr + (s * M + offs_m) * 2
-                    s1 += tl.load(st, mask=offs_m < M, other=0.0, cache_modifier=".cg")
-                    s2 += tl.load(st + 1, mask=offs_m < M, other=0.0, cache_modifier=".cg")
-                acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
-            _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
-                      stride_on, HAS_BIAS, HAS_RES, ACT)
+            if pid_n == 0:  # this split's row sums, once per row tile
+                st = stats_ptr + (pid_k * M + offs_m) * 2
+                tl.store(st, s1, mask=offs_m < M)
+                tl.store(st + 1, s2, mask=offs_m < M)
+
+
+@triton.jit
+def _splitk_reduce_kernel(
+    ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr,
+    M, N, K,
+    stride_rm, stride_rn, stride_om, stride_on,
+    trigger_s, ln_eps,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_LN: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    pdl_wait(USE_PDL)
+    pdl_trigger(0, trigger_s, USE_PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in range(0, SPLIT_K):
+        acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
+        pdl_trigger(s + 1, trigger_s, USE_PDL)
+    if HAS_LN:
+        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for s in range(0, SPLIT_K):
+            st = stats_ptr + (s * M + offs_m) * 2
+            s1 += tl.load(st, mask=offs_m < M, other=0.0)
+            s2 += tl.load(st + 1, mask=offs_m < M, other=0.0)
+        acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
+    _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
+              stride_on, HAS_BIAS, HAS_RES, ACT)
+
+
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
     """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm."""
     return config.split_k * (m * n + 2 * m) if config.split_k > 1 else 0
-
-
-def counters_numel(config: GemmConfig, m: int, n: int) -> int:
-    """int32 split-K arrival counters, one per output tile (zero between launches: the last split of a
-    tile resets its own)."""
-    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n) if config.split_k > 1 else 0
 
 
 def fold_layernorm(weight: torch.Tensor, bias: torch.Tensor | None, ln_weight: torch.Tensor,
@@ -316,8 +326,7 @@ def fold_layernorm(weight: torch.Tensor, bias: torch.Tensor | None, ln_weight: t
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            config: GemmConfig = GemmConfig(), activation: str | None = None,
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           workspace: torch.Tensor | None = None, counters: torch.Tensor | None = None,
-           ln_weight: torch.Tensor | None = None,
+           workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
            _oob_write: bool = False, _unchecked: bool = False) -> torch.Tensor:
@@ -369,11 +378,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             workspace = torch.empty(need, device=x.device, dtype=torch.float32)
         elif workspace.numel() < need or workspace.dtype != torch.float32:
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
-        n_cnt = counters_numel(c, M, N)
-        if counters is None:
-            counters = torch.zeros(n_cnt, device=x.device, dtype=torch.int32)
-        elif counters.numel() < n_cnt or counters.dtype != torch.int32:
-            raise ValueError(f"linear: counters needs {n_cnt} int32 elements (zeroed once)")
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
     stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
     dummy = out  # never read when the matching HAS_* flag is off
@@ -381,7 +385,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-        workspace if workspace is not None else dummy, counters if counters is not None else dummy,
+        workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
@@ -396,6 +400,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
+    if c.split_k > 1:
+        rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
+        _splitk_reduce_kernel[rgrid](
+            workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+            M, N, K,
+            residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+            out.stride(0), out.stride(1),
+            trigger_index(c.split_k, c.overlap_ratio), ln_eps,
+            SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
+            USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+        )
     return out
 
 

@@ -48,47 +48,6 @@ def test_linear_split_k(dtype, split_k, device):
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
 
 
-def test_split_k_counters_return_to_zero(device):
-    # The tile's last split resets its arrival counter: the same counters serve launch after launch (as in
-    # a replayed CUDA graph), each launch on new inputs correct.
-    from tuner.kernels.gemm import counters_numel, workspace_numel
-
-    m, k, n = 37, 200, 90
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3)
-    ws = torch.empty(workspace_numel(cfg, m, n), dtype=torch.float32, device=device)
-    cnt = torch.zeros(counters_numel(cfg, m, n), dtype=torch.int32, device=device)
-    assert cnt.numel() == 3 * 3
-    for seed in (1, 2):
-        x, w, b, r = _inputs(m, n, k, torch.float16, device, seed=seed)
-        out = linear(x, w, b, config=cfg, residual=r, workspace=ws, counters=cnt)
-        assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
-        assert int(cnt.abs().sum()) == 0
-    with pytest.raises(ValueError, match="counters needs 9 int32"):
-        linear(x, w, b, config=cfg, workspace=ws, counters=cnt[:4])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split_k, overlap", [(4, 0.0), (4, 0.5), (6, -1.0)])
-def test_split_k_fixup_on_gpu(split_k, overlap):
-    # FFN2 of bert-base: 24 tiles x split_k programs finish their tiles in-kernel; three launches in a row
-    # reuse the counters (PDL on: the next launch may start before this one ends).
-    from tuner.kernels.gemm import counters_numel, workspace_numel
-
-    m, k, n = 128, 3072, 768
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=split_k, overlap_ratio=overlap,
-                     prefetch_ratio=1.0 if overlap >= 0 else -1.0)
-    ws = torch.empty(workspace_numel(cfg, m, n), dtype=torch.float32, device="cuda")
-    cnt = torch.zeros(counters_numel(cfg, m, n), dtype=torch.int32, device="cuda")
-    ins = [_inputs(m, n, k, torch.float16, "cuda", seed=30 + i) for i in range(3)]
-    outs = [torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda") for _ in ins]
-    for (x, w, b, r), o in zip(ins, outs):
-        linear(x, w, b, config=cfg, residual=r, out=o, workspace=ws, counters=cnt, activation="gelu")
-    torch.cuda.synchronize()
-    for (x, w, b, r), o in zip(ins, outs):
-        assert rel_error(o, linear_ref(x, w, b, residual=r, activation="gelu")) < 1e-2
-    assert int(cnt.abs().sum()) == 0
-
-
 def test_linear_big_tile_small_problem(device):
     # Tiles larger than the problem in M (masked rows), the biggest tile the check allows for N and K.
     m, k, n = 5, 64, 128
