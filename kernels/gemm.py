@@ -160,29 +160,51 @@ def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, 
     if HAS_RES:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn, mask=mask, other=0.0)
         acc += r.to(tl.float32)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    y = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
+    return tl.where(mask, y.to(tl.float32), 0.0)
+
+
+@triton.jit
+def _row_stats_out(y, offs_m, M, stats_ptr, part):
+    """This tile's share of its rows' sums of y and y^2 (a LayerNorm's statistics, for the next GEMM),
+    as part ``part`` of ``stats [parts, M, 2]``."""
+    st = stats_ptr + (part * M + offs_m) * 2
+    tl.store(st, tl.sum(y, axis=1), mask=offs_m < M)
+    tl.store(st + 1, tl.sum(y * y, axis=1), mask=offs_m < M)
+
+
+@triton.jit
+def _row_stats_in(stats_ptr, offs_m, M, parts, BLOCK_M: tl.constexpr):
+    """The rows' sums of x and x^2, summed over the ``parts`` tiles of the GEMM that produced x."""
+    s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for p in range(0, parts):
+        st = stats_ptr + (p * M + offs_m) * 2
+        s1 += tl.load(st, mask=offs_m < M, other=0.0)
+        s2 += tl.load(st + 1, mask=offs_m < M, other=0.0)
+    return s1, s2
 
 
 @triton.jit
 def _gemm_kernel(
     # pointers
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr,
     # sizes
     M, N, K,
     # strides
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     # PDL / prefetch points, in K tiles of this program
     trigger_k, n_prefetch,
-    # LayerNorm prologue
-    ln_eps,
+    # LayerNorm prologue: eps, and the number of parts of ln_stats (LN_STATS_IN)
+    ln_eps, ln_parts,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
-    OOB_WRITE: tl.constexpr,
+    OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -221,7 +243,8 @@ def _gemm_kernel(
     pdl_wait(USE_PDL)
     pdl_trigger(0, trigger_k, USE_PDL)
     if HAS_LN:
-        # Row sums of the raw x for the fused LayerNorm, gathered from the A tiles the loop loads anyway.
+        # Row sums of the raw x for the fused LayerNorm: from the producer of x (LN_STATS_IN, read in the
+        # epilogue), else gathered from the A tiles the loop loads anyway.
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for i in range(0, n_iters):
@@ -233,7 +256,7 @@ def _gemm_kernel(
                 a = a0
         b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                     mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
-        if HAS_LN:
+        if HAS_LN and not LN_STATS_IN:
             # The row sums come from a second (volatile) load of the tile, not from the MMA operand: with
             # triton 3.6 on the H200, reducing the operand itself came out wrong (rel. error 0.04-0.19) at
             # block_k 128 with 4 warps and 2-6 stages, right at block_k 64/256 or 8 warps
@@ -258,13 +281,17 @@ def _gemm_kernel(
                  acc.to(out_ptr.dtype.element_ty))
     if SPLIT_K == 1:
         if HAS_LN:
+            if LN_STATS_IN:
+                s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, BLOCK_M)
             acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
-        _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
-                  stride_on, HAS_BIAS, HAS_RES, ACT)
+        y = _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
+                      stride_on, HAS_BIAS, HAS_RES, ACT)
+        if STATS_OUT:
+            _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
     else:
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-        if HAS_LN:
+        if HAS_LN and not LN_STATS_IN:
             if pid_n == 0:  # this split's row sums, once per row tile
                 st = stats_ptr + (pid_k * M + offs_m) * 2
                 tl.store(st, s1, mask=offs_m < M)
@@ -273,13 +300,13 @@ def _gemm_kernel(
 
 @triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr,
+    ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr,
     M, N, K,
     stride_rm, stride_rn, stride_om, stride_on,
-    trigger_s, ln_eps,
+    trigger_s, ln_eps, ln_parts,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
-    HAS_LN: tl.constexpr,
+    HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -291,17 +318,22 @@ def _splitk_reduce_kernel(
         acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
         pdl_trigger(s + 1, trigger_s, USE_PDL)
     if HAS_LN:
-        s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for s in range(0, SPLIT_K):
-            st = stats_ptr + (s * M + offs_m) * 2
-            s1 += tl.load(st, mask=offs_m < M, other=0.0)
-            s2 += tl.load(st + 1, mask=offs_m < M, other=0.0)
+        if LN_STATS_IN:
+            s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, BLOCK_M)
+        else:  # the splits' sums over their K ranges
+            s1, s2 = _row_stats_in(stats_ptr, offs_m, M, SPLIT_K, BLOCK_M)
         acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
-    _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
-              stride_on, HAS_BIAS, HAS_RES, ACT)
+    y = _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
+                  stride_on, HAS_BIAS, HAS_RES, ACT)
+    if STATS_OUT:
+        _row_stats_out(y, offs_m, M, stats_out_ptr, tl.program_id(1))
 
 
+
+
+def stats_parts(config: GemmConfig, n: int) -> int:
+    """How many column tiles write row sums with ``stats_out`` (the GEMM's, or the split-K reduction's)."""
+    return triton.cdiv(n, config.block_n if config.split_k == 1 else _RED_BLOCK_N)
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
@@ -328,6 +360,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
+           ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
            _oob_write: bool = False, _unchecked: bool = False) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
@@ -336,7 +369,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the launcher folds them into the weights with torch ops, for one-off calls), or fold once with
     :func:`fold_layernorm` and pass the folded weight/bias with ``ln_colsum`` (what the layer runtime does:
     nothing but the kernels runs in its CUDA graph). The row statistics are gathered from the A tiles the
-    K loop loads anyway, so the fusion adds no pass over ``x``.
+    K loop loads anyway, so the fusion adds no pass over ``x``; or, with ``ln_stats`` (``[parts, M, 2]``
+    fp32, written by the GEMM that produced ``x`` with ``stats_out``), read once in the epilogue.
+
+    ``stats_out`` (``[stats_parts(config, N), M, 2]`` fp32): each column tile also writes its share of the
+    output rows' sums of y and y^2, the statistics of a LayerNorm fused into the next GEMM.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -364,6 +401,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         weight, bias, ln_colsum = fold_layernorm(weight, bias, ln_weight, ln_bias)
     if ln_colsum is not None and (ln_colsum.shape != (N,) or ln_colsum.dtype != torch.float32):
         raise ValueError(f"linear: ln_colsum must be fp32 ({N},)")
+    if ln_stats is not None and (ln_colsum is None or ln_stats.dim() != 3 or ln_stats.shape[1:] != (M, 2)
+                                 or ln_stats.dtype != torch.float32):
+        raise ValueError(f"linear: ln_stats must be fp32 [parts, {M}, 2] and come with a fused LayerNorm")
+    if stats_out is not None and (tuple(stats_out.shape) != (stats_parts(config, N), M, 2)
+                                  or stats_out.dtype != torch.float32):
+        raise ValueError(f"linear: stats_out must be fp32 ({stats_parts(config, N)}, {M}, 2)")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     mode = launch_mode(x)
@@ -380,38 +423,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
     stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
+    ln_parts = ln_stats.shape[0] if ln_stats is not None else 0
+    ln_stats = ln_stats if ln_stats is not None else out
+    stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None)
     dummy = out  # never read when the matching HAS_* flag is off
     lines = max(1, c.block_k * x.element_size() // 128)
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
-        ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+        ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy, ln_stats,
+        stats_out if stats_out is not None else dummy,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         out.stride(0), out.stride(1),
         trigger_index(per_split, c.overlap_ratio), n_pref,
-        ln_eps,
+        ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
-        HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write,
+        HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
         _splitk_reduce_kernel[rgrid](
             workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy, ln_stats,
+            stats_out if stats_out is not None else dummy,
             M, N, K,
             residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
             out.stride(0), out.stride(1),
-            trigger_index(c.split_k, c.overlap_ratio), ln_eps,
+            trigger_index(c.split_k, c.overlap_ratio), ln_eps, ln_parts,
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
-            USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+            USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw, num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )
     return out
 

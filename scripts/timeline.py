@@ -1,6 +1,7 @@
 """Where a per-kernel layer spends its time: every kernel's start and end inside the timed CUDA graph.
 
-usage: python3 scripts/timeline.py SHAPE [VARIANT ...]   (variants: hp, hp-off, hp-fused-norms, or a best.json)
+usage: python3 scripts/timeline.py SHAPE [VARIANT ...]
+variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
 replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
@@ -41,8 +42,9 @@ def variant(shape, name):
         return hp
     if name == "hp-off":
         return hp.without_knobs()
-    if name == "hp-fused-norms":
-        return replace(hp, norm1=replace(hp.norm1, fuse=1), norm2=replace(hp.norm2, fuse=1))
+    if name in ("hp-fused-norms", "hp-stats-norms"):
+        f = 1 if name == "hp-fused-norms" else 2
+        return replace(hp, norm1=replace(hp.norm1, fuse=f), norm2=replace(hp.norm2, fuse=f))
     return load_config(name, shape=shape)
 
 

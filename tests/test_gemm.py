@@ -153,3 +153,34 @@ def test_repair_moves_configs_inside_the_limits():
     c = repair(GemmConfig(block_m=128, block_n=256, block_k=256, num_stages=6, num_warps=2), p, DeviceInfo.interpreter())
     assert check(c, p, DeviceInfo.interpreter()) is None
     assert (c.block_m, c.block_n, c.block_k) == (128, 256, 256) and c.num_warps == 4 and c.num_stages == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("split_producer, split_consumer", [(1, 1), (3, 1), (1, 3), (2, 2)])
+def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_consumer, device):
+    # h = x @ W1.T + b1 + r writes its rows' sums (stats_out); the next GEMM normalises h with them
+    # (ln_stats) instead of gathering them in its K loop: LN(h) @ W2.T + b2 as the reference computes it.
+    from tuner.kernels.gemm import fold_layernorm, stats_parts
+
+    m, k1, d, n = 37, 72, 90, 50
+    x, w1, b1, _ = _inputs(m, d, k1, dtype, device, seed=40 + split_producer)
+    r = (torch.randn(m, d, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype).to(device)
+    _, w2, b2, _ = _inputs(m, n, d, dtype, device, seed=50 + split_consumer)
+    g = torch.Generator().manual_seed(6)
+    lw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
+    lb = (0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
+    c1 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_producer)
+    c2 = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_consumer)
+    stats = torch.full((stats_parts(c1, d), m, 2), float("nan"), dtype=torch.float32, device=device)
+    h = linear(x, w1, b1, config=c1, residual=r, stats_out=stats)
+    wf, bf, u = fold_layernorm(w2, b2, lw, lb)
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    linear(h, wf, bf, config=c2, out=out, ln_colsum=u, ln_stats=stats, activation="gelu")
+    ref = linear_ref(h, w2, b2, ln_weight=lw, ln_bias=lb, activation="gelu")
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    hf = h.float()
+    torch.testing.assert_close(stats.sum(0)[:, 0], hf.sum(1), rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="stats_out must be fp32"):
+        linear(x, w1, b1, config=c1, stats_out=stats[:1])
+    with pytest.raises(ValueError, match="ln_stats must be fp32"):
+        linear(h, w2, b2, config=c2, ln_stats=stats)

@@ -22,15 +22,37 @@ def test_stack_matches_reference_odd_shape(dtype, device):
     assert cfg.without_knobs().qkv.overlap_ratio == -1.0
 
 
-@pytest.mark.parametrize("fuse", [(1, 0), (0, 1), (1, 1)], ids=["fuse-norm1", "fuse-norm2", "fuse-both"])
+@pytest.mark.parametrize("fuse", [(1, 0), (0, 1), (1, 1), (2, 0), (0, 2), (2, 2), (2, 1)],
+                         ids=["fuse-norm1", "fuse-norm2", "fuse-both", "stats-norm1", "stats-norm2", "stats-both",
+                              "stats-norm1-reload-norm2"])
 def test_stack_with_fused_norms(fuse, device):
+    # fuse 2: row sums from the producing GEMM (the previous layer's FFN2, this layer's out-projection);
+    # the first layer has no producer and gathers them in QKV's K loop. Three layers: two consume them.
     from dataclasses import replace
 
     cfg = hand_picked(ODD)
     cfg = replace(cfg, norm1=replace(cfg.norm1, fuse=fuse[0]), norm2=replace(cfg.norm2, fuse=fuse[1]))
-    st = DecoderStack(ODD, cfg, n_layers=2, dtype=torch.float16, device=device, seed=4)
-    assert len(st.launches("norm1")) == (0 if fuse[0] else 2)
+    st = DecoderStack(ODD, cfg, n_layers=3, dtype=torch.float16, device=device, seed=4)
+    assert len(st.launches("norm1")) == (0 if fuse[0] else 3)
+    assert (st.bufs[0].y_stats is not None) == (fuse[0] == 2) and (st.bufs[0].h_stats is not None) == (fuse[1] == 2)
     err = st.check(seed=9)
+    assert err < st.tolerance(), err
+
+
+def test_stack_with_statistics_from_split_k_producers(device):
+    # The producers run split-K: the reduction kernel writes the row sums, one part per 64 columns.
+    from dataclasses import replace
+
+    from tuner.kernels.gemm import GemmConfig
+
+    shape = DecoderShape(1, 9, 80, 2, 96, name="odd2")
+    cfg = hand_picked(shape)
+    split = GemmConfig(block_m=16, block_n=16, block_k=16, split_k=3, num_warps=1)
+    cfg = replace(cfg, norm1=replace(cfg.norm1, fuse=2), norm2=replace(cfg.norm2, fuse=2), out=split, ffn2=split)
+    assert check_config(cfg, shape) == {}
+    st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float32, device=device, seed=5)
+    assert st.bufs[0].h_stats.shape == (2, 9, 2)
+    err = st.check(seed=10)
     assert err < st.tolerance(), err
 
 

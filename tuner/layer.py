@@ -148,6 +148,7 @@ class LayerBuffers:
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.ws = {}
         self.fused = None
+        self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
             self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
             self.ln1 = self.ln2 = e(0)
@@ -156,6 +157,11 @@ class LayerBuffers:
             return
         self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y = (
             e(d), e(3 * d), e(d), e(d), e(d), e(f), e(d))
+        # A norm with fuse 2 reads its rows' sums from the GEMM that wrote the rows: h's from the
+        # out-projection (norm2), y's from FFN2 (the next layer's norm1).
+        st = lambda g: torch.empty((gemm_k.stats_parts(g, d), m, 2), dtype=torch.float32, device=device)  # noqa: E731
+        self.h_stats = st(cfg.out) if cfg.norm2.fuse == 2 else None
+        self.y_stats = st(cfg.ffn2) if cfg.norm1.fuse == 2 else None
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
@@ -163,14 +169,18 @@ class LayerBuffers:
     def all(self):
         """Every buffer a launch writes (poisoned before a correctness check); not the sync counters."""
         extra = [self.fused.ws] if self.fused is not None else []
+        extra += [t for t in (self.h_stats, self.y_stats) if t is not None]
         return [self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y] + extra + [
             w for w in self.ws.values() if w is not None]
 
 
 def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
-                   racy: str | None = None, oob: bool = False,
-                   unchecked: bool = False) -> list[tuple[str, callable]]:
+                   racy: str | None = None, oob: bool = False, unchecked: bool = False,
+                   x_stats: torch.Tensor | None = None) -> list[tuple[str, callable]]:
     """The layer's kernel launches in order, as (kernel name, launch) pairs.
+
+    ``x_stats``: the row sums of ``x`` written by the previous layer's FFN2 (``LayerBuffers.y_stats``),
+    for a norm1 with fuse 2; without them (the first layer) QKV gathers them in its K loop (fuse 1).
 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
@@ -184,12 +194,19 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     # A fused norm (NormConfig.fuse) launches no kernel: the next GEMM normalises x in its prologue.
     w_qkv, b_qkv, w_ffn1, b_ffn1 = w.w_qkv, w.b_qkv, w.w_ffn1, w.b_ffn1
     ln1 = ln2 = {}
+    out_kw, ffn2_kw = {}, {}
     if cfg.norm1.fuse:
         w_qkv, b_qkv, u = w.folded("qkv")
         ln1 = dict(ln_colsum=u, ln_eps=LN_EPS)
+        if cfg.norm1.fuse == 2:
+            ffn2_kw = dict(stats_out=b.y_stats)
+            if x_stats is not None:
+                ln1["ln_stats"] = x_stats
     if cfg.norm2.fuse:
         w_ffn1, b_ffn1, u = w.folded("ffn1")
         ln2 = dict(ln_colsum=u, ln_eps=LN_EPS)
+        if cfg.norm2.fuse == 2:
+            ln2["ln_stats"] = out_kw["stats_out"] = b.h_stats
     launches = [
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
@@ -200,14 +217,14 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
         ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
-                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"))),
+                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
                                        _racy_read_before_wait=r("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
-                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"))),
+                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     return [(n, f) for n, f in launches if n not in skip]
@@ -281,21 +298,22 @@ class DecoderStack:
         return self.bufs[-1].y
 
     def run(self) -> torch.Tensor:
-        x = self.x
+        x, x_stats = self.x, None
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
             racy = self.racy[1] if self.racy and self.racy[0] == i else None
             for _, launch in layer_launches(self.shape, self.cfg, w, x, b, racy, oob=self.oob_layer == i,
-                                            unchecked=self.unchecked):
+                                            unchecked=self.unchecked, x_stats=x_stats):
                 launch()
-            x = b.y
+            x, x_stats = b.y, b.y_stats
         return x
 
     def launches(self, kernel: str) -> list:
         """Every launch of one kernel across the stack (for the per-kernel breakdown)."""
-        out, x = [], self.x
+        out, x, x_stats = [], self.x, None
         for w, b in zip(self.weights, self.bufs):
-            out += [fn for name, fn in layer_launches(self.shape, self.cfg, w, x, b) if name == kernel]
-            x = b.y
+            out += [fn for name, fn in layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats)
+                    if name == kernel]
+            x, x_stats = b.y, b.y_stats
         return out
 
     def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":

@@ -30,6 +30,8 @@ RATIOS = ("overlap_ratio", "prefetch_ratio")
 PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline).
 SWITCHES = ("fuse",)
+# The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows.
+SWITCH_VALUES = {"norm": (0, 1, 2)}
 
 
 class SpaceError(ValueError):
@@ -83,7 +85,7 @@ class SearchSpace:
         return out
 
 
-def _dim(where: str, value, ratio: bool, switch: bool = False, zero: bool = False) -> Dim:
+def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool = False) -> Dim:
     if isinstance(value, list):
         if not value:
             raise SpaceError(f"{where}: expected a non-empty list of choices")
@@ -92,8 +94,9 @@ def _dim(where: str, value, ratio: bool, switch: bool = False, zero: bool = Fals
                 raise SpaceError(f"{where}: choice {v!r} is not a number")
             if ratio and not (v < 0 or 0 <= v <= 1):
                 raise SpaceError(f"{where}: ratio {v} must be negative (off) or in [0, 1]")
-            if switch and v not in (0, 1):
-                raise SpaceError(f"{where}: choice {v!r} must be 0 (off) or 1 (on)")
+            if switch and v not in switch:
+                on = "1 (on)" if switch == (0, 1) else " or ".join(str(x) for x in switch[1:])
+                raise SpaceError(f"{where}: choice {v!r} must be 0 (off) or {on}")
             if not ratio and not switch and (not isinstance(v, int) or v < (0 if zero else 1)):
                 raise SpaceError(f"{where}: choice {v!r} must be a {'non-negative' if zero else 'positive'} integer")
         return Dim(choices=tuple(float(v) if ratio else int(v) for v in value))
@@ -172,7 +175,8 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
         dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
                                              else f"ratios.{f.removesuffix('_ratio')}"),
-                           v, f in RATIOS, f in SWITCHES, f in ZERO_OK) for f, v in raw.items()}
+                           v, f in RATIOS, SWITCH_VALUES.get(fam, (0, 1)) if f in SWITCHES else None, f in ZERO_OK)
+                   for f, v in raw.items()}
     return SearchSpace(source, dims)
 
 
