@@ -6,8 +6,8 @@
   kernel calls ``gdc_wait`` before its first read of ``x``/``residual`` and before any global write, and
   ``gdc_launch_dependents`` after ``floor((k_tiles - 1) * overlap_ratio)`` of its K tiles, counted from
   ``gdc_wait`` (0: right after it, as CUTLASS example 63's DMA warp does; never before it, so that a chain
-  of GEMMs launches at most one kernel ahead; the norm and attention kernels, which have no weights of
-  note and run short, trigger before their wait at 0).
+  of GEMMs launches at most one kernel ahead; the norm, attention and split-K reduction kernels, which
+  have no weights of note and run short, trigger before their wait at 0).
 * ``prefetch_ratio`` in ``[0, 1]``: before ``gdc_wait`` each program pulls ``ceil(prefetch_ratio * k_tiles)``
   of its own weight K tiles into L2. Weights only: nothing a predecessor writes is touched before the wait.
 
@@ -311,8 +311,10 @@ def _splitk_reduce_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    pdl_wait(USE_PDL)
+    # Like the norm (no weights, short): at 0 the trigger goes before gdc_wait, so that the next GEMM
+    # launches and prefetches its weights while the split GEMM is still running.
     pdl_trigger(0, trigger_s, USE_PDL)
+    pdl_wait(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(0, SPLIT_K):
         acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)

@@ -64,11 +64,13 @@ def kernels_of(replay, reps):
 
 
 def main():
-    shape = resolve(sys.argv[1])
-    names = sys.argv[2:] or ["hp", "hp-off", "hp-fused-norms"]
+    hot = "--hot" in sys.argv  # every layer the same weights: they stay in L2 (what prefetch could reach)
+    args = [a for a in sys.argv[1:] if a != "--hot"]
+    shape = resolve(args[0])
+    names = args[1:] or ["hp", "hp-off", "hp-fused-norms"]
     dev = DeviceInfo.from_torch()
     n = stack_depth(shape, 2, dev.l2_bytes)
-    weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
+    weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
     for name in names:
         cfg = variant(shape, name)
@@ -96,7 +98,8 @@ def main():
                     rows.setdefault(j, []).append((kname, s - prev_end, e - s, e - prev_end))
             layer_us = (rep[-1][2] - rep[0][1]) / n
         med = lambda xs: statistics.median(xs)  # noqa: E731
-        print(f"\n## {shape.name} {name}: {t.median_us:.2f} us/layer un-profiled, {layer_us:.2f} profiled; "
+        tag = " (weights hot in L2)" if hot else ""
+        print(f"\n## {shape.name}{tag} {name}: {t.median_us:.2f} us/layer un-profiled, {layer_us:.2f} profiled; "
               f"rel err {err:.1e}; {per_layer} kernels a layer, {n} layers")
         print("| kernel | start - prev end | duration | adds |")
         print("|---|---:|---:|---:|")
