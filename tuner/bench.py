@@ -21,22 +21,24 @@ from tuner.shapes import DecoderShape
 from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
 
 
-def hand_picked(shape: DecoderShape) -> DecoderConfig:
+def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     """Tiles picked by hand for small M (weights-bound GEMMs want many programs), PDL + full prefetch.
 
     block_m covers all rows up to 64 so each weight tile is read by few programs; block_n 64 and split-K
     on the long-K FFN2 put ~100 programs on the 132 SMs; block_k 128 halves the K iterations, each of
     which waits on a load (H200, bert-base: 37.3 -> 30.3 us per layer against block_k 64, perf-notes).
+    Attention in 16-row query tiles (12 heads x 8 = 96 programs on bert-base). ``norms``: NormConfig.fuse
+    of both norms, 2 by default (row sums from the producing GEMM: no norm kernel; H200, bert-base 28.2 ->
+    27.1 us, perf-notes section 7); 0 keeps the norm kernels (``tune verify`` checks every kernel).
     """
     m = shape.tokens
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     gemm = GemmConfig(block_m=bm, block_n=64, block_k=128, group_m=8, num_warps=4, num_stages=4)
     k_tiles_ffn2 = -(-shape.ffn // 64)
     cfg = DecoderConfig(
-        norm1=NormConfig(rows_per_program=1, num_warps=4), qkv=gemm,
-        attn=AttnConfig(block_m=min(64, tile_cap(shape.seq)), block_n=32, num_warps=4,
-                        num_stages=2),
-        out=gemm, norm2=NormConfig(rows_per_program=1, num_warps=4), ffn1=gemm,
+        norm1=NormConfig(rows_per_program=1, num_warps=4, fuse=norms), qkv=gemm,
+        attn=AttnConfig(block_m=16, block_n=min(64, tile_cap(shape.seq)), num_warps=4, num_stages=2),
+        out=gemm, norm2=NormConfig(rows_per_program=1, num_warps=4, fuse=norms), ffn1=gemm,
         ffn2=GemmConfig(block_m=bm, block_n=64, block_k=128, num_warps=4, num_stages=4,
                         split_k=4 if k_tiles_ffn2 >= 16 else 1),
     )
@@ -107,6 +109,8 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
                       "ours, (-1,-1), hand-picked tiles"))
     rows.append(_ours(shape, hp, dtype, n_layers, weights, reps, warmup, seed,
                       "ours, PDL + full prefetch (0.0,1.0), hand-picked tiles"))
+    rows.append(_ours(shape, hand_picked(shape, norms=0), dtype, n_layers, weights, reps, warmup, seed,
+                      "ours, (0.0,1.0), hand-picked tiles, with the two norm kernels"))
     rows.append(_ours(shape, hp.with_knobs(1.0, 1.0), dtype, n_layers, weights, reps, warmup, seed,
                       "ours, PDL + full prefetch (1.0,1.0), hand-picked tiles"))
     rows.append(_ours(shape, hand_picked_fused(shape), dtype, n_layers, weights, reps, warmup, seed,

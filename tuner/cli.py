@@ -127,7 +127,8 @@ def cmd_verify(args) -> int:
     _need_gpu("tune verify")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
-        res = verify.run_verify(shape, bench.hand_picked(shape), dtype=dtype, race_trials=args.trials)
+        # The norm kernels kept (norms=0): every kernel of the layer is checked for races.
+        res = verify.run_verify(shape, bench.hand_picked(shape, norms=0), dtype=dtype, race_trials=args.trials)
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))

@@ -168,17 +168,15 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     search must stay inside what the user asked for); the baseline is measured anyway in the final
     phase, interleaved with the top-k, and every speedup is against that measurement.
     """
-    from dataclasses import replace
-
     from tuner.bench import hand_picked, hand_picked_fused
 
     hp = hand_picked(shape)
-    fused = replace(hp, norm1=replace(hp.norm1, fuse=1), norm2=replace(hp.norm2, fuse=1))
+    norm_kernels = hand_picked(shape, norms=0)
     layer = hand_picked_fused(shape)
     seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None),
              (layer if pdl else layer.without_knobs(), None)]
     if pdl:
-        seeds += [(hp.without_knobs(), None), (fused, None)]
+        seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
     study.set_user_attr("seeded", True)
     for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
         params = from_config(cfg, pdl)
