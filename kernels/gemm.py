@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
@@ -43,6 +44,9 @@ class GemmConfig(KnobConfig):
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1
+    # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
+    # zero-filled out of bounds) instead of cp.async from every thread.
+    tma: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -94,6 +98,10 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"accumulator needs {acc_regs} registers per thread (block_m*block_n/(32*num_warps) > 256)"
     if c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
+    if c.tma not in (0, 1):
+        return f"tma={c.tma} must be 0 or 1"
+    if c.tma and (p.k * p.dtype_bytes) % 16:
+        return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
@@ -190,6 +198,8 @@ def _row_stats_in(stats_ptr, offs_m, M, parts, BLOCK_M: tl.constexpr):
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr,
+    # TMA descriptors of x [M, K] and w [N, K] (USE_TMA; else the same pointers again, unused)
+    x_desc, w_desc,
     # sizes
     M, N, K,
     # strides
@@ -204,7 +214,7 @@ def _gemm_kernel(
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINES: tl.constexpr,
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
-    OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr,
+    OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -249,13 +259,19 @@ def _gemm_kernel(
         s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for i in range(0, n_iters):
         k = (k_first + i) * BLOCK_K + offs_k
-        a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        if USE_TMA:
+            a = x_desc.load([pid_m * BLOCK_M, (k_first + i) * BLOCK_K])
+        else:
+            a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+                        mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
         if RACY_READ_BEFORE_WAIT:
             if i == 0:
                 a = a0
-        b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
-                    mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
+        if USE_TMA:
+            b = w_desc.load([pid_n * BLOCK_N, (k_first + i) * BLOCK_K]).T
+        else:
+            b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                        mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
         if HAS_LN and not LN_STATS_IN:
             # The row sums come from a second (volatile) load of the tile, not from the MMA operand: with
             # triton 3.6 on the H200, reducing the operand itself came out wrong (rel. error 0.04-0.19) at
@@ -431,11 +447,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     dummy = out  # never read when the matching HAS_* flag is off
     lines = max(1, c.block_k * x.element_size() // 128)
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
+    if c.tma:
+        x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [c.block_m, c.block_k])
+        w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [c.block_n, c.block_k])
+    else:
+        x_desc, w_desc = x, weight
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy, ln_stats,
-        stats_out if stats_out is not None else dummy,
+        stats_out if stats_out is not None else dummy, x_desc, w_desc,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
@@ -447,7 +468,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        USE_TMA=bool(c.tma), num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))

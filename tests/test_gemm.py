@@ -1,4 +1,5 @@
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -184,3 +185,31 @@ def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_con
         linear(x, w1, b1, config=c1, stats_out=stats[:1])
     with pytest.raises(ValueError, match="ln_stats must be fp32"):
         linear(h, w2, b2, config=c2, ln_stats=stats)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_linear_tma_loads(dtype, split_k, device):
+    # TMA tiles past the edges of x and w read as zeros: odd M and N, K a 16-byte multiple, tiles bigger
+    # than the rest of the problem; the same result as the cp.async path.
+    m, k, n = 37, 208, 90
+    x, w, b, r = _inputs(m, n, k, dtype, device, seed=60 + split_k)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, tma=1)
+    assert check(cfg, GemmProblem(m, n, k, x.element_size())) is None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+    linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
+    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
+    assert "16-byte" in check(replace(cfg, split_k=1), GemmProblem(m, n, 90, 2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k, overlap", [(1, 0.0), (4, 0.0), (1, -1.0)])
+def test_linear_tma_on_gpu(split_k, overlap):
+    m, k, n = 128, 3072, 768
+    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=70 + split_k)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=split_k, tma=1,
+                     overlap_ratio=overlap, prefetch_ratio=1.0 if overlap >= 0 else -1.0)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    linear(x, w, b, config=cfg, residual=r, out=out)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
