@@ -40,16 +40,17 @@ def default_data() -> dict:
 
 
 def grid_space() -> space.SearchSpace:
-    """A space small enough to enumerate without PDL: per family, only the tile values of bert-base's
-    baseline and hand-picked configs (the study enqueues both first, so they must lie inside it)."""
+    """A space small enough to enumerate without PDL: per family, the tile values of bert-base's baseline
+    (the study enqueues it first, so it must lie inside), plus the hand-picked block_k and TMA switch."""
     data = copy.deepcopy(default_data())
     data["kernels"] = {}
     data["ratios"] = {"overlap": [-1.0, 0.0], "prefetch": [-1.0, 1.0]}
     used = {}
-    for cfg in (default_config(BERT_BASE), hand_picked(BERT_BASE)):
+    for cfg, fields in ((default_config(BERT_BASE), None), (hand_picked(BERT_BASE), ("block_k", "tma"))):
         for name, value in space.from_config(cfg, pdl=False).items():
             kernel, field = name.split(".", 1)
-            used.setdefault((space.FAMILY[kernel], field), set()).add(value)
+            if fields is None or field in fields:
+                used.setdefault((space.FAMILY[kernel], field), set()).add(value)
     for fam in ("gemm", "norm", "attn", "layer"):
         data[fam] = {field: sorted(used[(fam, field)]) for field in data[fam]}
     sp = space.parse(data, "grid test space")
