@@ -270,3 +270,36 @@ def test_baseline_is_measured_when_the_space_excludes_default_tiles(tmp_path, re
     assert set(trials["qkv.block_m"]) <= {16, 32}
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["baselines"]["baseline_us"] > 0
+
+
+# ------------------------------------------------------------------------------------------------
+# The local step: neighbours of the best trial
+# ------------------------------------------------------------------------------------------------
+
+def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
+    import numpy as np
+
+    from tuner.study import neighbour
+
+    sp = space.load()
+    params = space.from_config(hand_picked(BERT_BASE))
+    for seed in range(40):
+        p = neighbour(params, sp, True, np.random.default_rng(seed))
+        moved = [k for k in p if p[k] != params[k]]
+        assert len(moved) == 1, moved
+        k = moved[0]
+        assert not k.startswith("layer.") or k == "layer.fuse"  # the one-kernel layer is off: its tiles do not act
+        choices = sorted(sp.params(True)[k].choices)
+        assert abs(choices.index(p[k]) - choices.index(params[k])) == 1
+        assert sp.contains(p, True)
+    assert neighbour(params, continuous_space(), True, np.random.default_rng(0)) is None
+
+
+def test_tpe_queues_neighbours_of_the_best(tmp_path, replay):
+    folder = run(tmp_path, replay, trials=14)
+    trials = pd.read_csv(folder / "trials.csv")
+    assert len(trials) == 14  # the budget holds: a neighbour is queued only while it has room
+    parents = trials["neighbour_of"].dropna()
+    assert len(parents) >= 2 and set(parents.astype(int)) <= set(trials["number"])
+    off = pd.read_csv(run(tmp_path / "off", replay, trials=8, local_every=0) / "trials.csv")
+    assert off["neighbour_of"].isna().all()

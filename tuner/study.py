@@ -93,6 +93,9 @@ class StudyOptions:
     progress: bool = True
     workers: int = 1  # study processes sharing the study (recorded in the manifest)
     worker_index: int = 0  # this process's index: its sampler seed is seed + index, so workers differ
+    # TPE only: after every ``local_every``-th trial, queue a neighbour of the best trial so far (one
+    # categorical parameter moved to an adjacent choice); 0 = off. See neighbour().
+    local_every: int = 2
 
 
 def _record(trial, cfg: DecoderConfig, res: TrialResult):
@@ -277,16 +280,58 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     return objective
 
 
+def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
+    """``params`` with one categorical parameter moved to an adjacent choice (a local step around the
+    best trial). Only parameters that act are moved: the one-kernel layer's when it is on, else the
+    seven kernels' (and the switch between the two). None where the space has continuous ranges."""
+    dims = space.params(pdl)
+    if any(d.choices is None for d in dims.values()) or set(dims) - set(params):
+        return None
+    fused = params.get("layer.fuse") == 1
+    names = [n for n, d in dims.items() if len(d.choices) > 1
+             and (n == "layer.fuse" or n.startswith("layer.") == fused)]
+    if not names:
+        return None
+    name = names[int(rng.integers(len(names)))]
+    choices = sorted(dims[name].choices)
+    i = choices.index(params[name]) if params[name] in choices else 0
+    j = i + (1 if rng.random() < 0.5 else -1)
+    j = j if 0 <= j < len(choices) else 2 * i - j  # at an end: the other neighbour
+    return {**{n: params[n] for n in dims}, name: choices[j]}
+
+
+def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int) -> None:
+    """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
+    leaves room for it and the sampler's own next proposal (nothing is left waiting at the end)."""
+    if opts.sampler != "tpe" or opts.local_every <= 0 or number % opts.local_every != opts.local_every - 1:
+        return
+    trials = study.get_trials(deepcopy=False)
+    if any(t.state == TrialState.WAITING for t in trials) or opts.trials - spent(trials) < 2:
+        return
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
+    if not ok:
+        return
+    best = min(ok, key=lambda t: t.value)
+    import numpy as np
+
+    p = neighbour(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number))
+    if p is not None:
+        study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
+
+
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
-    """Run trials until the study's budget is spent (by this process and every other) or the timeout."""
+    """Run trials until the study's budget is spent (by this process and every other) or the timeout.
+    With TPE, every ``local_every``-th trial is followed by a neighbour of the best (_queue_neighbour)."""
     if _budget_done(study, opts.trials):
         return
     objective = _objective(study, shape, evaluator, space, opts.trials, log)
     bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
+    pdl = bool(evaluator.pdl)
 
     def after_trial(st, tr):
         recover_orphans(st)  # a sibling process may have died mid-trial
+        _queue_neighbour(st, space, pdl, opts, tr.number)
         if bar is not None:
             update_progress(bar, st, opts.timeout_s - (time.time() - t0) if opts.timeout_s else None)
         if _budget_done(st, opts.trials):
@@ -354,6 +399,7 @@ def trials_frame(study):
                "spread_us": ua.get("spread_us") if ua.get("spread_us") is not None else math.nan,
                "approximated": bool(ua.get("approximated", False)), "is_baseline": bool(ua.get("is_baseline", False)),
                "duplicate_of": ua.get("duplicate_of", ""), "retry_of": t.system_attrs.get("failed_trial", ""),
+               "neighbour_of": ua.get("neighbour_of", ""),
                "worker_pid": (ua.get(OWNER_ATTR) or {}).get("pid", "")}
         if cfg:
             for k, c in cfg["kernels"].items():
