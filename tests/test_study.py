@@ -303,3 +303,23 @@ def test_tpe_queues_neighbours_of_the_best(tmp_path, replay):
     assert len(parents) >= 2 and set(parents.astype(int)) <= set(trials["number"])
     off = pd.read_csv(run(tmp_path / "off", replay, trials=8, local_every=0) / "trials.csv")
     assert off["neighbour_of"].isna().all()
+
+
+def test_a_duplicate_of_this_process_reuses_its_measurement(tmp_path, replay):
+    # Regression (H200 run of 2026-11-22, results/*/20261122-02*): a neighbour that repaired to a config
+    # this process had measured read .value from the live trial and was marked crashed.
+    data = copy.deepcopy(default_data())
+    data["kernels"] = {}
+    data["ratios"] = {"overlap": [0.0], "prefetch": [1.0]}
+    for fam in ("gemm", "norm", "attn", "layer"):
+        data[fam] = {f: [v[0]] for f, v in data[fam].items()}
+    data["kernels"] = {"qkv": {"block_k": [32, 64]}}  # two configs, eight trials: duplicates in this process
+    sp = space.parse(data, "two configs")
+    folder = run(tmp_path, replay, sp, trials=8, sampler="random")
+    trials = pd.read_csv(folder / "trials.csv")
+    assert "crashed" not in set(trials["status"]), trials[["number", "status", "reason"]]
+    dups = trials[trials["duplicate_of"].notna()]
+    assert len(dups) >= 4
+    for _, d in dups.iterrows():
+        src = trials.set_index("number").loc[int(d["duplicate_of"])]
+        assert d["status"] == src["status"] and (d["latency_us"] == src["latency_us"] or d["status"] != "ok")

@@ -362,7 +362,9 @@ def _header_lines(run: Run, k: int) -> list[str]:
             within = (_num(ko.get("spread_us")) or 0.0) + (_num(best.get("spread_us")) or 0.0)
             if gap < within:
                 verdict += "; within the combined spread: the (o,p) knobs make no measurable difference"
-        facts.append(f"Top-1 with every (o,p) at (-1,-1), tiles kept: {_us(ko['latency_us'])} us ({verdict})")
+        pair = _num(ko.get("top1_latency_us"))
+        beside = f" against {_us(pair)} us for the top-1 measured beside it" if pair is not None else ""
+        facts.append(f"Top-1 with every (o,p) at (-1,-1), tiles kept: {_us(ko['latency_us'])} us{beside} ({verdict})")
     measured = []
     if run.l2_policy:
         measured.append(f"L2 {run.l2_policy}")
