@@ -144,9 +144,7 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-        if USE_PDL:
-            if j + 1 == trigger_j:
-                tl.extra.cuda.gdc_launch_dependents()
+        pdl_trigger(j + 1, trigger_j, USE_PDL)
 
     return acc / l_i[:, None]
 

@@ -42,8 +42,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pow2,
-                      prefetch_l2, ratio_error, smem_limit, tile_cap)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
+                      pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _activate, _epilogue, _ln_apply, _ln_correct
 
@@ -231,9 +231,7 @@ def _next_phase(sync_ptr, times_ptr, pid, b, trigger_phase, NPROG: tl.constexpr,
     _stamp(times_ptr, pid, 2 * b + 3, TIMES)
     _grid_barrier(sync_ptr, b, NPROG)
     _stamp(times_ptr, pid, 2 * b + 4, TIMES)
-    if USE_PDL:
-        if trigger_phase == b + 2:
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger(b + 2, trigger_phase, USE_PDL)
 
 
 @triton.jit
@@ -381,12 +379,9 @@ def _layer_kernel(
         _prefetch_weights(pid, w1_ptr, pf_ffn1, NPROG, LINE_ELEMS, 256)
         _prefetch_weights(pid, w2_ptr, pf_ffn2, NPROG, LINE_ELEMS, 256)
     _stamp(times_ptr, pid, 1, TIMES)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
+    pdl_wait(USE_PDL)
     _stamp(times_ptr, pid, 2, TIMES)
-    if USE_PDL:
-        if trigger_phase == 1:
-            tl.extra.cuda.gdc_launch_dependents()
+    pdl_trigger(1, trigger_phase, USE_PDL)
     _gemm_phase(pid, x_ptr, wqkv_ptr, bqkv_ptr, uqkv_ptr, x_ptr, qkv_ptr, ws_ptr, cnt, M, 3 * D, D, eps,
                 NPROG, BM, BN_QKV, BK, SK_QKV, STAGES, True, False, 0, UPCAST)
     _next_phase(sync_ptr, times_ptr, pid, 0, trigger_phase, NPROG, USE_PDL, TIMES)

@@ -445,22 +445,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
     stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
+    dummy = out  # never read when the matching HAS_* / LN_* / STATS_* flag is off
     ln_parts = ln_stats.shape[0] if ln_stats is not None else 0
-    ln_stats = ln_stats if ln_stats is not None else out
     stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None)
-    dummy = out  # never read when the matching HAS_* flag is off
     lines = max(1, c.block_k * x.element_size() // 128)
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
     if c.tma:
-        x_desc = TensorDescriptor(x, [M, K], [x.stride(0), 1], [c.block_m, c.block_k])
-        w_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [c.block_n, c.block_k])
+        for name, t in (("x", x), ("weight", weight)):
+            if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+                raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
+                                 f"(strides {tuple(t.stride())})")
+        x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])
+        w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
     _gemm_kernel[grid](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
-        ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy, ln_stats,
-        stats_out if stats_out is not None else dummy, x_desc, w_desc,
+        ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+        ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy, x_desc, w_desc,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
@@ -478,8 +481,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
         _splitk_reduce_kernel[rgrid](
             workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy, ln_stats,
-            stats_out if stats_out is not None else dummy,
+            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+            ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
             M, N, K,
             residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
             out.stride(0), out.stride(1),

@@ -200,6 +200,8 @@ def test_linear_tma_loads(dtype, split_k, device):
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
     assert "16-byte" in check(replace(cfg, split_k=1), GemmProblem(m, n, 90, 2))
+    with pytest.raises(ValueError, match="tma=1 needs x with contiguous"):  # a column view: no descriptor
+        linear(torch.empty(k, m, dtype=dtype, device=device).T, w, b, config=cfg)
 
 
 @pytest.mark.gpu

@@ -297,24 +297,25 @@ class DecoderStack:
     def out(self) -> torch.Tensor:
         return self.bufs[-1].y
 
-    def run(self) -> torch.Tensor:
+    def _launches(self, faults: bool = True):
+        """(kernel name, launch) of every layer in order: each layer reads the previous one's output and,
+        for a norm with fuse 2, the row sums its FFN2 wrote. ``faults``: with the test-only variants set on
+        the stack (racy, oob_layer, unchecked)."""
         x, x_stats = self.x, None
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
-            racy = self.racy[1] if self.racy and self.racy[0] == i else None
-            for _, launch in layer_launches(self.shape, self.cfg, w, x, b, racy, oob=self.oob_layer == i,
-                                            unchecked=self.unchecked, x_stats=x_stats):
-                launch()
+            kw = dict(racy=self.racy[1] if self.racy and self.racy[0] == i else None, oob=self.oob_layer == i,
+                      unchecked=self.unchecked) if faults else {}
+            yield from layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats, **kw)
             x, x_stats = b.y, b.y_stats
-        return x
+
+    def run(self) -> torch.Tensor:
+        for _, launch in self._launches():
+            launch()
+        return self.out
 
     def launches(self, kernel: str) -> list:
         """Every launch of one kernel across the stack (for the per-kernel breakdown)."""
-        out, x, x_stats = [], self.x, None
-        for w, b in zip(self.weights, self.bufs):
-            out += [fn for name, fn in layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats)
-                    if name == kernel]
-            x, x_stats = b.y, b.y_stats
-        return out
+        return [fn for name, fn in self._launches(faults=False) if name == kernel]
 
     def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         """One CUDA graph of the whole stack (the warm-up compiles every kernel variant outside it)."""
