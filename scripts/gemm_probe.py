@@ -1,0 +1,109 @@
+"""How fast one GEMM of a layer runs alone: our kernel under several tiles against cuBLAS (torch).
+
+usage: python3 scripts/gemm_probe.py SHAPE [CONFIG.json]
+For each GEMM of SHAPE (M = batch*seq rows): R launches of the same GEMM back to back in one CUDA graph,
+no PDL, weights either hot (one copy, stays in L2) or cold (copies rotating through more than L2). Per
+variant: the kernel's duration as CUPTI reports it (median over launches), and the bytes each program
+moves through its SM (A and B tiles) divided by that duration. Variants: the GEMM's config from CONFIG
+(a best.json; else the hand-picked tiles), the same with ws=1, with 6 or 8 stages, and torch.nn.functional.linear.
+"""
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from tuner.bench import hand_picked
+from tuner.device import DeviceInfo
+from tuner.export import load_config
+from tuner.kernels.gemm import GemmProblem, check, fit, linear
+from tuner.shapes import resolve
+from tuner.timing import capture
+
+
+def durations(fn, n_launch, reps=5):
+    """Median CUPTI duration (us) of the kernels fn launches, over reps graph replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = capture(fn)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "t.json")
+        prof.export_chrome_trace(p)
+        ev = json.load(open(p))["traceEvents"]
+    ks = [e for e in ev if e.get("cat") == "kernel"]
+    by = {}
+    for e in ks:
+        by.setdefault(e["name"][:32], []).append(float(e["dur"]))
+    # the GEMM is the kernel launched n_launch*reps times (cuBLAS may add small helper kernels)
+    name, ds = max(by.items(), key=lambda kv: len(kv[1]))
+    return statistics.median(ds), name
+
+
+def main():
+    shape = resolve(sys.argv[1])
+    cfg = load_config(sys.argv[2], shape=shape) if len(sys.argv) > 2 else hand_picked(shape)
+    dev = DeviceInfo.from_torch()
+    m, d, f = shape.batch * shape.seq, shape.d_model, shape.d_ff
+    gemms = {"qkv": (3 * d, d, None), "out": (d, d, None), "ffn1": (f, d, "gelu"), "ffn2": (d, f, None)}
+    torch.manual_seed(0)
+    print(f"# {dev.name}, torch {torch.__version__}, shape {shape.name} (M={m})")
+    print("| gemm | variant | weights | grid | us (CUPTI) | KB/program | KB/us per program |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for g, (n, k, act) in gemms.items():
+        base = replace(getattr(cfg, g), overlap_ratio=-1.0, prefetch_ratio=-1.0)
+        variants = {"tuned": base, "ws": replace(base, ws=1), "6 stages": replace(base, num_stages=6),
+                    "ws 6 stages": replace(base, ws=1, num_stages=6), "bk64 8 stages": replace(base, block_k=64, num_stages=8),
+                    "ws bk64 8 stages": replace(base, ws=1, block_k=64, num_stages=8)}
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16)
+        copies = max(1, int(3 * dev.l2_bytes // (n * k * 2)) + 1)
+        ws_cold = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
+        b = torch.zeros(n, device="cuda", dtype=torch.float16)
+        out = torch.empty(m, n, device="cuda", dtype=torch.float16)
+        R = 20
+        for wname, wl in (("hot", ws_cold[:1]), ("cold", ws_cold)):
+            rows = []
+            for vname, c in variants.items():
+                c = fit(c, GemmProblem(m, n, k))
+                bad = check(c, GemmProblem(m, n, k), dev)
+                if bad:
+                    rows.append(f"| {g} | {vname} | {wname} | - | invalid: {bad} | | |")
+                    continue
+                ws_buf = torch.empty(c.split_k * m * n + 2 * c.split_k * m, device="cuda", dtype=torch.float32)
+
+                def run(c=c, wl=wl):
+                    for i in range(R):
+                        linear(x, wl[i % len(wl)], b, config=c, activation=act, out=out, workspace=ws_buf)
+                try:
+                    us, _ = durations(run, R)
+                except Exception as e:  # a config the compiler rejects: say so, go on
+                    rows.append(f"| {g} | {vname} | {wname} | - | failed: {str(e).splitlines()[0][:80]} | | |")
+                    continue
+                progs = -(-m // c.block_m) * -(-n // c.block_n) * c.split_k
+                kb = (c.block_m + c.block_n) * (k // c.split_k) * 2 / 1024
+                tag = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}s/sk{c.split_k}" + ("/ws" if c.ws else "")
+                rows.append(f"| {g} | {vname} {tag} | {wname} | {progs} | {us:.2f} | {kb:.0f} | {kb / us:.0f} |")
+
+            def run_torch(wl=wl):
+                for i in range(R):
+                    y = F.linear(x, wl[i % len(wl)], b)
+                    if act == "gelu":
+                        y = F.gelu(y)
+            us, kname = durations(run_torch, R)
+            rows.append(f"| {g} | torch ({kname[:24]}) | {wname} | - | {us:.2f} | | |")
+            print("\n".join(rows), flush=True)
+
+
+if __name__ == "__main__":
+    main()
