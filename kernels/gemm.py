@@ -27,8 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tuner.device import DeviceInfo
 
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, launch_mode, pdl_trigger, pdl_wait,
-                      interpreting, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, tile_cap,
-                      trigger_index)
+                      pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -48,12 +47,6 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # 1: the K loop warp-specialised by triton 3.6's Hopper pass (a producer warp group issues the TMA
-    # loads, two consumer warp groups the wgmma; 12 warps launched). Needs tma=1, block_m 64 and
-    # num_warps 4 (other tiles compile without it, or fail); triggers PDL right after gdc_wait whatever
-    # the overlap ratio, and has no weight prefetch (the pass fails on code before the loop that shares
-    # values with it).
-    ws: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -70,17 +63,8 @@ class GemmProblem:
 
 def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
     """The K loop's stages of A and B tiles (and, with TMA, one 8-byte mbarrier a stage: measured on
-    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages). Warp-specialised, the epilogue cannot reuse
-    the stages: sm_90 builds add 8-32 KB (16 KB at 64x64, 32 KB with split-K), bounded here by a
-    block_m x block_n fp32 tile (two with split-K) and 256 B of barriers."""
-    ws = c.ws * (c.block_m * c.block_n * 4 * (2 if c.split_k > 1 else 1) + 256)
-    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma) + ws
-
-
-def ws_applies(c: GemmConfig) -> bool:
-    """Whether triton 3.6 warp-specialises this tile (checked on sm_90 builds: 4 warps and 64-row
-    wgmma tiles loaded by TMA; 8 warps compile unspecialised, 128 rows fail)."""
-    return bool(c.tma) and c.block_m == 64 and c.num_warps == 4
+    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages)."""
+    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma)
 
 
 def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
@@ -120,10 +104,6 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"tma={c.tma} must be 0 or 1"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
-    if c.ws not in (0, 1):
-        return f"ws={c.ws} must be 0 or 1"
-    if c.ws and not ws_applies(c):
-        return f"ws=1 needs tma=1, block_m=64 and num_warps=4 (got {c.tma}, {c.block_m}, {c.num_warps})"
     limit = smem_limit(device)
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
@@ -144,18 +124,16 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
         c = replace(c, num_warps=c.num_warps * 2)
     while c.num_warps > 1 and c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         c = replace(c, num_warps=c.num_warps // 2)
-    return c if ws_applies(c) else replace(c, ws=0)
+    return c
 
 
 def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
-    """Shrink tiles that exceed the problem, reduce split_k until every split has K tiles, load with
-    cp.async where rows are not 16-byte multiples (no TMA descriptor can describe them), and drop ws
-    where it does not apply."""
+    """Shrink tiles that exceed the problem, reduce split_k until every split has K tiles, and load
+    with cp.async where rows are not 16-byte multiples (no TMA descriptor can describe them)."""
     caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
     tma = c.tma if (problem.k * problem.dtype_bytes) % 16 == 0 else 0
-    c = replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
-    return c if ws_applies(c) else replace(c, ws=0)
+    return replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
 
 
 @triton.jit
@@ -241,7 +219,6 @@ def _gemm_kernel(
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
-    WS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -278,17 +255,13 @@ def _gemm_kernel(
         a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
                      mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
     pdl_wait(USE_PDL)
-    if WS:
-        if USE_PDL:
-            tl.extra.cuda.gdc_launch_dependents()
-    else:
-        pdl_trigger(0, trigger_k, USE_PDL)
+    pdl_trigger(0, trigger_k, USE_PDL)
     if HAS_LN:
         # Row sums of the raw x for the fused LayerNorm: from the producer of x (LN_STATS_IN, read in the
         # epilogue), else gathered from the A tiles the loop loads anyway.
         s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for i in tl.range(0, n_iters, warp_specialize=WS):
+    for i in range(0, n_iters):
         k = (k_first + i) * BLOCK_K + offs_k
         if USE_TMA:
             a = x_desc.load([pid_m * BLOCK_M, (k_first + i) * BLOCK_K])
@@ -320,8 +293,7 @@ def _gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-        if not WS:
-            pdl_trigger(i + 1, trigger_k, USE_PDL)
+        pdl_trigger(i + 1, trigger_k, USE_PDL)
 
     if OOB_WRITE:
         # Test-only defect: a store 2 TB past the output, an illegal address the worker must survive.
@@ -462,7 +434,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     mode = launch_mode(x)
     c = effective_config(config, x)
     use_pdl = c.overlap_ratio >= 0
-    ws = bool(c.ws) and x.is_cuda and not interpreting()
     k_tiles = triton.cdiv(K, c.block_k)
     per_split = triton.cdiv(k_tiles, c.split_k)
     n_pref = prefetch_count(per_split, c.prefetch_ratio)
@@ -501,10 +472,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
-        USE_PDL=use_pdl, PREFETCH=n_pref > 0 and not ws, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
+        USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), WS=ws, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        USE_TMA=bool(c.tma), num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))

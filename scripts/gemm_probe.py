@@ -5,7 +5,8 @@ For each GEMM of SHAPE (M = batch*seq rows): R launches of the same GEMM back to
 no PDL, weights either hot (one copy, stays in L2) or cold (copies rotating through more than L2). Per
 variant: the kernel's duration as CUPTI reports it (median over launches), and the bytes each program
 moves through its SM (A and B tiles) divided by that duration. Variants: the GEMM's config from CONFIG
-(a best.json; else the hand-picked tiles), the same with ws=1, with 6 or 8 stages, and torch.nn.functional.linear.
+(a best.json; else the hand-picked tiles), the same with other stages, tiles, split-K or without TMA, and
+torch.nn.functional.linear.
 """
 
 import json
@@ -27,7 +28,8 @@ from tuner.timing import capture
 
 
 def durations(fn, n_launch, reps=5):
-    """Median CUPTI duration (us) of the kernels fn launches, over reps graph replays."""
+    """Per launch of fn's GEMM (n_launch per call): the summed CUPTI duration (us) of the kernels it runs
+    (a split-K reduction or torch's GELU kernel included), median over reps graph replays; and their names."""
     from torch.profiler import ProfilerActivity, profile
 
     g = capture(fn)
@@ -37,25 +39,23 @@ def durations(fn, n_launch, reps=5):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             g.replay()
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "t.json")
         prof.export_chrome_trace(p)
         ev = json.load(open(p))["traceEvents"]
-    ks = [e for e in ev if e.get("cat") == "kernel"]
-    by = {}
-    for e in ks:
-        by.setdefault(e["name"][:32], []).append(float(e["dur"]))
-    # the GEMM is the kernel launched n_launch*reps times (cuBLAS may add small helper kernels)
-    name, ds = max(by.items(), key=lambda kv: len(kv[1]))
-    return statistics.median(ds), name
+    ks = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    per = len(ks) // reps
+    sums = [sum(float(e["dur"]) for e in ks[r * per:(r + 1) * per]) / n_launch for r in range(reps)]
+    names = sorted({e["name"][:20] for e in ks})
+    return statistics.median(sums), "+".join(names)
 
 
 def main():
     shape = resolve(sys.argv[1])
     cfg = load_config(sys.argv[2], shape=shape) if len(sys.argv) > 2 else hand_picked(shape)
     dev = DeviceInfo.from_torch()
-    m, d, f = shape.batch * shape.seq, shape.d_model, shape.d_ff
+    m, d, f = shape.batch * shape.seq, shape.d_model, shape.ffn
     gemms = {"qkv": (3 * d, d, None), "out": (d, d, None), "ffn1": (f, d, "gelu"), "ffn2": (d, f, None)}
     torch.manual_seed(0)
     print(f"# {dev.name}, torch {torch.__version__}, shape {shape.name} (M={m})")
@@ -63,9 +63,11 @@ def main():
     print("|---|---|---|---:|---:|---:|---:|")
     for g, (n, k, act) in gemms.items():
         base = replace(getattr(cfg, g), overlap_ratio=-1.0, prefetch_ratio=-1.0)
-        variants = {"tuned": base, "ws": replace(base, ws=1), "6 stages": replace(base, num_stages=6),
-                    "ws 6 stages": replace(base, ws=1, num_stages=6), "bk64 8 stages": replace(base, block_k=64, num_stages=8),
-                    "ws bk64 8 stages": replace(base, ws=1, block_k=64, num_stages=8)}
+        variants = {"tuned": base, "6 stages": replace(base, num_stages=6),
+                    "bk64 8 stages": replace(base, block_k=64, num_stages=8),
+                    "bn32": replace(base, block_n=32), "bn128": replace(base, block_n=128),
+                    "bm128": replace(base, block_m=128, num_warps=8), "bm32": replace(base, block_m=32),
+                    "split-K 2": replace(base, split_k=2 * base.split_k), "no TMA": replace(base, tma=0)}
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         copies = max(1, int(3 * dev.l2_bytes // (n * k * 2)) + 1)
         ws_cold = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
@@ -92,7 +94,7 @@ def main():
                     continue
                 progs = -(-m // c.block_m) * -(-n // c.block_n) * c.split_k
                 kb = (c.block_m + c.block_n) * (k // c.split_k) * 2 / 1024
-                tag = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}s/sk{c.split_k}" + ("/ws" if c.ws else "")
+                tag = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}s/sk{c.split_k}" + ("/tma" if c.tma else "")
                 rows.append(f"| {g} | {vname} {tag} | {wname} | {progs} | {us:.2f} | {kb:.0f} | {kb / us:.0f} |")
 
             def run_torch(wl=wl):
