@@ -42,10 +42,6 @@ class AttnConfig(KnobConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    # 1: no attention kernel; the QKV projection's programs compute it, one per (batch, head), with the
-    # QKV GemmConfig's tiles (tuner.kernels.qkv_attention; sequences up to 128). This config's tiles and
-    # pair then do not apply.
-    fuse: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -90,8 +86,6 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
         return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
     if c.num_stages < 1 or c.num_stages > 8:
         return f"num_stages={c.num_stages} must be in 1..8"
-    if c.fuse not in (0, 1):
-        return f"fuse={c.fuse} must be 0 or 1"
     if not HEAD_DIM_MIN <= p.head_dim <= HEAD_DIM_MAX:
         return (f"head_dim={p.head_dim} is not supported: it must be in {HEAD_DIM_MIN}..{HEAD_DIM_MAX} "
                 f"(padded to a power of two inside the kernel)")

@@ -56,28 +56,6 @@ def test_stack_with_statistics_from_split_k_producers(device):
     assert err < st.tolerance(), err
 
 
-@pytest.mark.parametrize("norm1", [0, 1, 2], ids=["norm-kernel", "norm-fused", "norm-stats"])
-def test_stack_with_attention_in_the_qkv_kernel(norm1, device):
-    # attn.fuse 1: one kernel per (batch, head) for QKV + attention. Two batches of 9 tokens (a 16-row
-    # tile reading into the next batch), two heads of 32; with fuse 2 the first layer gathers its row sums.
-    from dataclasses import replace
-
-    from tuner.kernels.gemm import GemmConfig
-
-    shape = DecoderShape(2, 9, 64, 2, 96, name="odd3")
-    cfg = hand_picked(shape)
-    cfg = replace(cfg, attn=replace(cfg.attn, fuse=1), norm1=replace(cfg.norm1, fuse=norm1),
-                  qkv=GemmConfig(block_k=32, num_warps=4, num_stages=2, tma=1))
-    assert check_config(cfg, shape) == {}, check_config(cfg, shape)
-    st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=6)
-    assert st.launches("attn") == [] and len(st.launches("qkv")) == 3
-    err = st.check(seed=11)
-    assert err < st.tolerance(), err
-    # too long a sequence for one program: the one validity check says so
-    long = DecoderShape(1, 130, 64, 2, 96, name="long")
-    assert "seq <= 128" in check_config(cfg, long)["qkv"]
-
-
 def test_stack_check_catches_unwritten_output(device):
     st = DecoderStack(ODD, hand_picked(ODD), n_layers=1, dtype=torch.float32, device=device, seed=1)
     st.run = lambda: None  # nothing launched: the poisoned output must fail the check

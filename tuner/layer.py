@@ -21,7 +21,6 @@ from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
-from tuner.kernels import qkv_attention as qa_k
 from tuner.kernels._common import REL_TOLERANCE, rel_error, tile_cap
 from tuner.shapes import DecoderShape
 
@@ -43,10 +42,7 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
         if why:
             bad[name] = why
     for name, (gm, gn, gk) in shape.gemms().items():
-        if name == "qkv" and cfg.attn.fuse:  # QKV's tiles run the fused QKV + attention kernel
-            why = qa_k.check(cfg.qkv, qkv_attn_problem(shape, dtype_bytes), device)
-        else:
-            why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
+        why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
         if why:
             bad[name] = why
     why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
@@ -54,10 +50,6 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     if why:
         bad["attn"] = why
     return bad
-
-
-def qkv_attn_problem(shape: DecoderShape, dtype_bytes: int = 2) -> qa_k.QkvAttnProblem:
-    return qa_k.QkvAttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim, dtype_bytes)
 
 
 def layer_problem(shape: DecoderShape, dtype_bytes: int = 2) -> fused_k.LayerProblem:
@@ -81,11 +73,8 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
-    cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
-                          for n, (m, nn, k) in shape.gemms().items()})
-    if cfg.attn.fuse:
-        cfg = replace(cfg, qkv=qa_k.repair(cfg.qkv, qkv_attn_problem(shape, dtype_bytes), device))
-    return cfg
+    return replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
+                           for n, (m, nn, k) in shape.gemms().items()})
 
 
 def default_config(shape: DecoderShape) -> DecoderConfig:
@@ -196,9 +185,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
     ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
-    shared memory then fails in Triton's launcher, as a real out-of-resources fault). Neither applies to
-    the fused QKV + attention kernel (``attn.fuse``), which replaces the 'qkv' and 'attn' launches by one
-    launch named 'qkv'.
+    shared memory then fails in Triton's launcher, as a real out-of-resources fault).
     """
     r = lambda k: racy == k  # noqa: E731
     if cfg.fused:
@@ -229,9 +216,6 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
-        ("qkv+attn", lambda: qa_k.qkv_attention(x if ln1 else b.ln1, w_qkv, b_qkv, batch=shape.batch, seq=shape.seq,
-                                                heads=shape.heads, config=cfg.qkv, out=b.attn,
-                                                _racy_read_before_wait=r("qkv"), **ln1)),
         ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
                                       workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
@@ -243,8 +227,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
-    skip |= {"qkv", "attn"} if cfg.attn.fuse else {"qkv+attn"}
-    return [("qkv" if n == "qkv+attn" else n, f) for n, f in launches if n not in skip]
+    return [(n, f) for n, f in launches if n not in skip]
 
 
 def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor,
