@@ -131,8 +131,8 @@ def evaluated(trials) -> int:
     return sum(t.state.is_finished() and counts_against_budget(t) for t in trials)
 
 
-def _budget_done(study, budget: int) -> bool:
-    trials = study.get_trials(deepcopy=False)
+def _budget_done(study, budget: int, trials=None) -> bool:
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
     return spent(trials) >= budget and not any(t.state == TrialState.WAITING for t in trials)
 
 
@@ -303,23 +303,25 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     return {**{n: params[n] for n in dims}, name: choices[j]}
 
 
-def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int) -> None:
+def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials) -> bool:
     """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
-    leaves room for it and the sampler's own next proposal (nothing is left waiting at the end)."""
+    leaves room for it and the sampler's own next proposal (nothing is left waiting at the end).
+    ``trials``: the study's trials as just read. Returns whether a trial was queued."""
     if opts.sampler != "tpe" or opts.local_every <= 0 or number % opts.local_every != opts.local_every - 1:
-        return
-    trials = study.get_trials(deepcopy=False)
+        return False
     if any(t.state == TrialState.WAITING for t in trials) or opts.trials - spent(trials) < 2:
-        return
+        return False
     ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
     if not ok:
-        return
+        return False
     best = min(ok, key=lambda t: t.value)
     import numpy as np
 
     p = neighbour(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number))
-    if p is not None:
-        study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
+    if p is None:
+        return False
+    study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
+    return True
 
 
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
@@ -333,11 +335,14 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
     pdl = bool(evaluator.pdl)
 
     def after_trial(st, tr):
-        recover_orphans(st)  # a sibling process may have died mid-trial
-        _queue_neighbour(st, space, pdl, opts, tr.number)
+        # One read of the trial list serves the rest of the hook (again only after it queued a trial).
+        recover_orphans(st)  # a sibling process may have died mid-trial (it reads the running ones)
+        trials = st.get_trials(deepcopy=False)
+        if _queue_neighbour(st, space, pdl, opts, tr.number, trials):
+            trials = st.get_trials(deepcopy=False)
         if bar is not None:
-            update_progress(bar, st, opts.timeout_s - (time.time() - t0) if opts.timeout_s else None)
-        if _budget_done(st, opts.trials):
+            update_progress(bar, st, opts.timeout_s - (time.time() - t0) if opts.timeout_s else None, trials)
+        if _budget_done(st, opts.trials, trials):
             st.stop()
 
     try:
@@ -355,9 +360,10 @@ def progress_bar(study, budget: int, label: str):
     return tqdm(total=budget, initial=evaluated(study.get_trials(deepcopy=False)), desc=label, unit="trial")
 
 
-def update_progress(bar, study, seconds_left: float | None = None) -> None:
-    """Every process's trials, read from the storage: best latency and its speedup over the baseline."""
-    trials = study.get_trials(deepcopy=False)
+def update_progress(bar, study, seconds_left: float | None = None, trials=None) -> None:
+    """Every process's trials, read from the storage (or as just read): best latency and its speedup
+    over the baseline."""
+    trials = study.get_trials(deepcopy=False) if trials is None else trials
     bar.n = evaluated(trials)
     ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None]
     if ok:
