@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tuner.device import DeviceInfo
 
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, launch_mode, pdl_trigger, pdl_wait,
-                      pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, tile_cap, trigger_index)
+                      pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -201,7 +201,7 @@ def _row_stats_in(stats_ptr, offs_m, M, parts, BLOCK_M: tl.constexpr):
 @triton.jit
 def _gemm_kernel(
     # pointers
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr,
+    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, trace_ptr,
     # TMA descriptors of x [M, K] and w [N, K] (USE_TMA; else the same pointers again, unused)
     x_desc, w_desc,
     # sizes
@@ -219,7 +219,9 @@ def _gemm_kernel(
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
+    TRACE: tl.constexpr = False,
 ):
+    stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Grouped ordering: GROUP_M row-tiles share their weight column-tiles in L2.
@@ -255,6 +257,7 @@ def _gemm_kernel(
         a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
                      mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
     pdl_wait(USE_PDL)
+    stamp(trace_ptr, 1, TRACE)
     pdl_trigger(0, trigger_k, USE_PDL)
     if HAS_LN:
         # Row sums of the raw x for the fused LayerNorm: from the producer of x (LN_STATS_IN, read in the
@@ -294,6 +297,7 @@ def _gemm_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         pdl_trigger(i + 1, trigger_k, USE_PDL)
+    stamp(trace_ptr, 2, TRACE)
 
     if OOB_WRITE:
         # Test-only defect: a store 2 TB past the output, an illegal address the worker must survive.
@@ -316,6 +320,7 @@ def _gemm_kernel(
                 st = stats_ptr + (pid_k * M + offs_m) * 2
                 tl.store(st, s1, mask=offs_m < M)
                 tl.store(st + 1, s2, mask=offs_m < M)
+    stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
@@ -384,7 +389,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False, _unchecked: bool = False) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -463,7 +468,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
-        ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy, x_desc, w_desc,
+        ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
+        _trace if _trace is not None else dummy, x_desc, w_desc,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
@@ -475,7 +481,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))

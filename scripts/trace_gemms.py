@@ -1,0 +1,92 @@
+"""Inside each GEMM of the timed stack: when its programs start, leave gdc_wait, finish the K loop and end.
+
+usage: python3 scripts/trace_gemms.py SHAPE CONFIG.json
+The stack is built and captured as the tuner times it (cold weights, one CUDA graph); every GEMM launch
+gets a trace buffer and stamps %globaltimer (ns) per program at four points (kernels/_common.stamp):
+entry, gdc_wait returned, K loop done, epilogue stored. Per GEMM of the middle layers (median over layers):
+  launched early  first wait return - first entry (how long its programs sat waiting/prefetching)
+  wait skew       last wait return - first wait return
+  loop            median over programs of (loop done - wait return)
+  epilogue        median over programs of (end - loop done)
+  span            last end - first wait return (the GEMM's share of the critical path)
+  boundary        first wait return - the previous GEMM's last end (where the two are consecutive)
+The stamps add a few instructions per program: compare the un-traced per-layer time printed beside.
+"""
+
+import statistics
+import sys
+
+import torch
+
+import tuner.kernels.gemm as gemm_k
+from tuner.device import DeviceInfo
+from tuner.export import load_config
+from tuner.layer import DecoderStack, layer_launches, random_stack_weights, stack_depth
+from tuner.shapes import resolve
+from tuner.timing import time_replay
+
+
+def main():
+    shape = resolve(sys.argv[1])
+    cfg = load_config(sys.argv[2], shape=shape)
+    dev = DeviceInfo.from_torch()
+    n = stack_depth(shape, 2, dev.l2_bytes)
+    weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
+    plain = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
+    plain.capture()
+    t_plain = time_replay(plain.replay, n, reps=30, warmup=5).median_us
+    del plain
+
+    traces = {}  # (out ptr, weight ptr) -> int64 [programs, 4]
+    order = []  # launch keys in order, first walk only
+    real = gemm_k.linear
+
+    def traced(x, weight, bias=None, **kw):
+        c = kw["config"]  # the layer's configs are fitted already: the grid linear() launches
+        key = (kw["out"].data_ptr(), weight.data_ptr())
+        if key not in traces:
+            progs = -(-x.shape[0] // c.block_m) * -(-weight.shape[0] // c.block_n) * c.split_k
+            traces[key] = torch.zeros(progs, 4, dtype=torch.int64, device=x.device)
+            order.append(key)
+        return real(x, weight, bias, _trace=traces[key], **kw)
+
+    gemm_k.linear = traced
+    st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
+    st.capture()
+    t_traced = time_replay(st.replay, n, reps=30, warmup=5).median_us
+    st.replay()
+    torch.cuda.synchronize()
+    gemm_k.linear = real
+
+    launched = [nm for nm, _ in layer_launches(shape, cfg, st.weights[0], st.x, st.bufs[0])]
+    names = [nm for nm in launched if nm in ("qkv", "out", "ffn1", "ffn2")]
+    # a GEMM follows the previous one directly: adjacent launches, and no split-K reduction between them
+    follows = {nm: i > 0 and launched[i - 1] in names and getattr(cfg, launched[i - 1]).split_k == 1
+               for i, nm in enumerate(launched)}
+    per_layer = len(order) // n
+    assert per_layer == len(names), (per_layer, names)
+    rows = {nm: [] for nm in names}
+    diffs = []
+    for layer in range(1, n - 1):
+        prev_end = None
+        for j, nm in enumerate(names):
+            t = traces[order[layer * per_layer + j]].double() / 1000.0  # us
+            entry, wait, loop, end = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
+            diffs += [float(v) for v in (wait - entry) if v > 0][:8]
+            consecutive = follows[nm]
+            rows[nm].append((float(wait.min() - entry.min()), float(wait.max() - wait.min()),
+                             float((loop - wait).median()), float((end - loop).median()),
+                             float(end.max() - wait.min()),
+                             float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None))
+            prev_end = float(end.max())
+    print(f"## {shape.name} {sys.argv[2]}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; "
+          f"{n} layers; smallest stamp step seen {min(diffs) * 1000 if diffs else float('nan'):.0f} ns")
+    print("| GEMM | launched early | wait skew | loop | epilogue | span | boundary |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for nm, v in rows.items():
+        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None for i in range(6)]
+        print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
+
+
+if __name__ == "__main__":
+    main()
