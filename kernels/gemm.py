@@ -163,16 +163,17 @@ def _activate(acc, ACT: tl.constexpr):
 @triton.jit
 def _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS: tl.constexpr,
                      HAS_RES: tl.constexpr):
-    """The epilogue's bias [BLOCK_N] and residual tile (fp32; zeros where absent): loaded apart from the
-    epilogue, so that a kernel can issue them before its K loop."""
+    """The epilogue's bias [BLOCK_N] and residual tile as loaded (zeros where absent): loaded apart from
+    the epilogue, so that a kernel can issue them before its K loop. Nothing here uses the values (no
+    conversion): a use would make the warps wait for them before the loop."""
     mask_n = offs_n < N
-    bias = tl.zeros((offs_n.shape[0],), dtype=tl.float32)
-    r = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=tl.float32)
+    bias = tl.zeros((offs_n.shape[0],), dtype=bias_ptr.dtype.element_ty)
+    r = tl.zeros((offs_m.shape[0], offs_n.shape[0]), dtype=res_ptr.dtype.element_ty)
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :] * stride_rn,
-                    mask=(offs_m[:, None] < M) & mask_n[None, :], other=0.0).to(tl.float32)
+                    mask=(offs_m[:, None] < M) & mask_n[None, :], other=0.0)
     return bias, r
 
 
@@ -181,10 +182,10 @@ def _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, strid
                    HAS_RES: tl.constexpr, ACT: tl.constexpr):
     """``act(acc + bias) + r`` stored; returns the stored tile in fp32 (0 outside the problem)."""
     if HAS_BIAS:
-        acc += bias[None, :]
+        acc += bias.to(tl.float32)[None, :]
     acc = _activate(acc, ACT)
     if HAS_RES:
-        acc += r
+        acc += r.to(tl.float32)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     y = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
@@ -208,16 +209,27 @@ def _row_stats_out(y, offs_m, M, stats_ptr, part):
 
 
 @triton.jit
-def _row_stats_in(stats_ptr, offs_m, M, parts, PARTS: tl.constexpr):
-    """The rows' sums of x and x^2, summed over the ``parts`` tiles of the GEMM that produced x: one
-    [PARTS, BLOCK_M] load of every part at once (PARTS: a power of two >= parts), not a loop of dependent
-    loads (measured on the H200: a loop over 12 parts held the QKV and FFN1 epilogues ~1 us)."""
+def _row_stats_parts(stats_ptr, offs_m, M, parts, PARTS: tl.constexpr):
+    """Every part's row sums of x and x^2 as loaded, two [PARTS, BLOCK_M] tiles (PARTS: a power of two
+    >= parts; 0 past ``parts``): one load each, not a loop of dependent loads (measured on the H200: a
+    loop over 12 parts after the K loop held the QKV and FFN1 epilogues ~1 us). Sum them with
+    :func:`_row_stats_sum` where they are needed, so that the load can be issued early."""
     p = tl.arange(0, PARTS)
     ptr = stats_ptr + (p[:, None] * M + offs_m[None, :]) * 2
     mask = (p[:, None] < parts) & (offs_m[None, :] < M)
-    s1 = tl.sum(tl.load(ptr, mask=mask, other=0.0), axis=0)
-    s2 = tl.sum(tl.load(ptr + 1, mask=mask, other=0.0), axis=0)
-    return s1, s2
+    return tl.load(ptr, mask=mask, other=0.0), tl.load(ptr + 1, mask=mask, other=0.0)
+
+
+@triton.jit
+def _row_stats_sum(p1, p2):
+    return tl.sum(p1, axis=0), tl.sum(p2, axis=0)
+
+
+@triton.jit
+def _row_stats_in(stats_ptr, offs_m, M, parts, PARTS: tl.constexpr):
+    """The rows' sums of x and x^2, summed over the ``parts`` tiles of the GEMM that produced x."""
+    p1, p2 = _row_stats_parts(stats_ptr, offs_m, M, parts, PARTS)
+    return _row_stats_sum(p1, p2)
 
 
 @triton.jit
@@ -293,7 +305,8 @@ def _gemm_kernel(
         # right after the wait, so that their latency hides behind the K loop), else gathered from the A
         # tiles the loop loads anyway.
         if LN_STATS_IN:
-            s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
+            if SPLIT_K == 1:  # (split: the reduction kernel applies the norm)
+                p1, p2 = _row_stats_parts(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
         else:
             s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -338,6 +351,8 @@ def _gemm_kernel(
                  acc.to(out_ptr.dtype.element_ty))
     if SPLIT_K == 1:
         if HAS_LN:
+            if LN_STATS_IN:
+                s1, s2 = _row_stats_sum(p1, p2)
             acc = _ln_apply(acc, s1, s2, u, K, ln_eps)
         y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
         if STATS_OUT:
