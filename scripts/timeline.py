@@ -1,6 +1,6 @@
 """Where a per-kernel layer spends its time: every kernel's start and end inside the timed CUDA graph.
 
-usage: python3 scripts/timeline.py SHAPE [VARIANT ...]
+usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
@@ -66,6 +66,13 @@ def kernels_of(replay, reps):
 def main():
     hot = "--hot" in sys.argv  # every layer the same weights: they stay in L2 (what prefetch could reach)
     args = [a for a in sys.argv[1:] if a != "--hot"]
+    red = [a for a in args if a.startswith("--red=")]  # the split-K reduction's tile, e.g. --red=16x64
+    if red:
+        import tuner.kernels.gemm as gemm_k
+
+        gemm_k._RED_BLOCK_M, gemm_k._RED_BLOCK_N = (int(v) for v in red[-1].split("=")[1].split("x"))
+        print(f"split-K reduction tile {gemm_k._RED_BLOCK_M}x{gemm_k._RED_BLOCK_N}")
+        args = [a for a in args if not a.startswith("--red=")]
     shape = resolve(args[0])
     names = args[1:] or ["hp", "hp-off", "hp-fused-norms"]
     dev = DeviceInfo.from_torch()
