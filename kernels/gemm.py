@@ -31,8 +31,9 @@ from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, la
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
-# The split-K reduction's tile: 32x64 gives 48 programs for a 128x768 output, 192 for 128x3072.
-_RED_BLOCK_M, _RED_BLOCK_N = 32, 64
+# The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
+# against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
+_RED_BLOCK_M, _RED_BLOCK_N = 16, 64
 
 
 @dataclass(frozen=True)
