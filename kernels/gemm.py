@@ -12,8 +12,7 @@
   of its own weight K tiles into L2. Weights only: nothing a predecessor writes is touched before the wait.
 
 ``split_k > 1`` writes fp32 partials to a workspace and a second kernel (in the PDL chain too, with the
-same ratio) sums them and applies the epilogue; or, with ``fixup``, the splits add into one fp32 tile with
-atomics and the last to arrive applies the epilogue (the workspace then starts zeroed and is left zeroed).
+same ratio) sums them and applies the epilogue.
 """
 
 from __future__ import annotations
@@ -27,8 +26,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
-                      pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap, trigger_index)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, launch_mode, pdl_trigger, pdl_wait,
+                      pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -49,10 +48,6 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # With split_k > 1, 1: no reduction kernel. Each split adds its tile into an fp32 accumulator with
-    # atomics and counts itself in; the last split to arrive applies the epilogue and zeroes the
-    # accumulator and its counter for the next call. 0: partials, then the reduction kernel.
-    fixup: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -110,8 +105,6 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"tma={c.tma} must be 0 or 1"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
-    if c.fixup not in (0, 1):
-        return f"fixup={c.fixup} must be 0 or 1"
     limit = smem_limit(device)
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
@@ -136,14 +129,12 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
 
 
 def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
-    """Shrink tiles that exceed the problem, reduce split_k until every split has K tiles, load with
-    cp.async where rows are not 16-byte multiples (no TMA descriptor can describe them), and drop the
-    fix-up switch where nothing is split."""
+    """Shrink tiles that exceed the problem, reduce split_k until every split has K tiles, and load
+    with cp.async where rows are not 16-byte multiples (no TMA descriptor can describe them)."""
     caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
     tma = c.tma if (problem.k * problem.dtype_bytes) % 16 == 0 else 0
-    c = replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
-    return c if c.split_k > 1 else replace(c, fixup=0)  # without splits there is nothing to fix up
+    return replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
 
 
 @triton.jit
@@ -243,19 +234,9 @@ def _row_stats_in(stats_ptr, offs_m, M, parts, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _fence(v, FENCE: tl.constexpr):
-    """fence.acq_rel.gpu on the GPU (the interpreter runs programs one after another: nothing to order)."""
-    if FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.u32 $0, 0;", "=r,r", [v], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, trace_ptr,
-    # FIXUP: one int32 arrival counter per output tile
-    cnt_ptr,
     # TMA descriptors of x [M, K] and w [N, K] (USE_TMA; else the same pointers again, unused)
     x_desc, w_desc,
     # sizes
@@ -273,8 +254,7 @@ def _gemm_kernel(
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
-    LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, FIXUP: tl.constexpr = False,
-    FENCE: tl.constexpr = True,
+    LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
@@ -314,7 +294,7 @@ def _gemm_kernel(
     pdl_wait(USE_PDL)
     stamp(trace_ptr, 1, TRACE)
     pdl_trigger(0, trigger_k, USE_PDL)
-    if SPLIT_K == 1 or FIXUP:
+    if SPLIT_K == 1:
         # The epilogue's bias, residual and LayerNorm column sums, requested now: their latency hides
         # behind the K loop instead of following it (the residual is a predecessor's: after the wait).
         bias, r = _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS,
@@ -326,7 +306,7 @@ def _gemm_kernel(
         # right after the wait, so that their latency hides behind the K loop), else gathered from the A
         # tiles the loop loads anyway.
         if LN_STATS_IN:
-            if SPLIT_K == 1 or FIXUP:  # (split: the reduction kernel applies the norm)
+            if SPLIT_K == 1:  # (split: the reduction kernel applies the norm)
                 p1, p2 = _row_stats_parts(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
         else:
             s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -378,27 +358,6 @@ def _gemm_kernel(
         y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
         if STATS_OUT:
             _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
-    elif FIXUP:
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        acc_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.atomic_add(acc_ptrs, acc, mask=mask, sem="relaxed")
-        # Every thread's adds are ordered before the arrival (fence, then the CTA barrier); the arrival
-        # releases them and the last split's acquire sees every split's adds.
-        _fence(pid, FENCE)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
-            _fence(pid, FENCE)
-            tot = tl.load(acc_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # L2, never a stale L1 line
-            tl.store(acc_ptrs, tl.zeros_like(tot), mask=mask)  # zeroed for the next call
-            tl.atomic_xchg(cnt_ptr + pid, 0)
-            if HAS_LN:  # LN_STATS_IN only (linear() keeps in-loop row sums on the reduction kernel)
-                s1, s2 = _row_stats_sum(p1, p2)
-                tot = _ln_apply(tot, s1, s2, u, K, ln_eps)
-            y = _epilogue_with(tot, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES,
-                               ACT)
-            if STATS_OUT:
-                _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
     else:
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -449,25 +408,12 @@ def _splitk_reduce_kernel(
 
 def stats_parts(config: GemmConfig, n: int) -> int:
     """How many column tiles write row sums with ``stats_out`` (the GEMM's, or the split-K reduction's)."""
-    own = config.split_k == 1 or config.fixup
-    return triton.cdiv(n, config.block_n if own else _RED_BLOCK_N)
+    return triton.cdiv(n, config.block_n if config.split_k == 1 else _RED_BLOCK_N)
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
-    """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm; with
-    fixup the fp32 accumulator and one int32 counter per output tile (zeroed before the first call, left
-    zeroed by every call), or the partials where a LayerNorm's row sums must be gathered in the loop."""
-    if config.split_k == 1:
-        return 0
-    partials = config.split_k * (m * n + 2 * m)
-    if not config.fixup:
-        return partials
-    return max(partials, m * n + triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n))
-
-
-def needs_zeroed_workspace(config: GemmConfig) -> bool:
-    """Whether linear()'s workspace must start zeroed (fixup), rather than be scratch."""
-    return config.split_k > 1 and bool(config.fixup)
+    """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm."""
+    return config.split_k * (m * n + 2 * m) if config.split_k > 1 else 0
 
 
 def fold_layernorm(weight: torch.Tensor, bias: torch.Tensor | None, ln_weight: torch.Tensor,
@@ -533,12 +479,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if ln_stats is not None and (ln_colsum is None or ln_stats.dim() != 3 or ln_stats.shape[1:] != (M, 2)
                                  or ln_stats.dtype != torch.float32):
         raise ValueError(f"linear: ln_stats must be fp32 [parts, {M}, 2] and come with a fused LayerNorm")
-    # fixup: not where a fused LayerNorm gathers its row sums in the K loop (each split has only its
-    # share of them): those keep the partials and the reduction kernel.
-    fixup = config.split_k > 1 and bool(config.fixup) and not (ln_colsum is not None and ln_stats is None)
-    parts = stats_parts(replace(config, fixup=int(fixup)), N)
-    if stats_out is not None and (tuple(stats_out.shape) != (parts, M, 2) or stats_out.dtype != torch.float32):
-        raise ValueError(f"linear: stats_out must be fp32 ({parts}, {M}, 2)")
+    if stats_out is not None and (tuple(stats_out.shape) != (stats_parts(config, N), M, 2)
+                                  or stats_out.dtype != torch.float32):
+        raise ValueError(f"linear: stats_out must be fp32 ({stats_parts(config, N)}, {M}, 2)")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     mode = launch_mode(x)
@@ -549,12 +492,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n_pref = prefetch_count(per_split, c.prefetch_ratio)
     if c.split_k > 1:
         need = workspace_numel(c, M, N)
-        if workspace is None:  # (with fixup: zeroed, as every call leaves it)
-            workspace = torch.zeros(need, device=x.device, dtype=torch.float32)
+        if workspace is None:
+            workspace = torch.empty(need, device=x.device, dtype=torch.float32)
         elif workspace.numel() < need or workspace.dtype != torch.float32:
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
-    tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
-    counters = workspace[M * N:M * N + tiles].view(torch.int32) if fixup else None
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
     stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
     dummy = out  # never read when the matching HAS_* / LN_* / STATS_* flag is off
@@ -577,7 +518,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
         ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
-        _trace if _trace is not None else dummy, counters if counters is not None else dummy, x_desc, w_desc,
+        _trace if _trace is not None else dummy, x_desc, w_desc,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
@@ -589,9 +530,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, FIXUP=fixup, FENCE=not interpreting(), num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
-    if c.split_k > 1 and not fixup:
+    if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
         _splitk_reduce_kernel[rgrid](
             workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,

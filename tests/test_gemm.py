@@ -6,7 +6,7 @@ import torch
 
 from tuner.device import DeviceInfo
 from tuner.kernels._common import REL_TOLERANCE, rel_error
-from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fit, linear, linear_ref
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, linear, linear_ref
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -131,6 +131,7 @@ def test_linear_layernorm_needs_both(device):
 def test_layernorm_prologue_on_gpu_tiles(block_k, stages, warps):
     # Regression: reducing the MMA operand for the row sums came out wrong at block_k 128 / 4 warps
     # (triton 3.6, H200); the kept path reloads the tile for the statistics.
+    from tuner.kernels.gemm import fold_layernorm
 
     m, k, n = 128, 768, 2304
     x, w, b, _ = _inputs(m, n, k, torch.float16, "cuda", seed=21)
@@ -214,60 +215,3 @@ def test_linear_tma_on_gpu(split_k, overlap):
     linear(x, w, b, config=cfg, residual=r, out=out)
     torch.cuda.synchronize()
     assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("split_k, tma", [(2, 0), (3, 1), (7, 0)])
-def test_linear_split_k_fixup(dtype, split_k, tma, device):
-    # fixup: the splits add into one fp32 tile (atomics), the last applies bias, GELU, residual and writes
-    # the row sums; the workspace is left zeroed, so a second call on it gives the same result.
-    from tuner.kernels.gemm import needs_zeroed_workspace, stats_parts, workspace_numel
-
-    m, k, n = 37, 208, 90
-    x, w, b, r = _inputs(m, n, k, dtype, device, seed=80 + split_k)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_k, tma=tma, fixup=1)
-    assert check(cfg, GemmProblem(m, n, k, x.element_size())) is None and needs_zeroed_workspace(cfg)
-    ws = torch.zeros(workspace_numel(cfg, m, n), dtype=torch.float32, device=device)
-    stats = torch.full((stats_parts(cfg, n), m, 2), float("nan"), dtype=torch.float32, device=device)
-    assert stats.shape[0] == 3  # one part per 32-column tile, not per reduction tile
-    ref = linear_ref(x, w, b, activation="gelu", residual=r)
-    for _ in range(2):
-        out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-        linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out, workspace=ws, stats_out=stats)
-        assert rel_error(out, ref) < REL_TOLERANCE[dtype]
-        assert torch.count_nonzero(ws) == 0
-        torch.testing.assert_close(stats.sum(0)[:, 0], out.float().sum(1), rtol=1e-3, atol=1e-2)
-    # a LayerNorm with in-loop row sums keeps the partials and the reduction kernel (same result)
-
-    lw = torch.ones(k, dtype=dtype, device=device)
-    lb = torch.zeros(k, dtype=dtype, device=device)
-    out = linear(x, w, b, config=cfg, ln_weight=lw, ln_bias=lb)
-    assert rel_error(out, linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)) < REL_TOLERANCE[dtype]
-    assert fit(replace(cfg, split_k=1), GemmProblem(m, n, k)).fixup == 0
-
-
-@pytest.mark.gpu
-def test_linear_split_k_fixup_on_gpu():
-    # Many programs racing for the same tiles' counters; 20 calls on one workspace, in a CUDA graph too.
-    m, k, n = 128, 3072, 768
-    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=90)
-    from tuner.kernels.gemm import workspace_numel
-
-    ref = linear_ref(x, w, b, residual=r)
-    for sk in (2, 4, 8):
-        cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=sk, tma=1, fixup=1,
-                         overlap_ratio=0.0, prefetch_ratio=1.0)
-        ws = torch.zeros(workspace_numel(cfg, m, n), dtype=torch.float32, device="cuda")
-        out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
-        g = torch.cuda.CUDAGraph()
-        linear(x, w, b, config=cfg, residual=r, out=out, workspace=ws)  # compile outside the capture
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            for _ in range(20):
-                linear(x, w, b, config=cfg, residual=r, out=out, workspace=ws)
-        for _ in range(3):
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            assert rel_error(out, ref) < 1e-2, sk
-            assert torch.count_nonzero(ws) == 0

@@ -162,23 +162,16 @@ class LayerBuffers:
         st = lambda g: torch.empty((gemm_k.stats_parts(g, d), m, 2), dtype=torch.float32, device=device)  # noqa: E731
         self.h_stats = st(cfg.out) if cfg.norm2.fuse == 2 else None
         self.y_stats = st(cfg.ffn2) if cfg.norm1.fuse == 2 else None
-        # A split-K fix-up's workspace (accumulator and counters) starts zeroed; every launch leaves it so.
-        self.zeroed = set()
         for name, (gm, gn, _) in shape.gemms().items():
-            c = getattr(cfg, name)
-            n = gemm_k.workspace_numel(c, gm, gn)
-            self.ws[name] = torch.zeros(n, dtype=torch.float32, device=device) if n else None
-            if n and gemm_k.needs_zeroed_workspace(c):
-                self.zeroed.add(name)
+            n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
+            self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
 
     def all(self):
-        """Every buffer a launch writes (poisoned before a correctness check); not the sync counters, nor
-        the split-K fix-up's zeroed accumulators (a launch that failed to re-zero one shows in the next
-        replay's results)."""
+        """Every buffer a launch writes (poisoned before a correctness check); not the sync counters."""
         extra = [self.fused.ws] if self.fused is not None else []
         extra += [t for t in (self.h_stats, self.y_stats) if t is not None]
         return [self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y] + extra + [
-            w for name, w in self.ws.items() if w is not None and name not in self.zeroed]
+            w for w in self.ws.values() if w is not None]
 
 
 def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
