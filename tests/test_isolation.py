@@ -126,12 +126,12 @@ def small_space() -> space.SearchSpace:
 def test_study_with_faulty_candidates_completes_its_budget(tmp_path):
     """A random search in which candidates crash, hang or compute wrong output: every trial ends with
     its status, each crash or hang costs one worker restart, the budget is spent, the run folder written.
-    (Random sampler, seed 6: the 12 trials hit each of the three rules once.)"""
+    (Random sampler, seed 5: the 12 trials hit each of the three rules.)"""
     rules = [{"match": {"attn.num_warps": 2, "attn.num_stages": 1}, "action": "crash"},
              {"match": {"attn.num_warps": 8, "attn.num_stages": 1}, "action": "hang"},
              {"match": {"attn.num_warps": 2, "attn.num_stages": 3}, "action": "incorrect"}]
     budget = 12
-    opts = StudyOptions(trials=budget, sampler="random", seed=6, top_k=2, remeasure_rounds=2, progress=False)
+    opts = StudyOptions(trials=budget, sampler="random", seed=5, top_k=2, remeasure_rounds=2, progress=False)
     with IsolatedEvaluator(faulty_spec(rules), trial_timeout_s=TIMEOUT_S, first_trial_extra_s=0.0) as ev:
         run = run_study(ev.shape, ev, small_space(), opts, tmp_path, ["pytest"], log=lambda *a: None)
         restarts = ev.restarts
