@@ -504,6 +504,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                     LN_PARTS=triton.next_power_of_2(max(ln_parts, 1)))
     lines = max(1, c.block_k * x.element_size() // 128)
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
+    if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < grid[0] * grid[1] * 4
+                               or _trace.device != x.device):
+        raise ValueError(f"linear: _trace must be int64 [{grid[0] * grid[1]}, 4] on {x.device}")
     if c.tma:
         for name, t in (("x", x), ("weight", weight)):
             if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -530,7 +533,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+        launch_pdl=use_pdl,
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))

@@ -215,3 +215,18 @@ def test_linear_tma_on_gpu(split_k, overlap):
     linear(x, w, b, config=cfg, residual=r, out=out)
     torch.cuda.synchronize()
     assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_linear_trace_stamps_are_ordered():
+    # scripts/trace_gemms.py's stamps: every program writes entry <= after wait <= after loop <= end.
+    m, k, n = 128, 768, 768
+    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=91)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, tma=1, overlap_ratio=0.0, prefetch_ratio=1.0)
+    trace = torch.zeros(24, 4, dtype=torch.int64, device="cuda")
+    out = linear(x, w, b, config=cfg, residual=r, _trace=trace)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
+    assert (trace > 0).all() and (trace.diff(dim=1) >= 0).all(), trace
+    with pytest.raises(ValueError, match="_trace must be int64"):
+        linear(x, w, b, config=cfg, _trace=trace[:3])

@@ -28,8 +28,9 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     on the long-K FFN2 put ~100 programs on the 132 SMs; block_k 128 halves the K iterations, each of
     which waits on a load (H200, bert-base: 37.3 -> 30.3 us per layer against block_k 64, perf-notes).
     Attention in 16-row query tiles (12 heads x 8 = 96 programs on bert-base), all keys of a 128-token
-    sequence in one block (H200, bert-base: 22.14 against 22.77 us with 64-key blocks in 2 stages); TMA loads in the GEMMs
-    where the rows allow (fit_config; H200: bert-base 26.3 -> 24.6 us, bert-large 32.8 -> 30.1).
+    sequence in one block (H200, bert-base: 22.14 against 22.77 us with 64-key blocks in 2 stages); TMA
+    loads in the GEMMs where the rows allow (fit_config; H200: bert-base 26.3 -> 24.6 us, bert-large 32.8
+    -> 30.1).
     ``norms``: NormConfig.fuse of both norms, 2 by default (row sums from the producing GEMM: no norm
     kernel; H200, bert-base 28.2 -> 27.1 us, perf-notes section 7); 0 keeps the norm kernels (``tune
     verify`` checks every kernel).
