@@ -9,11 +9,8 @@ moves through its SM (A and B tiles) divided by that duration. Variants: the GEM
 torch.nn.functional.linear.
 """
 
-import json
-import os
 import statistics
 import sys
-import tempfile
 from dataclasses import replace
 
 import torch
@@ -24,30 +21,25 @@ from tuner.device import DeviceInfo
 from tuner.export import load_config
 from tuner.kernels.gemm import GemmProblem, check, fit, linear
 from tuner.shapes import resolve
-from tuner.timing import capture
+from tuner.timing import capture, kernel_records
 
 
 def durations(fn, n_launch, reps=5):
     """Per launch of fn's GEMM (n_launch per call): the summed CUPTI duration (us) of the kernels it runs
     (a split-K reduction or torch's GELU kernel included), median over reps graph replays; and their names."""
-    from torch.profiler import ProfilerActivity, profile
-
     g = capture(fn)
     for _ in range(3):
         g.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            g.replay()
-            torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "t.json")
-        prof.export_chrome_trace(p)
-        ev = json.load(open(p))["traceEvents"]
-    ks = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+
+    def replay():
+        g.replay()
+        torch.cuda.synchronize()
+
+    ks = kernel_records(replay, reps)
     per = len(ks) // reps
-    sums = [sum(float(e["dur"]) for e in ks[r * per:(r + 1) * per]) / n_launch for r in range(reps)]
-    names = sorted({e["name"][:20] for e in ks})
+    sums = [sum(end - start for _, start, end in ks[r * per:(r + 1) * per]) / n_launch for r in range(reps)]
+    names = sorted({name[:20] for name, _, _ in ks})
     return statistics.median(sums), "+".join(names)
 
 

@@ -9,11 +9,8 @@ duration, and what it adds to the layer (its end minus the previous kernel's end
 per-layer time of the same graph is printed beside, for the profiler's own cost.
 """
 
-import json
-import os
 import statistics
 import sys
-import tempfile
 from dataclasses import replace
 
 import torch
@@ -23,7 +20,7 @@ from tuner.device import DeviceInfo
 from tuner.export import load_config
 from tuner.layer import DecoderStack, check_config, fit_config, random_stack_weights, stack_depth
 from tuner.shapes import resolve
-from tuner.timing import time_replay
+from tuner.timing import kernel_records, time_replay
 
 
 def variant(shape, name):
@@ -46,21 +43,6 @@ def variant(shape, name):
         f = 1 if name == "hp-fused-norms" else 2
         return replace(hp, norm1=replace(hp.norm1, fuse=f), norm2=replace(hp.norm2, fuse=f))
     return load_config(name, shape=shape)
-
-
-def kernels_of(replay, reps):
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            replay()
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as d:
-        p = os.path.join(d, "t.json")
-        prof.export_chrome_trace(p)
-        ev = json.load(open(p))["traceEvents"]
-    ks = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks]
 
 
 def main():
@@ -89,7 +71,7 @@ def main():
         st.capture()
         err = st.check(1)
         t = time_replay(st.replay, n, reps=30, warmup=5)
-        ks = kernels_of(st.replay, reps)
+        ks = kernel_records(st.replay, reps)
         per_layer = len(ks) // (reps * n)
         if per_layer * reps * n != len(ks):
             print(f"{name}: {len(ks)} kernel records, not a multiple of {reps}x{n}; skipped")

@@ -101,3 +101,26 @@ def policy(l2: str, n_layers: int, reps: int, warmup: int) -> dict:
     return {"l2": l2, "stack_layers": n_layers, "reps": reps, "warmup": warmup, "graph": True,
             "statistic": "median of per-replay stack time / layers; spread = IQR/2",
             "l2_flush_between_kernels": False, "clocks_changed": False}
+
+
+def kernel_records(replay: Callable[[], None], reps: int) -> list[tuple[str, float, float]]:
+    """Every kernel the GPU ran during ``reps`` calls of ``replay``, as (name, start us, end us) from
+    CUPTI (torch.profiler), in start order: the per-kernel view of a graph replay (scripts/timeline.py,
+    scripts/gemm_probe.py). Diagnostics only; the tuner's figures come from time_replay."""
+    import json
+    import os
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(p)
+        with open(p) as f:
+            ev = json.load(f)["traceEvents"]
+    ks = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in ks]
