@@ -45,7 +45,7 @@ from tuner.device import DeviceInfo
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
-from .gemm import _activate, _epilogue, _ln_apply, _ln_correct
+from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct
 
 GEMM_PHASES = ("qkv", "out", "ffn1", "ffn2")
 # The sync buffer (int32, zeroed once): counters 0-3 for the four barriers, 4 for the exit, then from
@@ -257,12 +257,9 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
         k0 = s * per
         if SPLIT == 1:
             # The epilogue's operands are issued before the K loop: their latency hides under it.
-            bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            bias, res = _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, N, 1, True, HAS_RES)
             if HAS_LN:
                 u = tl.load(u_ptr + offs_n, mask=mask_n, other=0.0)
-            if HAS_RES:
-                res = tl.load(res_ptr + offs_m[:, None] * N + offs_n[None, :],
-                              mask=mask_m[:, None] & mask_n[None, :], other=0.0)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         s1 = tl.zeros((BM,), dtype=tl.float32)
         s2 = tl.zeros((BM,), dtype=tl.float32)
@@ -288,11 +285,7 @@ def _gemm_phase(pid, a_ptr, w_ptr, bias_ptr, u_ptr, res_ptr, out_ptr, ws_ptr, cn
         if SPLIT == 1:
             if HAS_LN:
                 acc = _ln_apply(acc, s1, s2, u, K, eps)
-            acc = _activate(acc + bias[None, :], ACT)
-            if HAS_RES:
-                acc += res.to(tl.float32)
-            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=mask_m[:, None] & mask_n[None, :])
+            _epilogue_with(acc, bias, res, offs_m, offs_n, M, N, out_ptr, N, 1, True, HAS_RES, ACT)
         else:
             # Store this split's partial; the last split of the tile to arrive reduces and finishes it.
             rows = tl.arange(0, BM)
