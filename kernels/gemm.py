@@ -34,10 +34,6 @@ _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
-# GemmConfig.preload choices (preload * block_k is a tl.arange length: a power of two) and the registers per
-# thread the preloaded A and B tiles plus the accumulator may hold.
-PRELOADS = (0, 1, 2, 4)
-_PRELOAD_REGS = 192
 
 
 @dataclass(frozen=True)
@@ -52,9 +48,6 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # K tiles of each program's weight loaded into registers before gdc_wait (while the predecessor still
-    # runs; their A tiles right after it); they are multiplied after the pipelined loop over the rest.
-    preload: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -71,19 +64,8 @@ class GemmProblem:
 
 def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
     """The K loop's stages of A and B tiles (and, with TMA, one 8-byte mbarrier a stage: measured on
-    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages), plus the preloaded tiles' copies for their
-    MMA (sm_90 build of 64x64x128 in 5 stages with TMA: 163880 B, 196648 with preload 1)."""
-    return (c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma)
-            + c.preload * (c.block_m + c.block_n) * c.block_k * dtype_bytes)
-
-
-def _acc_regs(c: GemmConfig) -> int:
-    return c.block_m * c.block_n // (32 * c.num_warps)
-
-
-def _preload_regs(c: GemmConfig, dtype_bytes: int) -> int:
-    """Registers per thread that the preloaded A and B tiles hold through the K loop."""
-    return (c.block_m + c.block_n) * c.preload * c.block_k * dtype_bytes // (4 * 32 * c.num_warps)
+    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages)."""
+    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma)
 
 
 def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
@@ -114,21 +96,13 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"split_k={c.split_k} exceeds the {k_tiles} K tiles of K={p.k} at block_k={c.block_k}"
     if empty_split(k_tiles, c.split_k):
         return f"split_k={c.split_k} leaves a split without K tiles (K tiles={k_tiles})"
-    acc_regs = _acc_regs(c)
+    acc_regs = c.block_m * c.block_n // (32 * c.num_warps)
     if acc_regs > 256:
         return f"accumulator needs {acc_regs} registers per thread (block_m*block_n/(32*num_warps) > 256)"
     if c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
     if c.tma not in (0, 1):
         return f"tma={c.tma} must be 0 or 1"
-    if c.preload not in PRELOADS:
-        return f"preload={c.preload} must be one of {PRELOADS}"
-    if c.preload > triton.cdiv(k_tiles, c.split_k):
-        return f"preload={c.preload} exceeds the {triton.cdiv(k_tiles, c.split_k)} K tiles of a split"
-    pre_regs = _preload_regs(c, p.dtype_bytes)
-    if c.preload and pre_regs + acc_regs > _PRELOAD_REGS:
-        return (f"preload={c.preload} holds {pre_regs} registers per thread beside the accumulator's {acc_regs} "
-                f"(> {_PRELOAD_REGS})")
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
@@ -151,8 +125,6 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
         c = replace(c, num_warps=c.num_warps * 2)
     while c.num_warps > 1 and c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         c = replace(c, num_warps=c.num_warps // 2)
-    while c.preload > 0 and _preload_regs(c, problem.dtype_bytes) + _acc_regs(c) > _PRELOAD_REGS:
-        c = replace(c, preload=c.preload // 2)
     return c
 
 
@@ -162,10 +134,7 @@ def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
     caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
     tma = c.tma if (problem.k * problem.dtype_bytes) % 16 == 0 else 0
-    split_k = fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k))
-    per_split = triton.cdiv(triton.cdiv(problem.k, c.block_k), split_k)
-    preload = max([v for v in PRELOADS if v <= min(c.preload, per_split)])
-    return replace(c, split_k=split_k, tma=tma, preload=preload)
+    return replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
 
 
 @triton.jit
@@ -285,7 +254,7 @@ def _gemm_kernel(
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
-    LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, PRELOAD: tl.constexpr = 0,
+    LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
@@ -313,36 +282,18 @@ def _gemm_kernel(
         # is still running. One pointer per 128-byte line, clamped inside the weight.
         n_idx = tl.minimum(offs_n, N - 1)
         lines = tl.arange(0, LINES) * LINE_ELEMS
-        for i in range(PRELOAD, tl.minimum(n_prefetch, n_iters)):  # (preloaded tiles: below)
+        for i in range(0, tl.minimum(n_prefetch, n_iters)):
             k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
             prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PRELOAD > 0:
-        # The split's first PRELOAD weight K tiles, into registers while the predecessor still runs; the
-        # matching A tiles are loaded right after gdc_wait, and both are multiplied after the loop, so that
-        # neither load's latency holds the loop (only the rest of the weights streams after the wait).
-        offs_kp = k_first * BLOCK_K + tl.arange(0, PRELOAD * BLOCK_K)
-        mask_kp = offs_kp < tl.minimum(K, (k_first + n_iters) * BLOCK_K)
-        b_pre = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_kp[:, None] * stride_wk,
-                        mask=(offs_n[None, :] < N) & mask_kp[:, None], other=0.0)
-        a_pre_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_kp[None, :] * stride_xk
-        a_pre_mask = (offs_m[:, None] < M) & mask_kp[None, :]
     if RACY_READ_BEFORE_WAIT:
         # Test-only defect: reads x before gdc_wait. The correctness gate must catch it.
-        if PRELOAD > 0:
-            a_pre = tl.load(a_pre_ptrs, mask=a_pre_mask, other=0.0)
-        else:
-            a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
-                         mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
+        a0 = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k_first * BLOCK_K + offs_k)[None, :] * stride_xk,
+                     mask=(offs_m[:, None] < M) & ((k_first * BLOCK_K + offs_k)[None, :] < K), other=0.0)
     pdl_wait(USE_PDL)
     stamp(trace_ptr, 1, TRACE)
     pdl_trigger(0, trigger_k, USE_PDL)
-    for t in tl.static_range(1, PRELOAD + 1):  # the preloaded tiles count as done at the wait
-        pdl_trigger(t, trigger_k, USE_PDL)
-    if PRELOAD > 0:
-        if not RACY_READ_BEFORE_WAIT:
-            a_pre = tl.load(a_pre_ptrs, mask=a_pre_mask, other=0.0)
     if SPLIT_K == 1:
         # The epilogue's bias, residual and LayerNorm column sums, requested now: their latency hides
         # behind the K loop instead of following it (the residual is a predecessor's: after the wait).
@@ -360,11 +311,7 @@ def _gemm_kernel(
         else:
             s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            if PRELOAD > 0:  # (a second, volatile load, as in the loop below)
-                af = tl.load(a_pre_ptrs, mask=a_pre_mask, other=0.0, volatile=True).to(tl.float32)
-                s1 += tl.sum(af, axis=1)
-                s2 += tl.sum(af * af, axis=1)
-    for i in range(PRELOAD, n_iters):
+    for i in range(0, n_iters):
         k = (k_first + i) * BLOCK_K + offs_k
         if USE_TMA:
             a = x_desc.load([pid_m * BLOCK_M, (k_first + i) * BLOCK_K])
@@ -397,11 +344,6 @@ def _gemm_kernel(
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
         pdl_trigger(i + 1, trigger_k, USE_PDL)
-    if PRELOAD > 0:
-        if UPCAST:
-            acc = tl.dot(a_pre.to(tl.float32), b_pre.to(tl.float32), acc)
-        else:
-            acc = tl.dot(a_pre, b_pre, acc)
     stamp(trace_ptr, 2, TRACE)
 
     if OOB_WRITE:
@@ -591,7 +533,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, PRELOAD=c.preload, num_warps=c.num_warps, num_stages=c.num_stages,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=use_pdl,
     )
     if c.split_k > 1:

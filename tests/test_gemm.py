@@ -49,49 +49,6 @@ def test_linear_split_k(dtype, split_k, device):
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("preload, split_k, tma", [(1, 1, 0), (2, 1, 1), (2, 3, 0), (4, 2, 1)],
-                         ids=["p1", "p2-tma", "p2-split3", "p4-split2-tma"])
-def test_linear_preload(dtype, preload, split_k, tma, device):
-    # The first `preload` K tiles of each split multiplied after the loop: odd K (the last split shorter
-    # than the preload), bias, GELU, residual. fp32 rows of 200 are 16-byte multiples, fp16 ones too.
-    m, k, n = 37, 200, 90
-    x, w, b, r = _inputs(m, n, k, dtype, device, seed=60 + preload + split_k)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_k, tma=tma, preload=preload,
-                     overlap_ratio=0.5, prefetch_ratio=1.0)
-    assert check(cfg, GemmProblem(m, n, k, x.element_size())) is None
-    linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
-    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=IDS.get)
-def test_linear_preload_layernorm_gather(dtype, device):
-    # The row sums of the preloaded A tiles join those the loop gathers.
-    m, k, n = 37, 200, 90
-    x, w, b, r = _inputs(m, n, k, dtype, device, seed=71)
-    x = (x * k**0.5 + 0.5).to(dtype)
-    g = torch.Generator().manual_seed(5)
-    lw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
-    lb = (0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, preload=2)
-    out = linear(x, w, b, config=cfg, residual=r, ln_weight=lw, ln_bias=lb)
-    assert rel_error(out, linear_ref(x, w, b, residual=r, ln_weight=lw, ln_bias=lb)) < REL_TOLERANCE[dtype]
-
-
-def test_preload_fit_and_repair():
-    from tuner.kernels.gemm import fit, repair
-
-    p = GemmProblem(128, 768, 3072)
-    # 24 K tiles in 8 splits of 3: preload 4 becomes 2 (the largest choice <= 3).
-    assert fit(GemmConfig(block_k=128, split_k=8, preload=4), p).preload == 2
-    # 128x128 tiles in 4 warps: 128 accumulator registers; preload 2 of 128-wide K tiles would add 256.
-    big = GemmConfig(block_m=128, block_n=128, block_k=128, num_stages=2, preload=2)
-    assert "registers per thread" in check(big, p, DeviceInfo.interpreter())
-    c = repair(big, p, DeviceInfo.interpreter())
-    assert check(c, p, DeviceInfo.interpreter()) is None and c.preload < 2
-
-
 def test_linear_big_tile_small_problem(device):
     # Tiles larger than the problem in M (masked rows), the biggest tile the check allows for N and K.
     m, k, n = 5, 64, 128
@@ -114,11 +71,8 @@ def test_linear_big_tile_small_problem(device):
         (GemmConfig(block_m=128, block_n=256, num_warps=2), GemmProblem(128, 768, 768), "registers"),
         (GemmConfig(overlap_ratio=1.5), GemmProblem(128, 768, 768), "overlap_ratio"),
         (GemmConfig(prefetch_ratio=float("nan")), GemmProblem(128, 768, 768), "prefetch_ratio"),
-        (GemmConfig(preload=3), GemmProblem(128, 768, 768), "preload=3 must be one of"),
-        (GemmConfig(block_k=128, split_k=3, preload=4), GemmProblem(128, 768, 768), "exceeds the 2 K tiles"),
     ],
-    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan",
-         "preload3", "preload>split"],
+    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan"],
 )
 def test_check_rejects(cfg, problem, needle):
     why = check(cfg, problem, DeviceInfo.interpreter())
@@ -251,12 +205,11 @@ def test_linear_tma_loads(dtype, split_k, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_k, overlap, preload", [(1, 0.0, 0), (4, 0.0, 0), (1, -1.0, 0), (1, 0.0, 1),
-                                                        (4, 0.2, 2), (1, -1.0, 1)])
-def test_linear_tma_on_gpu(split_k, overlap, preload):
+@pytest.mark.parametrize("split_k, overlap", [(1, 0.0), (4, 0.0), (1, -1.0)])
+def test_linear_tma_on_gpu(split_k, overlap):
     m, k, n = 128, 3072, 768
     x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=70 + split_k)
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=split_k, tma=1, preload=preload,
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=split_k, tma=1,
                      overlap_ratio=overlap, prefetch_ratio=1.0 if overlap >= 0 else -1.0)
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
     linear(x, w, b, config=cfg, residual=r, out=out)
