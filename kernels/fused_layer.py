@@ -45,7 +45,7 @@ from tuner.device import DeviceInfo
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
-from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct
+from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct, act_code
 
 GEMM_PHASES = ("qkv", "out", "ffn1", "ffn2")
 # The sync buffer (int32, zeroed once): counters 0-3 for the four barriers, 4 for the exit, then from
@@ -361,7 +361,7 @@ def _layer_kernel(
     BN_F1: tl.constexpr, SK_F1: tl.constexpr, BN_F2: tl.constexpr, SK_F2: tl.constexpr,
     ABM: tl.constexpr, ABN: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    TIMES: tl.constexpr,
+    TIMES: tl.constexpr, GELU: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     cnt = sync_ptr + 8
@@ -385,7 +385,7 @@ def _layer_kernel(
                 NPROG, BM, BN_OUT, BK, SK_OUT, STAGES, False, True, 0, UPCAST)
     _next_phase(sync_ptr, times_ptr, pid, 2, trigger_phase, NPROG, USE_PDL, TIMES)
     _gemm_phase(pid, h_ptr, w1_ptr, b1_ptr, u1_ptr, h_ptr, f1_ptr, ws_ptr, cnt, M, F, D, eps,
-                NPROG, BM, BN_F1, BK, SK_F1, STAGES, True, False, 1, UPCAST)
+                NPROG, BM, BN_F1, BK, SK_F1, STAGES, True, False, GELU, UPCAST)
     _next_phase(sync_ptr, times_ptr, pid, 3, trigger_phase, NPROG, USE_PDL, TIMES)
     _gemm_phase(pid, f1_ptr, w2_ptr, b2_ptr, b2_ptr, h_ptr, y_ptr, ws_ptr, cnt, M, D, F, eps,
                 NPROG, BM, BN_F2, BK, SK_F2, STAGES, False, True, 0, UPCAST)
@@ -474,6 +474,6 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
         BN_F1=c.ffn1_block_n, SK_F1=c.ffn1_split_k, BN_F2=c.ffn2_block_n, SK_F2=c.ffn2_split_k,
         ABM=c.attn_block_m, ABN=c.attn_block_n, BLOCK_D=block_d(head_dim),
         USE_PDL=use_pdl, PREFETCH=sum(pf) > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
-        LINE_ELEMS=line, TIMES=_times is not None, num_warps=c.num_warps, num_stages=1, launch_pdl=use_pdl,
+        LINE_ELEMS=line, TIMES=_times is not None, GELU=act_code("gelu", x), num_warps=c.num_warps, num_stages=1, launch_pdl=use_pdl,
     )
     return out

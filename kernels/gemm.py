@@ -26,11 +26,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, launch_mode, pdl_trigger, pdl_wait,
-                      pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap, trigger_index)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
+                      pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
+                      trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
+# GELU through the hardware tanh (tanh.approx.f32) where inline asm runs (not in the interpreter): 6
+# instructions an element instead of 17 for exp and a division (sm_90 SASS of the FFN1 epilogue: 1038 ->
+# ~690 with the norm folded in; 4 warps issue it at about 1.6 ns an instruction, docs/perf-notes.md).
+_FAST_GELU = True
+# The LayerNorm row sums read from the producer summed in the K loop's first iteration (under its MMAs)
+# instead of the epilogue.
+_EARLY_STATS = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -138,17 +146,35 @@ def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
 
 
 @triton.jit
+def _ln_rows(s1, s2, K, eps):
+    """Per row, from the sums of x and x^2 over K: rstd and mean * rstd."""
+    mean = s1 / K
+    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
+    return rstd, mean * rstd
+
+
+@triton.jit
+def _ln_apply_rows(acc, rstd, mr, u):
+    return rstd[:, None] * acc - mr[:, None] * u[None, :]
+
+
+@triton.jit
 def _ln_apply(acc, s1, s2, u, K, eps):
     """LN(x) @ W'^T from x @ W'^T, W' = W*gamma folded: rstd * (acc - mean * colsum(W')) (fold_layernorm);
     s1, s2: the rows' sums of x and x^2 over K; u: colsum(W') of the tile's columns."""
-    mean = s1 / K
-    rstd = 1.0 / tl.sqrt(tl.maximum(s2 / K - mean * mean, 0.0) + eps)
-    return rstd[:, None] * (acc - mean[:, None] * u[None, :])
+    rstd, mr = _ln_rows(s1, s2, K, eps)
+    return _ln_apply_rows(acc, rstd, mr, u)
 
 
 @triton.jit
 def _ln_correct(acc, s1, s2, u_ptr, offs_n, N, K, eps):
     return _ln_apply(acc, s1, s2, tl.load(u_ptr + offs_n, mask=offs_n < N, other=0.0), K, eps)
+
+
+def act_code(activation: str | None, x: torch.Tensor) -> int:
+    """The kernels' ACT constexpr for ``activation`` on ``x``'s device (3: GELU with the hardware tanh)."""
+    code = _ACT_CODE[activation]
+    return 3 if code == 1 and _FAST_GELU and x.is_cuda and not interpreting() else code
 
 
 @triton.jit
@@ -158,6 +184,12 @@ def _activate(acc, ACT: tl.constexpr):
         acc = acc * tl.sigmoid(2.0 * z)
     elif ACT == 2:  # silu
         acc = acc * tl.sigmoid(acc)
+    elif ACT == 3:  # gelu as ACT 1, tanh from the SFU (inline asm: GPU only; max abs error ~5e-4)
+        z = acc * (0.7978845608028654 + 0.035677408136300125 * acc * acc)
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [z], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        h = 0.5 * acc
+        acc = h + h * t
     return acc
 
 
@@ -254,7 +286,7 @@ def _gemm_kernel(
     LINE_ELEMS: tl.constexpr,
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
-    LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False,
+    LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
@@ -308,6 +340,9 @@ def _gemm_kernel(
         if LN_STATS_IN:
             if SPLIT_K == 1:  # (split: the reduction kernel applies the norm)
                 p1, p2 = _row_stats_parts(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
+                if EARLY_STATS:
+                    ln_rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+                    ln_mr = tl.zeros((BLOCK_M,), dtype=tl.float32)
         else:
             s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -343,6 +378,12 @@ def _gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
+        if HAS_LN and LN_STATS_IN and SPLIT_K == 1 and EARLY_STATS:
+            # Sum the producer's parts while the first tile's MMAs run, not after the loop: with one warp
+            # per scheduler the epilogue's instructions are what it costs.
+            if i == 0:
+                s1, s2 = _row_stats_sum(p1, p2)
+                ln_rstd, ln_mr = _ln_rows(s1, s2, K, ln_eps)
         pdl_trigger(i + 1, trigger_k, USE_PDL)
     stamp(trace_ptr, 2, TRACE)
 
@@ -352,9 +393,12 @@ def _gemm_kernel(
                  acc.to(out_ptr.dtype.element_ty))
     if SPLIT_K == 1:
         if HAS_LN:
-            if LN_STATS_IN:
-                s1, s2 = _row_stats_sum(p1, p2)
-            acc = _ln_apply(acc, s1, s2, u, K, ln_eps)
+            if LN_STATS_IN and EARLY_STATS:
+                acc = _ln_apply_rows(acc, ln_rstd, ln_mr, u)
+            else:
+                if LN_STATS_IN:
+                    s1, s2 = _row_stats_sum(p1, p2)
+                acc = _ln_apply(acc, s1, s2, u, K, ln_eps)
         y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
         if STATS_OUT:
             _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
@@ -529,11 +573,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         trigger_index(per_split, c.overlap_ratio), n_pref,
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, num_warps=c.num_warps, num_stages=c.num_stages,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=use_pdl,
     )
     if c.split_k > 1:
@@ -547,7 +591,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out.stride(0), out.stride(1),
             trigger_index(c.split_k, c.overlap_ratio), ln_eps, ln_parts,
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=_ACT_CODE[activation],
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,
             SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )

@@ -1,7 +1,8 @@
 """Where a per-kernel layer spends its time: every kernel's start and end inside the timed CUDA graph.
 
-usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT ...]
+usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
+switches (gemm module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
 replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
@@ -61,8 +62,18 @@ def main():
     n = stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
+    import tuner.kernels.gemm as gemm_k
+
+    switches = {"fast_gelu": "_FAST_GELU", "early_stats": "_EARLY_STATS"}
+    defaults = {attr: getattr(gemm_k, attr) for attr in switches.values()}
     for name in names:
-        cfg = variant(shape, name)
+        for attr, v in defaults.items():
+            setattr(gemm_k, attr, v)
+        if "@" in name:
+            for e in name.split("@", 1)[1].split(","):
+                key, v = e.split("=")
+                setattr(gemm_k, switches[key], bool(int(v)))
+        cfg = variant(shape, name.split("@", 1)[0])
         bad = check_config(cfg, shape, 2, dev)
         if bad:
             print(f"\n## {shape.name} {name}: invalid {bad}")
