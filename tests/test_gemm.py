@@ -180,7 +180,9 @@ def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_con
     ref = linear_ref(h, w2, b2, ln_weight=lw, ln_bias=lb, activation="gelu")
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
     hf = h.float()
-    torch.testing.assert_close(stats.sum(0)[:, 0], hf.sum(1), rtol=1e-4, atol=1e-3)
+    # The sums are of the fp32 values before their rounding to h's dtype: within its half-ulps.
+    rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}[dtype]
+    torch.testing.assert_close(stats.sum(0)[:, 0], hf.sum(1), rtol=rtol, atol=1e-2)
     with pytest.raises(ValueError, match="stats_out must be fp32"):
         linear(x, w1, b1, config=c1, stats_out=stats[:1])
     with pytest.raises(ValueError, match="ln_stats must be fp32"):
