@@ -34,7 +34,6 @@ from ._common import (KnobConfig, effective_config, launch_mode, pdl_trigger, pd
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
 _LOG2E = 1.4426950408889634
-_CONST_DIMS = True
 
 
 @dataclass(frozen=True)
@@ -154,24 +153,16 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
 def _attn_fwd_kernel(
     # pointers
     qkv_ptr, out_ptr,
-    # sizes (the sequence and the head dim are compile-time: H200 sm_90 build of bert-base's 16x128 tile,
-    # 675 -> 489 instructions after the wait, the masks and the causal bound folded)
-    heads, D, seq_rt, head_dim_rt,
+    # sizes
+    seq, heads, head_dim, D,
     # strides
     stride_qt, stride_qc, stride_ot, stride_oc,
     # softmax scale * log2(e); the PDL trigger ratio (ignored without PDL)
     qk_scale, overlap,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr, SEQ: tl.constexpr,
-    HEAD_DIM: tl.constexpr, CONST_DIMS: tl.constexpr = True,
+    USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr,
 ):
-    if CONST_DIMS:
-        seq = SEQ
-        head_dim = HEAD_DIM
-    else:  # (the runtime values: A/B of the compile-time ones, scripts/timeline.py @attn_const=0)
-        seq = seq_rt
-        head_dim = head_dim_rt
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // heads
@@ -251,13 +242,12 @@ def attention(qkv: torch.Tensor, *, batch: int, seq: int, heads: int, head_dim: 
     grid = (triton.cdiv(seq, c.block_m), batch * heads)
     _attn_fwd_kernel[grid](
         qkv, out,
-        heads, D, seq, head_dim,
+        seq, heads, head_dim, D,
         qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
         float(sm_scale) * _LOG2E, float(max(c.overlap_ratio, 0.0)),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal),
         USE_PDL=use_pdl, UPCAST=mode.upcast_bf16 and qkv.dtype == torch.bfloat16,
-        RACY_READ_BEFORE_WAIT=_racy_read_before_wait, SEQ=seq, HEAD_DIM=head_dim,
-        CONST_DIMS=_CONST_DIMS,
+        RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     return out

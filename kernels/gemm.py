@@ -39,8 +39,6 @@ _FAST_GELU = True
 # The LayerNorm row sums read from the producer summed in the K loop's first iteration (under its MMAs)
 # instead of the epilogue.
 _EARLY_STATS = True
-# Row sums (stats_out) of the rounded output instead of the fp32 tile (the earlier code; A/B only).
-_ROUNDED_STATS = False
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -214,7 +212,7 @@ def _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_
 
 @triton.jit
 def _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS: tl.constexpr,
-                   HAS_RES: tl.constexpr, ACT: tl.constexpr, ROUNDED: tl.constexpr = False):
+                   HAS_RES: tl.constexpr, ACT: tl.constexpr):
     """``act(acc + bias) + r`` stored; returns the tile in fp32 before its rounding to the output type, for
     row sums: its columns past N are 0 (their acc, bias and residual are zero-filled, act(0) = 0), its rows
     past M are not (callers mask them). Not re-reading the rounded tile through a select saves 64
@@ -225,19 +223,16 @@ def _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, strid
     if HAS_RES:
         acc += r.to(tl.float32)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    y = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, y, mask=mask)
-    if ROUNDED:  # (the stored values, 0 outside: A/B, scripts/timeline.py @rounded_stats=1)
-        acc = tl.where(mask, y.to(tl.float32), 0.0)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on, acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
     return acc
 
 
 @triton.jit
 def _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
-              stride_on, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, ROUNDED: tl.constexpr = False):
+              stride_on, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr):
     bias, r = _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS, HAS_RES)
-    return _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT,
-                          ROUNDED)
+    return _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
 
 
 @triton.jit
@@ -295,7 +290,6 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    ROUNDED_STATS: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
@@ -408,8 +402,7 @@ def _gemm_kernel(
                 if LN_STATS_IN:
                     s1, s2 = _row_stats_sum(p1, p2)
                 acc = _ln_apply(acc, s1, s2, u, K, ln_eps)
-        y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT,
-                           ROUNDED_STATS)
+        y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
         if STATS_OUT:
             _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
     else:
@@ -432,7 +425,7 @@ def _splitk_reduce_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, LN_PARTS: tl.constexpr,
-    SPLIT_P2: tl.constexpr, ROUNDED_STATS: tl.constexpr = False,
+    SPLIT_P2: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -453,7 +446,7 @@ def _splitk_reduce_kernel(
             s1, s2 = _row_stats_in(stats_ptr, offs_m, M, SPLIT_K, SPLIT_P2)
         acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
     y = _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
-                  stride_on, HAS_BIAS, HAS_RES, ACT, ROUNDED_STATS)
+                  stride_on, HAS_BIAS, HAS_RES, ACT)
     if STATS_OUT:
         _row_stats_out(y, offs_m, M, stats_out_ptr, tl.program_id(1))
 
@@ -587,7 +580,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, ROUNDED_STATS=_ROUNDED_STATS, num_warps=c.num_warps, num_stages=c.num_stages,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=use_pdl,
     )
     if c.split_k > 1:
@@ -603,7 +596,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,
-            SPLIT_P2=triton.next_power_of_2(c.split_k), ROUNDED_STATS=_ROUNDED_STATS, num_warps=4, num_stages=1, launch_pdl=use_pdl,
+            SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )
     return out
 
