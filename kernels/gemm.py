@@ -56,10 +56,6 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # 1: while it waits (with prefetch on), the kernel also pulls the next GEMM's weight into L2, each
-    # program a share (``linear(prefetch_next=...)``): that GEMM then finds its weights in L2 even when
-    # its own launch window is short.
-    lookahead: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -115,8 +111,6 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
     if c.tma not in (0, 1):
         return f"tma={c.tma} must be 0 or 1"
-    if c.lookahead not in (0, 1):
-        return f"lookahead={c.lookahead} must be 0 or 1"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
@@ -286,8 +280,6 @@ def _gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     # PDL / prefetch points, in K tiles of this program
     trigger_k, n_prefetch,
-    # the next GEMM's weight (LOOKAHEAD): its 128-byte lines, this kernel's programs each prefetch a share
-    next_ptr, next_lines,
     # LayerNorm prologue: eps, and the number of parts of ln_stats (LN_STATS_IN)
     ln_eps, ln_parts,
     # meta-parameters
@@ -298,7 +290,6 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    LOOKAHEAD: tl.constexpr = False, NEXT_BLOCK: tl.constexpr = 128, NEXT_LINE_ELEMS: tl.constexpr = 64,
 ):
     stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
@@ -329,15 +320,6 @@ def _gemm_kernel(
         for i in range(0, tl.minimum(n_prefetch, n_iters)):
             k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
             prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
-    if LOOKAHEAD:
-        # This program's share of the next GEMM's weight, after its own tiles (those are needed first).
-        n_prog = tl.num_programs(0) * tl.num_programs(1)
-        share = tl.cdiv(next_lines, n_prog)
-        first = (pid_k * tl.num_programs(0) + pid) * share
-        last = tl.minimum(first + share, next_lines)
-        for l0 in range(first, last, NEXT_BLOCK):
-            idx = tl.minimum(l0 + tl.arange(0, NEXT_BLOCK), last - 1)
-            prefetch_l2(next_ptr + idx.to(tl.int64) * NEXT_LINE_ELEMS)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RACY_READ_BEFORE_WAIT:
@@ -501,7 +483,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
-           prefetch_next: torch.Tensor | None = None, _racy_read_before_wait: bool = False, _ln_reload: bool = True,
+           _racy_read_before_wait: bool = False, _ln_reload: bool = True,
            _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
@@ -514,9 +496,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``stats_out`` (``[stats_parts(config, N), M, 2]`` fp32): each column tile also writes its share of the
     output rows' sums of y and y^2, the statistics of a LayerNorm fused into the next GEMM.
-
-    ``prefetch_next`` (a contiguous tensor nothing in the chain writes, e.g. the next GEMM's weight): with
-    ``config.lookahead`` and prefetch on, the programs pull it into L2 before ``gdc_wait``, each a share.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -550,8 +529,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if stats_out is not None and (tuple(stats_out.shape) != (stats_parts(config, N), M, 2)
                                   or stats_out.dtype != torch.float32):
         raise ValueError(f"linear: stats_out must be fp32 ({stats_parts(config, N)}, {M}, 2)")
-    if prefetch_next is not None and (not prefetch_next.is_contiguous() or prefetch_next.device != x.device):
-        raise ValueError("linear: prefetch_next must be a contiguous tensor on x's device")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
     mode = launch_mode(x)
@@ -573,9 +550,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None,
                     LN_PARTS=triton.next_power_of_2(max(ln_parts, 1)))
     lines = max(1, c.block_k * x.element_size() // 128)
-    lookahead = bool(c.lookahead) and c.prefetch_ratio >= 0 and prefetch_next is not None
-    nxt = prefetch_next if lookahead else dummy
-    next_lines = triton.cdiv(nxt.numel() * nxt.element_size(), 128) if lookahead else 0
     grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
     if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < grid[0] * grid[1] * 4
                                or _trace.device != x.device):
@@ -600,15 +574,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         out.stride(0), out.stride(1),
         trigger_index(per_split, c.overlap_ratio), n_pref,
-        nxt, next_lines,
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, LOOKAHEAD=lookahead, NEXT_BLOCK=32 * c.num_warps,
-        NEXT_LINE_ELEMS=128 // nxt.element_size(), num_warps=c.num_warps, num_stages=c.num_stages,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=use_pdl,
     )
     if c.split_k > 1:

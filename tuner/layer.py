@@ -176,12 +176,8 @@ class LayerBuffers:
 
 def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
                    racy: str | None = None, oob: bool = False, unchecked: bool = False,
-                   x_stats: torch.Tensor | None = None,
-                   next_qkv: torch.Tensor | None = None) -> list[tuple[str, callable]]:
+                   x_stats: torch.Tensor | None = None) -> list[tuple[str, callable]]:
     """The layer's kernel launches in order, as (kernel name, launch) pairs.
-
-    ``next_qkv``: the next layer's QKV weight as its GEMM reads it (:func:`qkv_weight`), which this layer's
-    FFN2 prefetches with ``GemmConfig.lookahead`` (each GEMM prefetches the next GEMM's weight).
 
     ``x_stats``: the row sums of ``x`` written by the previous layer's FFN2 (``LayerBuffers.y_stats``),
     for a norm1 with fuse 2; without them (the first layer) QKV gathers them in its K loop (fuse 1).
@@ -215,30 +211,23 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
-                                      workspace=b.ws["qkv"], prefetch_next=w.w_out, _racy_read_before_wait=r("qkv"),
-                                      _oob_write=oob, _unchecked=unchecked, **ln1)),
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob,
+                                      _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
         ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
-                                      workspace=b.ws["out"], prefetch_next=w_ffn1, _racy_read_before_wait=r("out"),
-                                      **out_kw)),
+                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
-                                       prefetch_next=w.w_ffn2, _racy_read_before_wait=r("ffn1"), **ln2)),
+                                       _racy_read_before_wait=r("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
-                                       workspace=b.ws["ffn2"], prefetch_next=next_qkv,
-                                       _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
+                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     return [(n, f) for n, f in launches if n not in skip]
-
-
-def qkv_weight(cfg: DecoderConfig, w: LayerWeights) -> torch.Tensor:
-    """The weight the QKV GEMM reads: LayerNorm1 folded in where norm1 is fused."""
-    return w.folded("qkv")[0] if cfg.norm1.fuse else w.w_qkv
 
 
 def layer_forward(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor,
@@ -316,8 +305,7 @@ class DecoderStack:
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
             kw = dict(racy=self.racy[1] if self.racy and self.racy[0] == i else None, oob=self.oob_layer == i,
                       unchecked=self.unchecked) if faults else {}
-            nxt = qkv_weight(self.cfg, self.weights[i + 1]) if i + 1 < self.n_layers else None
-            yield from layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats, next_qkv=nxt, **kw)
+            yield from layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats, **kw)
             x, x_stats = b.y, b.y_stats
 
     def run(self) -> torch.Tensor:
