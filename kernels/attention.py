@@ -42,9 +42,6 @@ class AttnConfig(KnobConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    # 1: no attention kernel; the QKV GEMM's last-arriving programs compute it (gemm.AttnTail: needs the QKV
-    # tiles one head wide, checked by the layer); block_n is then the key block of that tail.
-    fuse: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -97,8 +94,6 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
     for name in ("block_m", "block_n"):
         if getattr(c, name) > cap:
             return f"{name}={getattr(c, name)} exceeds the problem (seq={p.seq} -> {cap})"
-    if c.fuse not in (0, 1):
-        return f"fuse={c.fuse} must be 0 or 1"
     limit = smem_limit(device)
     need = smem_bytes(c, p.head_dim, p.dtype_bytes)
     if need > limit:
@@ -115,11 +110,10 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
 @triton.jit
 def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-               USE_PDL: tl.constexpr, UPCAST: tl.constexpr, KV_STAGES: tl.constexpr = None, CG: tl.constexpr = False):
+               USE_PDL: tl.constexpr, UPCAST: tl.constexpr):
     """softmax(q k^T) v for one tile of query rows over its first ``n_blocks`` KV blocks (online softmax),
-    issuing the PDL trigger once ``trigger_j`` blocks are done (0: the caller triggers). Shared by this kernel,
-    the fused layer kernel and the QKV GEMM's attention tail (gemm.py: ``KV_STAGES`` 1 inside a pipelined
-    GEMM kernel, ``CG``: K and V read past L1, written by other programs of the same kernel)."""
+    issuing the PDL trigger once ``trigger_j`` blocks are done (0: the caller triggers). Shared by this kernel
+    and the fused layer kernel."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     mask_d = offs_d < head_dim
@@ -127,18 +121,14 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
     m_i = tl.full([BLOCK_M], -1.0e38, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for j in tl.range(0, n_blocks, num_stages=KV_STAGES):
+    for j in range(0, n_blocks):
         offs_n = j * BLOCK_N + offs_nb
         mask_n = offs_n < seq
         # K loaded transposed, [BLOCK_D, BLOCK_N]; padding rows/cols read as 0.
-        k_ptrs = k_base + offs_n[None, :] * stride_qt + offs_d[:, None] * stride_qc
-        v_ptrs = v_base + offs_n[:, None] * stride_qt + offs_d[None, :] * stride_qc
-        if CG:
-            kt = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0, cache_modifier=".cg")
-            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        else:
-            kt = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        kt = tl.load(k_base + offs_n[None, :] * stride_qt + offs_d[:, None] * stride_qc,
+                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_qt + offs_d[None, :] * stride_qc,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)

@@ -26,7 +26,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from .attention import _attn_rows
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
@@ -43,8 +42,6 @@ _EARLY_STATS = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
-# The most query tiles a batch element may have for the attention tail (an unrolled loop over them).
-ATTN_TAIL_TILES = 8
 
 
 @dataclass(frozen=True)
@@ -61,35 +58,6 @@ class GemmConfig(KnobConfig):
     tma: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
-
-
-@dataclass(frozen=True)
-class AttnTail:
-    """Causal attention done by the QKV GEMM's programs (see ``_attn_tail``): ``out`` ``[M, heads*head_dim]``,
-    ``counts`` int32 ``[batch*heads*(seq//block_m)]`` zeroed once (every launch leaves them at zero)."""
-
-    out: torch.Tensor
-    counts: torch.Tensor
-    seq: int
-    heads: int
-    head_dim: int
-    sm_scale: float
-    key_block: int
-
-    def check(self, c: GemmConfig, m: int, n: int) -> str | None:
-        """Why the QKV GEMM ``c`` of an ``[m, n]`` output cannot carry this tail; None when it can."""
-        if n != 3 * self.heads * self.head_dim or m % self.seq:
-            return f"output [{m}, {n}] is not [batch*{self.seq}, 3*{self.heads}*{self.head_dim}]"
-        if c.split_k != 1 or c.block_n != self.head_dim or self.seq % c.block_m:
-            return (f"needs split_k 1, block_n == head_dim ({self.head_dim}) and block_m dividing seq ({self.seq}); "
-                    f"got split_k {c.split_k}, block {c.block_m}x{c.block_n}")
-        if self.seq // c.block_m > ATTN_TAIL_TILES:
-            return f"seq/block_m = {self.seq // c.block_m} query tiles > {ATTN_TAIL_TILES}"
-        if self.counts.dtype != torch.int32 or self.counts.numel() < m // self.seq * self.heads * (self.seq // c.block_m):
-            return "counts must be int32 with batch*heads*(seq/block_m) entries"
-        if tuple(self.out.shape) != (m, self.heads * self.head_dim):
-            return f"out {tuple(self.out.shape)} must be ({m}, {self.heads * self.head_dim})"
-        return None
 
 
 @dataclass(frozen=True)
@@ -301,48 +269,6 @@ def _row_stats_in(stats_ptr, offs_m, M, parts, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _attn_tail(qkv_ptr, stride_qkv, attn_ptr, stride_attn, cnt_ptr, pid_m, pid_n, seq, heads, qk_scale,
-               BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ATTN_BN: tl.constexpr, TILES: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """Causal attention computed by the QKV GEMM itself (``linear(_attn_tail=...)``), after this program's tile
-    is stored. Its tile (row tile ``pid_m``, column tile ``pid_n``: one head's q, k or v, BLOCK_N == head_dim)
-    counts as an arrival for each query tile of its batch and head that needs it: a q tile for its own rows,
-    a k or v tile for its rows' tile and every later one. The program that completes a query tile's count
-    (1 q + 2 (t+1) k/v tiles) computes that tile's attention, reading q, k, v past L1, and resets the count.
-
-    Memory order: every thread's store, then a CTA barrier, then one acq_rel gpu-scope atomic (Triton issues a
-    scalar atomic from one thread and broadcasts its result through shared memory behind a barrier): the
-    release makes this CTA's tile visible to the program whose acquire sees the completed count."""
-    tl.debug_barrier()
-    b = pid_m // TILES
-    t = pid_m % TILES
-    part = pid_n // heads  # 0: q, 1: k, 2: v
-    h = pid_n % heads
-    for t2 in tl.static_range(TILES):
-        if ((t == t2) & (part == 0)) | ((t <= t2) & (part > 0)):
-            cnt = cnt_ptr + (b * heads + h) * TILES + t2
-            old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-            if old == 2 * t2 + 2:  # the last of 1 + 2 (t2 + 1) arrivals
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # for the next launch (none pending now)
-                base = qkv_ptr + (b * seq).to(tl.int64) * stride_qkv + h * HEAD_DIM
-                offs_q = t2 * BLOCK_M + tl.arange(0, BLOCK_M)
-                offs_d = tl.arange(0, HEAD_DIM)
-                mask_q = offs_q < seq
-                q = tl.load(base + offs_q[:, None] * stride_qkv + offs_d[None, :], mask=mask_q[:, None],
-                            other=0.0, cache_modifier=".cg")
-                if UPCAST:
-                    q = q.to(tl.float32)
-                # Keys past this tile's last row are not read at all: their k/v tiles need not have arrived.
-                kv_len = tl.minimum(seq, (t2 + 1) * BLOCK_M)
-                n_blocks = tl.cdiv(kv_len, ATTN_BN)
-                o = _attn_rows(q, base + heads * HEAD_DIM, base + 2 * heads * HEAD_DIM, offs_q, kv_len, HEAD_DIM,
-                               stride_qkv, 1, qk_scale, n_blocks, -1, BLOCK_M, ATTN_BN, HEAD_DIM, True, False,
-                               UPCAST, 1, True)
-                dst = attn_ptr + ((b * seq).to(tl.int64) + offs_q[:, None]) * stride_attn + h * HEAD_DIM
-                tl.store(dst + offs_d[None, :], o.to(attn_ptr.dtype.element_ty), mask=mask_q[:, None])
-
-
-@triton.jit
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, trace_ptr,
@@ -364,9 +290,6 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    # attention tail (linear(_attn_tail=...)): output, arrival counts, sizes, query tiles a batch, key block
-    attn_ptr=None, stride_attn=0, attn_cnt_ptr=None, attn_seq=0, attn_heads=0, attn_scale=0.0,
-    ATTN_TAIL: tl.constexpr = False, ATTN_TILES: tl.constexpr = 1, ATTN_BN: tl.constexpr = 16,
 ):
     stamp(trace_ptr, 0, TRACE)
     pid = tl.program_id(0)
@@ -482,9 +405,6 @@ def _gemm_kernel(
         y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
         if STATS_OUT:
             _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
-        if ATTN_TAIL:
-            _attn_tail(out_ptr, stride_om, attn_ptr, stride_attn, attn_cnt_ptr, pid_m, pid_n, attn_seq, attn_heads,
-                       attn_scale, BLOCK_M, BLOCK_N, ATTN_BN, ATTN_TILES, UPCAST)
     else:
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
@@ -564,8 +484,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None,
-           _attn_tail: AttnTail | None = None) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -612,15 +531,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: stats_out must be fp32 ({stats_parts(config, N)}, {M}, 2)")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    tail = {}
-    if _attn_tail is not None:
-        why = _attn_tail.check(config, M, N)
-        if why:
-            raise ValueError(f"linear: attention tail: {why}")
-        a = _attn_tail
-        tail = dict(attn_ptr=a.out, stride_attn=a.out.stride(0), attn_cnt_ptr=a.counts, attn_seq=a.seq,
-                    attn_heads=a.heads, attn_scale=a.sm_scale * 1.4426950408889634, ATTN_TAIL=True,
-                    ATTN_TILES=a.seq // config.block_m, ATTN_BN=min(a.key_block, tile_cap(a.seq)))
     mode = launch_mode(x)
     c = effective_config(config, x)
     use_pdl = c.overlap_ratio >= 0
@@ -670,7 +580,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, **tail, num_warps=c.num_warps, num_stages=c.num_stages,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, num_warps=c.num_warps, num_stages=c.num_stages,
         launch_pdl=use_pdl,
     )
     if c.split_k > 1:

@@ -232,36 +232,3 @@ def test_linear_trace_stamps_are_ordered():
     assert (trace > 0).all() and (trace.diff(dim=1) >= 0).all(), trace
     with pytest.raises(ValueError, match="_trace must be int64"):
         linear(x, w, b, config=cfg, _trace=trace[:3])
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=IDS.get)
-@pytest.mark.parametrize("batch, seq, block_m, key_block", [(2, 32, 16, 16), (1, 48, 16, 64), (1, 16, 16, 16)])
-def test_qkv_attention_tail(dtype, batch, seq, block_m, key_block, device):
-    # The QKV GEMM computes causal attention in its last-arriving programs: the same as the attention kernel
-    # on the GEMM's output, every query tile written, the arrival counts back at zero (twice in a row).
-    from tuner.kernels.attention import attention_ref
-    from tuner.kernels.gemm import AttnTail
-
-    heads, hd, d = 3, 16, 40
-    m = batch * seq
-    x, w, b, _ = _inputs(m, 3 * heads * hd, d, dtype, device, seed=seq + batch)
-    cfg = GemmConfig(block_m=block_m, block_n=hd, block_k=16, num_warps=2, num_stages=2)
-    counts = torch.zeros(batch * heads * (seq // block_m), dtype=torch.int32, device=device)
-    for rep in range(2):
-        out = torch.full((m, heads * hd), float("nan"), dtype=dtype, device=device)
-        tail = AttnTail(out, counts, seq, heads, hd, 1.0 / hd**0.5, key_block)
-        qkv = linear(x, w, b, config=cfg, _attn_tail=tail)
-        assert rel_error(qkv, linear_ref(x, w, b)) < REL_TOLERANCE[dtype]
-        ref = attention_ref(qkv, batch=batch, seq=seq, heads=heads, head_dim=hd)
-        assert rel_error(out, ref) < REL_TOLERANCE[dtype], rep
-        assert int(counts.abs().sum()) == 0
-
-
-def test_qkv_attention_tail_refuses_other_tiles(device):
-    from tuner.kernels.gemm import AttnTail
-
-    x, w, b, _ = _inputs(32, 48, 40, torch.float16, device, seed=1)
-    out = torch.empty((32, 16), dtype=torch.float16, device=device)
-    tail = AttnTail(out, torch.zeros(8, dtype=torch.int32, device=device), 32, 1, 16, 0.25, 16)
-    with pytest.raises(ValueError, match="block_n == head_dim"):
-        linear(x, w, b, config=GemmConfig(block_m=16, block_n=32, block_k=16), _attn_tail=tail)

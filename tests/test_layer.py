@@ -56,41 +56,6 @@ def test_stack_with_statistics_from_split_k_producers(device):
     assert err < st.tolerance(), err
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
-def test_stack_with_attention_in_the_qkv_gemm(dtype, device):
-    # attn.fuse 1: no attention kernel; the QKV GEMM's last-arriving programs compute it. Batch 2, 32 tokens
-    # in two 16-row query tiles, two heads of 32: every query tile waits for its own q tile and the k/v tiles
-    # of its rows and all earlier ones. Three layers, two replays (the arrival counts reset themselves).
-    from dataclasses import replace
-
-    from tuner.kernels.gemm import GemmConfig
-
-    shape = DecoderShape(2, 32, 64, 2, 48, name="odd-attn")
-    cfg = hand_picked(shape)
-    cfg = replace(cfg, qkv=GemmConfig(block_m=16, block_n=32, block_k=16, num_warps=2, num_stages=2),
-                  attn=replace(cfg.attn, fuse=1, block_n=16))
-    assert check_config(cfg, shape) == {}, check_config(cfg, shape)
-    st = DecoderStack(shape, cfg, n_layers=3, dtype=dtype, device=device, seed=6)
-    assert st.launches("attn") == [] and len(st.launches("qkv")) == 3
-    for seed in (11, 12):
-        err = st.check(seed=seed)
-        assert err < st.tolerance(), err
-        assert all(int(b.attn_counts.abs().sum()) == 0 for b in st.bufs)
-
-
-def test_attention_in_the_qkv_gemm_needs_head_wide_tiles():
-    from dataclasses import replace
-
-    from tuner.kernels.gemm import GemmConfig
-    from tuner.layer import repair_config
-
-    shape = DecoderShape(1, 32, 64, 2, 48, name="odd-attn")
-    cfg = hand_picked(shape)
-    cfg = replace(cfg, qkv=GemmConfig(block_m=16, block_n=64, block_k=16), attn=replace(cfg.attn, fuse=1))
-    assert "block_n == head_dim (32)" in check_config(cfg, shape)["attn"]
-    assert repair_config(cfg, shape).attn.fuse == 0  # the search measures it with the attention kernel
-
-
 def test_stack_check_catches_unwritten_output(device):
     st = DecoderStack(ODD, hand_picked(ODD), n_layers=1, dtype=torch.float32, device=device, seed=1)
     st.run = lambda: None  # nothing launched: the poisoned output must fail the check
@@ -130,20 +95,3 @@ def test_stack_depth_cold_is_three_l2():
     n = stack_depth(s, 2, 60 * 2**20)
     assert n * s.weight_bytes(2) >= 3 * 60 * 2**20 > (n - 1) * s.weight_bytes(2)
     assert stack_depth(s, 2, 60 * 2**20, "hot") == s.depth
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny", "bert-base"])
-def test_attention_in_the_qkv_gemm_on_gpu(name):
-    # The arrival counts order real concurrent programs here (the interpreter runs them one by one): 30
-    # checks on fresh inputs, every buffer poisoned first, must all pass with PDL and prefetch on.
-    from dataclasses import replace
-
-    shape = resolve(name)
-    cfg = hand_picked(shape)
-    cfg = replace(cfg, attn=replace(cfg.attn, fuse=1))
-    assert check_config(cfg, shape) == {}, check_config(cfg, shape)
-    st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=3)
-    st.capture()
-    errs = [st.check(seed=100 + i) for i in range(30)]
-    assert max(errs) < st.tolerance(), errs

@@ -46,23 +46,10 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
         if why:
             bad[name] = why
     why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
-                                                    dtype_bytes), device) or attn_tail_error(cfg, shape)
+                                                    dtype_bytes), device)
     if why:
         bad["attn"] = why
     return bad
-
-
-def attn_tail_error(cfg: DecoderConfig, shape: DecoderShape) -> str | None:
-    """Why attention cannot run as the QKV GEMM's tail (AttnConfig.fuse 1) with these QKV tiles."""
-    if not cfg.attn.fuse:
-        return None
-    q = cfg.qkv
-    if q.split_k != 1 or q.block_n != shape.head_dim or shape.seq % q.block_m:
-        return (f"fuse=1 needs the QKV GEMM with split_k 1, block_n == head_dim ({shape.head_dim}) and block_m "
-                f"dividing seq ({shape.seq}); it has split_k {q.split_k}, block {q.block_m}x{q.block_n}")
-    if shape.seq // q.block_m > gemm_k.ATTN_TAIL_TILES:
-        return f"fuse=1: seq/block_m = {shape.seq // q.block_m} query tiles > {gemm_k.ATTN_TAIL_TILES}"
-    return None
 
 
 def layer_problem(shape: DecoderShape, dtype_bytes: int = 2) -> fused_k.LayerProblem:
@@ -86,11 +73,8 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
-    cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
-                          for n, (m, nn, k) in shape.gemms().items()})
-    if attn_tail_error(cfg, shape):  # QKV tiles that cannot carry attention: the attention kernel runs
-        cfg = replace(cfg, attn=replace(cfg.attn, fuse=0))
-    return cfg
+    return replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
+                           for n, (m, nn, k) in shape.gemms().items()})
 
 
 def default_config(shape: DecoderShape) -> DecoderConfig:
@@ -164,7 +148,7 @@ class LayerBuffers:
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.ws = {}
         self.fused = None
-        self.h_stats = self.y_stats = self.attn_counts = None
+        self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
             self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
             self.ln1 = self.ln2 = e(0)
@@ -181,9 +165,6 @@ class LayerBuffers:
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
-        # Attention in the QKV GEMM's tail: arrival counts, zero between launches (each launch resets them).
-        self.attn_counts = (torch.zeros(shape.batch * shape.heads * max(1, shape.seq // cfg.qkv.block_m),
-                                        dtype=torch.int32, device=device) if cfg.attn.fuse else None)
 
     def all(self):
         """Every buffer a launch writes (poisoned before a correctness check); not the sync counters."""
@@ -226,17 +207,12 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ln2 = dict(ln_colsum=u, ln_eps=LN_EPS)
         if cfg.norm2.fuse == 2:
             ln2["ln_stats"] = out_kw["stats_out"] = b.h_stats
-    qkv_kw = {}
-    if cfg.attn.fuse:
-        tail = gemm_k.AttnTail(b.attn, b.attn_counts, shape.seq, shape.heads, shape.head_dim,
-                               1.0 / math.sqrt(shape.head_dim), cfg.attn.block_n)
-        qkv_kw = dict(_attn_tail=tail)
     launches = [
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
                                       workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob,
-                                      _unchecked=unchecked, **ln1, **qkv_kw)),
+                                      _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
@@ -250,7 +226,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
-    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2), ("attn", cfg.attn)) if c.fuse}
+    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     return [(n, f) for n, f in launches if n not in skip]
 
 

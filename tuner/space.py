@@ -17,7 +17,7 @@ FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out"
 TILE_FIELDS = {
     "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma"),
     "norm": ("rows_per_program", "num_warps", "fuse"),
-    "attn": ("block_m", "block_n", "num_warps", "num_stages", "fuse"),
+    "attn": ("block_m", "block_n", "num_warps", "num_stages"),
     # The one-kernel layer (tuner.kernels.fused_layer); fuse: 1 replaces the seven kernels above.
     "layer": tuple(f.name for f in fields(FusedLayerConfig) if not f.name.endswith("_ratio")),
 }
