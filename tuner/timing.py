@@ -74,7 +74,12 @@ def time_replay(replay: Callable[[], None], n_layers: int, *, reps: int = 30, wa
 
 def time_interleaved(replays: list[Callable[[], None]], n_layers: list[int], *, rounds: int = 30,
                      warmup: int = 3) -> list[Timing]:
-    """A B C A B C ...: drift (clocks, temperature) hits every candidate alike."""
+    """A B C A B C ...: drift (clocks, temperature) hits every candidate alike.
+
+    Each sample is the second of two back-to-back replays, as in :func:`time_replay` (and the torch baselines):
+    timing a lone replay after a synchronize also counts the host's graph submission between the start
+    event and the first kernel (H200, bert-base: 20.81 us in the study, 21.36 in this re-measure with one
+    replay a sample; ~7 us a stack, so the shallower the stack the larger the error)."""
     for r in replays:
         for _ in range(warmup):
             r()
@@ -82,7 +87,7 @@ def time_interleaved(replays: list[Callable[[], None]], n_layers: list[int], *, 
     samples: list[list[float]] = [[] for _ in replays]
     for _ in range(rounds):
         for i, r in enumerate(replays):
-            samples[i].append(_replay_times_us(r, 1)[0] / n_layers[i])
+            samples[i].append(_replay_times_us(r, 2)[1] / n_layers[i])
     return [summarize(s) for s in samples]
 
 
