@@ -474,6 +474,7 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
         BN_F1=c.ffn1_block_n, SK_F1=c.ffn1_split_k, BN_F2=c.ffn2_block_n, SK_F2=c.ffn2_split_k,
         ABM=c.attn_block_m, ABN=c.attn_block_n, BLOCK_D=block_d(head_dim),
         USE_PDL=use_pdl, PREFETCH=sum(pf) > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
-        LINE_ELEMS=line, TIMES=_times is not None, GELU=act_code("gelu", x), num_warps=c.num_warps, num_stages=1, launch_pdl=use_pdl,
+        LINE_ELEMS=line, TIMES=_times is not None, GELU=act_code("gelu", x), num_warps=c.num_warps, num_stages=1,
+        launch_pdl=use_pdl,
     )
     return out
