@@ -103,6 +103,15 @@ def test_interpreter_switches_knobs_off():
     assert c.overlap_ratio == -1.0 and c.prefetch_ratio == -1.0
 
 
+def test_fast_gelu_only_where_inline_asm_runs():
+    # ACT 3 (GELU with tanh.approx.f32, inline asm) only on a GPU outside the interpreter; the interpreter and
+    # CPU tensors get the exp/divide form (ACT 1), which the odd-shape tests above check against torch.
+    from tuner.kernels.gemm import act_code
+
+    assert act_code("gelu", torch.zeros(1)) == 1 and act_code(None, torch.zeros(1)) == 0
+    assert act_code("silu", torch.zeros(1)) == 2
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_linear_layernorm_prologue(dtype, split_k, device):
