@@ -458,6 +458,11 @@ def stats_parts(config: GemmConfig, n: int) -> int:
     return triton.cdiv(n, config.block_n if config.split_k == 1 else _RED_BLOCK_N)
 
 
+def grid(config: GemmConfig, m: int, n: int) -> tuple[int, int]:
+    """The GEMM kernel's launch grid for an ``[m, n]`` output: (output tiles, splits)."""
+    return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k
+
+
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
     """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm."""
     return config.split_k * (m * n + 2 * m) if config.split_k > 1 else 0
@@ -550,10 +555,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None,
                     LN_PARTS=triton.next_power_of_2(max(ln_parts, 1)))
     lines = max(1, c.block_k * x.element_size() // 128)
-    grid = (triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n), c.split_k)
-    if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < grid[0] * grid[1] * 4
+    tiles, splits = grid(c, M, N)
+    if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < tiles * splits * 4
                                or _trace.device != x.device):
-        raise ValueError(f"linear: _trace must be int64 [{grid[0] * grid[1]}, 4] on {x.device}")
+        raise ValueError(f"linear: _trace must be int64 [{tiles * splits}, 4] on {x.device}")
     if c.tma:
         for name, t in (("x", x), ("weight", weight)):
             if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
@@ -563,7 +568,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    _gemm_kernel[grid](
+    _gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from tuner.bench import hand_picked
 from tuner.device import DeviceInfo
 from tuner.export import load_config
-from tuner.kernels.gemm import GemmProblem, check, fit, linear
+from tuner.kernels.gemm import GemmProblem, check, fit, grid, linear, workspace_numel
 from tuner.shapes import resolve
 from tuner.timing import capture, kernel_records
 
@@ -74,7 +74,8 @@ def main():
                 if bad:
                     rows.append(f"| {g} | {vname} | {wname} | - | invalid: {bad} | | |")
                     continue
-                ws_buf = torch.empty(c.split_k * m * n + 2 * c.split_k * m, device="cuda", dtype=torch.float32)
+                numel = workspace_numel(c, m, n)
+                ws_buf = torch.empty(numel, device="cuda", dtype=torch.float32) if numel else None
 
                 def run(c=c, wl=wl):
                     for i in range(R):
@@ -84,7 +85,8 @@ def main():
                 except Exception as e:  # a config the compiler rejects: say so, go on
                     rows.append(f"| {g} | {vname} | {wname} | - | failed: {str(e).splitlines()[0][:80]} | | |")
                     continue
-                progs = -(-m // c.block_m) * -(-n // c.block_n) * c.split_k
+                tiles, splits = grid(c, m, n)
+                progs = tiles * splits
                 kb = (c.block_m + c.block_n) * (k // c.split_k) * 2 / 1024
                 tag = f"{c.block_m}x{c.block_n}x{c.block_k}/{c.num_stages}s/sk{c.split_k}" + ("/tma" if c.tma else "")
                 rows.append(f"| {g} | {vname} {tag} | {wname} | {progs} | {us:.2f} | {kb:.0f} | {kb / us:.0f} |")
