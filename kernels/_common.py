@@ -86,13 +86,35 @@ class LaunchMode:
     pdl: bool  # launch with programmatic stream serialization + griddepcontrol in the kernel
     prefetch: bool  # inline-asm L2 prefetch
     upcast_bf16: bool  # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32
+    clusters: bool = False  # thread-block clusters (sm_90+) and the cluster barrier's inline asm
 
 
 def launch_mode(t: torch.Tensor) -> LaunchMode:
     if t.device.type != "cuda" or interpreting():
         return LaunchMode(pdl=False, prefetch=False, upcast_bf16=True)
     ok = DeviceInfo.from_torch(t.device).supports_pdl
-    return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False)
+    return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False, clusters=ok)
+
+
+def launch_clustered(fn, grid: tuple[int, int], cluster: int, *args, **kwargs) -> None:
+    """Launch ``fn`` over ``grid[0] * cluster`` x ``grid[1]`` programs in clusters of ``cluster``
+    consecutive programs along x, the kernel compiled for one CTA (``tl.program_id(0)`` counts CTAs).
+
+    Triton 3.6 launches clusters only for kernels compiled with ``num_ctas > 1``, and those split every
+    tile across the cluster (multi-CTA layouts). Its launcher takes the cluster size from the compiled
+    kernel's packed metadata ``(num_warps, num_ctas, shared)``: it launches ``gridDim.x = grid[0] *
+    num_ctas`` with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION ``(num_ctas, 1, 1)``. So the one-CTA build is
+    compiled (``warmup``), its packed metadata given the cluster size, and launched. ``cluster`` must be
+    a constexpr of the kernel's (part of its cache key): every launch of that build is clustered alike.
+    """
+    kernel = fn.warmup(*args, grid=grid, **kwargs)
+    kernel = kernel.result() if hasattr(kernel, "result") else kernel
+    num_warps, num_ctas, shared = kernel.packed_metadata
+    if num_ctas != cluster:
+        if num_ctas != 1 or getattr(kernel.metadata, "num_ctas", 1) != 1:
+            raise RuntimeError(f"launch_clustered: {kernel.name} already launches clusters of {num_ctas}")
+        kernel.packed_metadata = (num_warps, cluster, shared)
+    fn[grid](*args, **kwargs)
 
 
 def effective_config(config, x: torch.Tensor):
@@ -140,6 +162,17 @@ def prefetch_l2(ptrs):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def cluster_barrier(x):
+    """Every thread of the thread-block cluster arrives (release: its earlier writes, global memory
+    included, become visible at cluster scope) and waits for all (acquire). Returns 0, computed by the
+    asm: callers add it to the addresses of what they read after the barrier, a data dependence that
+    keeps those loads below it. ``x``: any int32 scalar (the asm needs an operand). sm_90+, GPU only."""
+    return tl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
+        "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
