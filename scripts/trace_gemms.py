@@ -1,10 +1,12 @@
 """Inside each GEMM of the timed stack: when its programs start, leave gdc_wait, finish the K loop and end.
 
-usage: python3 scripts/trace_gemms.py SHAPE CONFIG.json
+usage: python3 scripts/trace_gemms.py SHAPE CONFIG [CONFIG ...]   (CONFIG: a best.json or a timeline.py variant,
+e.g. best.json:ffn2.cluster=1)
 The stack is built and captured as the tuner times it (cold weights, one CUDA graph); every GEMM launch
 gets a trace buffer and stamps %globaltimer (ns) per program at four points (kernels/_common.stamp):
 entry, gdc_wait returned, K loop done, epilogue stored. Per GEMM of the middle layers (median over layers):
   launched early  first wait return - first entry (how long its programs sat waiting/prefetching)
+  entry skew      last entry - first entry (all programs resident at once: ~0; clusters wait for free SMs)
   wait skew       last wait return - first wait return
   loop            median over programs of (loop done - wait return)
   epilogue        median over programs of (end - loop done)
@@ -15,6 +17,7 @@ The stamps add a few instructions per program: compare the un-traced per-layer t
 figures as +- 0.25 us.
 """
 
+import os
 import statistics
 import sys
 
@@ -22,15 +25,23 @@ import torch
 
 import tuner.kernels.gemm as gemm_k
 from tuner.device import DeviceInfo
-from tuner.export import load_config
 from tuner.layer import DecoderStack, layer_launches, random_stack_weights, stack_depth
 from tuner.shapes import resolve
 from tuner.timing import time_replay
 
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timeline import variant  # noqa: E402
+
+
 def main():
     shape = resolve(sys.argv[1])
-    cfg = load_config(sys.argv[2], shape=shape)
+    for name in sys.argv[2:]:
+        trace(shape, name)
+
+
+def trace(shape, name):
+    cfg = variant(shape, name)
     dev = DeviceInfo.from_torch()
     n = stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
@@ -63,7 +74,8 @@ def main():
     launched = [nm for nm, _ in layer_launches(shape, cfg, st.weights[0], st.x, st.bufs[0])]
     names = [nm for nm in launched if nm in ("qkv", "out", "ffn1", "ffn2")]
     # a GEMM follows the previous one directly: adjacent launches, and no split-K reduction between them
-    follows = {nm: i > 0 and launched[i - 1] in names and getattr(cfg, launched[i - 1]).split_k == 1
+    follows = {nm: i > 0 and launched[i - 1] in names and (getattr(cfg, launched[i - 1]).split_k == 1
+                                                            or getattr(cfg, launched[i - 1]).cluster == 1)
                for i, nm in enumerate(launched)}
     per_layer = len(order) // n
     assert per_layer == len(names), (per_layer, names)
@@ -74,16 +86,17 @@ def main():
             t = traces[order[layer * per_layer + j]].double() / 1000.0  # us
             entry, wait, loop, end = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
             consecutive = follows[nm]
-            rows[nm].append((float(wait.min() - entry.min()), float(wait.max() - wait.min()),
+            rows[nm].append((float(wait.min() - entry.min()), float(entry.max() - entry.min()),
+                             float(wait.max() - wait.min()),
                              float((loop - wait).median()), float((end - loop).median()),
                              float(end.max() - wait.min()),
                              float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None))
             prev_end = float(end.max())
-    print(f"## {shape.name} {sys.argv[2]}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; {n} layers")
-    print("| GEMM | launched early | wait skew | loop | epilogue | span | boundary |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"## {shape.name} {name}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; {n} layers")
+    print("| GEMM | launched early | entry skew | wait skew | loop | epilogue | span | boundary |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for nm, v in rows.items():
-        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None for i in range(6)]
+        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None for i in range(7)]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
 
 

@@ -309,7 +309,7 @@ def test_cluster_split_k_in_a_pdl_chain(split_k):
     g = torch.Generator().manual_seed(split_k)
     x = (torch.randn(m, k, generator=g) / 4).half().cuda()
     ws_ = [(torch.randn(k, k, generator=g) / k**0.5).half().cuda() for _ in range(3)]
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=4, split_k=split_k, tma=1, cluster=1,
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=32, num_stages=4, split_k=split_k, tma=1, cluster=1,
                      overlap_ratio=0.0, prefetch_ratio=1.0)
     outs = [torch.empty(m, k, dtype=torch.float16, device="cuda") for _ in range(3)]
     work = torch.empty(workspace_numel(cfg, m, k), dtype=torch.float32, device="cuda")
