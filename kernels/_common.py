@@ -96,7 +96,16 @@ def launch_mode(t: torch.Tensor) -> LaunchMode:
     return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False, clusters=ok)
 
 
-def launch_clustered(fn, grid: tuple[int, int], cluster: int, *args, **kwargs) -> None:
+def _allow_dynamic_smem(function: int, nbytes: int) -> None:
+    """cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): Triton sets it only for its own size over 48 KB."""
+    import ctypes
+
+    err = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(function), 8, ctypes.c_int(nbytes))
+    if err:
+        raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed: CUDA error {err}")
+
+
+def launch_clustered(fn, grid: tuple[int, int], cluster: int, *args, extra_smem: int = 0, **kwargs) -> None:
     """Launch ``fn`` over ``grid[0] * cluster`` x ``grid[1]`` programs in clusters of ``cluster``
     consecutive programs along x, the kernel compiled for one CTA (``tl.program_id(0)`` counts CTAs).
 
@@ -106,14 +115,24 @@ def launch_clustered(fn, grid: tuple[int, int], cluster: int, *args, **kwargs) -
     num_ctas`` with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION ``(num_ctas, 1, 1)``. So the one-CTA build is
     compiled (``warmup``), its packed metadata given the cluster size, and launched. ``cluster`` must be
     a constexpr of the kernel's (part of its cache key): every launch of that build is clustered alike.
+
+    ``extra_smem``: bytes of dynamic shared memory past Triton's own, at the byte offset passed to the
+    kernel as its ``smem_off`` argument (a multiple of 16; Triton never touches them).
     """
     kernel = fn.warmup(*args, grid=grid, **kwargs)
     kernel = kernel.result() if hasattr(kernel, "result") else kernel
-    num_warps, num_ctas, shared = kernel.packed_metadata
-    if num_ctas != cluster:
-        if num_ctas != 1 or getattr(kernel.metadata, "num_ctas", 1) != 1:
-            raise RuntimeError(f"launch_clustered: {kernel.name} already launches clusters of {num_ctas}")
-        kernel.packed_metadata = (num_warps, cluster, shared)
+    if getattr(kernel.metadata, "num_ctas", 1) != 1:
+        raise RuntimeError(f"launch_clustered: {kernel.name} is a multi-CTA build")
+    off = -(-kernel.metadata.shared // 16) * 16
+    total = off + extra_smem if extra_smem else kernel.metadata.shared
+    num_warps = kernel.metadata.num_warps
+    if kernel.packed_metadata != (num_warps, cluster, total):
+        kernel._init_handles()  # loads the binary: kernel.function
+        if total > 49152:
+            _allow_dynamic_smem(kernel.function, total)
+        kernel.packed_metadata = (num_warps, cluster, total)
+    if extra_smem:
+        kwargs["smem_off"] = off
     fn[grid](*args, **kwargs)
 
 
@@ -173,6 +192,41 @@ def cluster_barrier(x):
     return tl.inline_asm_elementwise(
         "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
         "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def cluster_barrier_relaxed(x):
+    """:func:`cluster_barrier` without memory ordering (no fence: ``arrive.relaxed``), for a rendezvous whose
+    data are already consumed, e.g. before exit, so that no peer's shared memory goes while it is read."""
+    return tl.inline_asm_elementwise(
+        "barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n\tmov.u32 $0, 0;",
+        "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def smem_store_f32(off, val):
+    """``val`` into this CTA's dynamic shared memory at byte ``off`` (Triton's ``global_smem`` symbol; the
+    launcher must give the kernel shared memory past what Triton uses: launch_clustered's ``extra_smem``).
+    Returns 0. GPU only."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .u32 %sa;\n\tmov.u32 %sa, global_smem;\n\tadd.u32 %sa, %sa, $1;\n\t"
+        "st.shared.f32 [%sa], $2;\n\tmov.u32 $0, 0;\n\t}",
+        "=r,r,f", [off, val], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def dsmem_load_f32(off, rank):
+    """The fp32 at byte ``off`` of the dynamic shared memory of cluster CTA ``rank`` (distributed shared
+    memory: ``mapa`` + ``ld.shared::cluster``). GPU only.
+
+    Declared pure, so that Triton's layout passes drop the copies they make of it (an impure asm is kept in
+    every layout it is rematerialised in: twice the loads). The caller orders it by data: ``off`` depends on
+    the cluster barrier before it, and a barrier after the stores that use its value keeps the peers'
+    shared memory alive until it is read."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .u32 %sa, %sb;\n\tmov.u32 %sa, global_smem;\n\tadd.u32 %sa, %sa, $1;\n\t"
+        "mapa.shared::cluster.u32 %sb, %sa, $2;\n\tld.shared::cluster.f32 $0, [%sb];\n\t}",
+        "=f,r,r", [off, rank], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit

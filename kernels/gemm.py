@@ -26,7 +26,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, cluster_barrier, effective_config, launch_clustered, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
+from ._common import (KnobConfig, cluster_barrier, cluster_barrier_relaxed, dsmem_load_f32, effective_config,
+                      launch_clustered, smem_store_f32, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
 
@@ -44,6 +45,9 @@ _EARLY_STATS = True
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
 # The largest portable thread-block cluster (CUDA guarantees 8 on sm_90).
 _MAX_CLUSTER = 8
+# cluster=1 on the GPU: the partial tiles meet in distributed shared memory (each program reads its slice
+# from its peers' shared memory) instead of the L2 workspace.
+_DSMEM = True
 
 
 @dataclass(frozen=True)
@@ -78,10 +82,15 @@ class GemmProblem:
 
 
 
+def dsmem_bytes(c: GemmConfig) -> int:
+    """Shared memory a cluster=1 program adds for its fp32 partial tile (read by its cluster's peers)."""
+    return c.block_m * c.block_n * 4 if c.split_k > 1 and c.cluster else 0
+
+
 def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
     """The K loop's stages of A and B tiles (and, with TMA, one 8-byte mbarrier a stage: measured on
-    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages)."""
-    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma)
+    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages), and a cluster's partial tile."""
+    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma) + dsmem_bytes(c)
 
 
 def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
@@ -295,6 +304,8 @@ def _gemm_kernel(
     trigger_k, n_prefetch,
     # LayerNorm prologue: eps, and the number of parts of ln_stats (LN_STATS_IN)
     ln_eps, ln_parts,
+    # CLUSTER 1 with DSMEM: byte offset of the partial tile in dynamic shared memory (past Triton's own)
+    smem_off,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
@@ -304,6 +315,7 @@ def _gemm_kernel(
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
     CLUSTER: tl.constexpr = 0, SLICE: tl.constexpr = 1, SLICE_P2: tl.constexpr = 1, SPLIT_P2: tl.constexpr = 1,
+    DSMEM: tl.constexpr = False,
 ):
     # CLUSTER (split-K only): 0, partials for the reduction kernel; 1, the SPLIT_K programs of a tile are
     # one thread-block cluster (consecutive program ids): each stores its partial, the cluster barrier
@@ -454,7 +466,11 @@ def _gemm_kernel(
         # The tile's split s stores at ws[s]; with a LayerNorm gathered in the loop, its row sums per
         # (tile, split), read by the cluster's own programs only.
         ws = ws_ptr + pid_k * M * N
-        if CLUSTER != 3:
+        if CLUSTER == 1 and DSMEM:
+            # The partial stays in this program's shared memory; the cluster's programs read each other's.
+            tile_off = (tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) * 4 + smem_off
+            smem_store_f32(tile_off, acc)
+        elif CLUSTER != 3:
             tl.store(ws + offs_m[:, None] * N + offs_n[None, :], acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
             if HAS_LN and not LN_STATS_IN:
                 st = stats_ptr + ((pid * SPLIT_K + pid_k) * BLOCK_M + tl.arange(0, BLOCK_M)) * 2
@@ -469,10 +485,17 @@ def _gemm_kernel(
             ws = ws_ptr + zero
             red = tl.zeros((SLICE_P2, BLOCK_N), dtype=tl.float32)
             rmask = (offs_r[:, None] < M) & (offs_n[None, :] < N)
-            # Past L1 (.cg): another SM wrote these lines, and the workspace is reused by every layer.
-            for s in tl.static_range(SPLIT_K):
-                red += tl.load(ws + s * M * N + offs_r[:, None] * N + offs_n[None, :], mask=rmask,
-                               other=0.0, cache_modifier=".cg")
+            if CLUSTER == 1 and DSMEM:
+                # Rows past the tile read its last row (valid shared memory; masked at the store).
+                r_loc = tl.minimum(r_in, BLOCK_M - 1)
+                slice_off = (r_loc[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]) * 4 + smem_off + zero
+                for s in tl.static_range(SPLIT_K):
+                    red += dsmem_load_f32(slice_off, s)
+            else:
+                # Past L1 (.cg): another SM wrote these lines, and the workspace is reused by every layer.
+                for s in tl.static_range(SPLIT_K):
+                    red += tl.load(ws + s * M * N + offs_r[:, None] * N + offs_n[None, :], mask=rmask,
+                                   other=0.0, cache_modifier=".cg")
             if HAS_LN:
                 if LN_STATS_IN:
                     s1, s2 = _row_stats_sum(p1, p2)
@@ -488,6 +511,10 @@ def _gemm_kernel(
                                HAS_RES, ACT)
             if STATS_OUT:
                 _row_stats_out(y, offs_r, M, stats_out_ptr, pid_n)
+            if CLUSTER == 1 and DSMEM:
+                # No program may exit (its shared memory gone) before its peers have read their slices:
+                # the stores above use every value read, so the reads are complete (no fence needed).
+                cluster_barrier_relaxed(pid_k)
     stamp(trace_ptr, 3, TRACE)
 
 
@@ -660,7 +687,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         trigger_index(per_split, c.overlap_ratio), n_pref,
         ln_eps, ln_parts,
     )
-    kw = dict(
+    kw = dict(smem_off=0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
@@ -675,7 +702,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         kw.update(SLICE=slice_rows, SLICE_P2=triton.next_power_of_2(slice_rows),
                   SPLIT_P2=triton.next_power_of_2(c.split_k))
         if mode.clusters:
-            launch_clustered(_gemm_kernel, (tiles, 1), c.split_k, *args, CLUSTER=1, **kw)
+            launch_clustered(_gemm_kernel, (tiles, 1), c.split_k, *args, CLUSTER=1, DSMEM=_DSMEM,
+                             extra_smem=dsmem_bytes(c) if _DSMEM else 0, **kw)
         else:  # the two halves as two launches: partials, then each program's slice of the reduction
             _gemm_kernel[(tiles * splits, 1)](*args, CLUSTER=2, **kw)
             _gemm_kernel[(tiles * splits, 1)](*args, CLUSTER=3, **kw)

@@ -299,12 +299,15 @@ def test_launch_clustered_forms_clusters():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [2, 4, 8])
-def test_cluster_split_k_in_a_pdl_chain(split_k):
+@pytest.mark.parametrize("dsmem", [True, False], ids=["dsmem", "l2"])
+def test_cluster_split_k_in_a_pdl_chain(split_k, dsmem, monkeypatch):
     # Three clustered split-K GEMMs back to back with PDL, the output and workspace poisoned before each
     # of 20 graph replays: a slice read before its partials landed, or a GEMM reading its input before
     # its predecessor wrote it, shows as a NaN or a wrong value.
+    import tuner.kernels.gemm as gemm_k
     from tuner.kernels.gemm import workspace_numel
 
+    monkeypatch.setattr(gemm_k, "_DSMEM", dsmem)
     m, k = 128, 768
     g = torch.Generator().manual_seed(split_k)
     x = (torch.randn(m, k, generator=g) / 4).half().cuda()
