@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, cluster_barrier, cluster_barrier_relaxed, dsmem_load_f32, effective_config,
+from ._common import (KnobConfig, cluster_barrier, cluster_barrier_relaxed, dsmem_load_f32x4, effective_config,
                       launch_clustered, smem_store_f32, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
@@ -490,9 +490,20 @@ def _gemm_kernel(
             if CLUSTER == 1 and DSMEM:
                 # Rows past the tile read its last row (valid shared memory; masked at the store).
                 r_loc = tl.minimum(r_in, BLOCK_M - 1)
-                slice_off = (r_loc[:, None] * (BLOCK_N + 4) + tl.arange(0, BLOCK_N)[None, :]) * 4 + smem_off + zero
+                quad = tl.arange(0, BLOCK_N // 4)
+                slice_off = (r_loc[:, None] * (BLOCK_N + 4) + 4 * quad[None, :]) * 4 + smem_off + zero
+                q0 = tl.zeros((SLICE_P2, BLOCK_N // 4), dtype=tl.float32)
+                q1 = q0
+                q2 = q0
+                q3 = q0
                 for s in tl.static_range(SPLIT_K):
-                    red += dsmem_load_f32(slice_off, s)
+                    v0, v1, v2, v3 = dsmem_load_f32x4(slice_off, s)
+                    q0 += v0
+                    q1 += v1
+                    q2 += v2
+                    q3 += v3
+                # columns 4j + t: (q0, q1, q2, q3)[t][:, j]
+                red = tl.reshape(tl.join(tl.join(q0, q2), tl.join(q1, q3)), (SLICE_P2, BLOCK_N))
             else:
                 # Past L1 (.cg): another SM wrote these lines, and the workspace is reused by every layer.
                 for s in tl.static_range(SPLIT_K):
