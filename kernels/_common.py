@@ -86,54 +86,13 @@ class LaunchMode:
     pdl: bool  # launch with programmatic stream serialization + griddepcontrol in the kernel
     prefetch: bool  # inline-asm L2 prefetch
     upcast_bf16: bool  # the interpreter multiplies bf16 bit patterns in tl.dot: compute in fp32
-    clusters: bool = False  # thread-block clusters (sm_90+) and the cluster barrier's inline asm
 
 
 def launch_mode(t: torch.Tensor) -> LaunchMode:
     if t.device.type != "cuda" or interpreting():
         return LaunchMode(pdl=False, prefetch=False, upcast_bf16=True)
     ok = DeviceInfo.from_torch(t.device).supports_pdl
-    return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False, clusters=ok)
-
-
-def _allow_dynamic_smem(function: int, nbytes: int) -> None:
-    """cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES): Triton sets it only for its own size over 48 KB."""
-    import ctypes
-
-    err = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(function), 8, ctypes.c_int(nbytes))
-    if err:
-        raise RuntimeError(f"cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES, {nbytes}) failed: CUDA error {err}")
-
-
-def launch_clustered(fn, grid: tuple[int, int], cluster: int, *args, extra_smem: int = 0, **kwargs) -> None:
-    """Launch ``fn`` over ``grid[0] * cluster`` x ``grid[1]`` programs in clusters of ``cluster``
-    consecutive programs along x, the kernel compiled for one CTA (``tl.program_id(0)`` counts CTAs).
-
-    Triton 3.6 launches clusters only for kernels compiled with ``num_ctas > 1``, and those split every
-    tile across the cluster (multi-CTA layouts). Its launcher takes the cluster size from the compiled
-    kernel's packed metadata ``(num_warps, num_ctas, shared)``: it launches ``gridDim.x = grid[0] *
-    num_ctas`` with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION ``(num_ctas, 1, 1)``. So the one-CTA build is
-    compiled (``warmup``), its packed metadata given the cluster size, and launched. ``cluster`` must be
-    a constexpr of the kernel's (part of its cache key): every launch of that build is clustered alike.
-
-    ``extra_smem``: bytes of dynamic shared memory past Triton's own, at the byte offset passed to the
-    kernel as its ``smem_off`` argument (a multiple of 16; Triton never touches them).
-    """
-    kernel = fn.warmup(*args, grid=grid, **kwargs)
-    kernel = kernel.result() if hasattr(kernel, "result") else kernel
-    if getattr(kernel.metadata, "num_ctas", 1) != 1:
-        raise RuntimeError(f"launch_clustered: {kernel.name} is a multi-CTA build")
-    off = -(-kernel.metadata.shared // 16) * 16
-    total = off + extra_smem if extra_smem else kernel.metadata.shared
-    num_warps = kernel.metadata.num_warps
-    if kernel.packed_metadata != (num_warps, cluster, total):
-        kernel._init_handles()  # loads the binary: kernel.function
-        if total > 49152:
-            _allow_dynamic_smem(kernel.function, total)
-        kernel.packed_metadata = (num_warps, cluster, total)
-    if extra_smem:
-        kwargs["smem_off"] = off
-    fn[grid](*args, **kwargs)
+    return LaunchMode(pdl=ok, prefetch=ok, upcast_bf16=False)
 
 
 def effective_config(config, x: torch.Tensor):
@@ -181,55 +140,6 @@ def prefetch_l2(ptrs):
         is_pure=False,
         pack=1,
     )
-
-
-@triton.jit
-def cluster_barrier(x):
-    """Every thread of the thread-block cluster arrives (release: its earlier writes, global memory
-    included, become visible at cluster scope) and waits for all (acquire). Returns 0, computed by the
-    asm: callers add it to the addresses of what they read after the barrier, a data dependence that
-    keeps those loads below it. ``x``: any int32 scalar (the asm needs an operand). sm_90+, GPU only."""
-    return tl.inline_asm_elementwise(
-        "barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;\n\tmov.u32 $0, 0;",
-        "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def cluster_barrier_relaxed(x):
-    """:func:`cluster_barrier` without memory ordering (no fence: ``arrive.relaxed``), for a rendezvous whose
-    data are already consumed, e.g. before exit, so that no peer's shared memory goes while it is read."""
-    return tl.inline_asm_elementwise(
-        "barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;\n\tmov.u32 $0, 0;",
-        "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def smem_store_f32(off, val):
-    """``val`` into this CTA's dynamic shared memory at byte ``off`` (Triton's ``global_smem`` symbol; the
-    launcher must give the kernel shared memory past what Triton uses: launch_clustered's ``extra_smem``).
-    Returns 0. GPU only."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .u32 %sa;\n\tmov.u32 %sa, global_smem;\n\tadd.u32 %sa, %sa, $1;\n\t"
-        "st.shared.f32 [%sa], $2;\n\tmov.u32 $0, 0;\n\t}",
-        "=r,r,f", [off, val], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def dsmem_load_f32x4(off, rank):
-    """Four consecutive fp32 at byte ``off`` (16-byte aligned) of the dynamic shared memory of cluster CTA
-    ``rank`` (distributed shared memory: ``mapa`` + one 16-byte ``ld.shared::cluster.v4``). GPU only.
-    Element-wise 4-byte remote loads cost one network transaction each (a 64x64 partial exchanged in
-    ~5 us on the H200): four elements a load.
-
-    Declared pure, so that Triton's layout passes drop the copies they make of it (an impure asm is kept in
-    every layout it is rematerialised in: twice the loads). The caller orders it by data: ``off`` depends on
-    the cluster barrier before it, and a barrier after the stores that use its values keeps the peers'
-    shared memory alive until it is read."""
-    return tl.inline_asm_elementwise(
-        "{\n\t.reg .u32 %sa, %sb;\n\tmov.u32 %sa, global_smem;\n\tadd.u32 %sa, %sa, $4;\n\t"
-        "mapa.shared::cluster.u32 %sb, %sa, $5;\n\tld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [%sb];\n\t}",
-        "=f,=f,=f,=f,r,r", [off, rank], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
-        pack=1)
 
 
 @triton.jit

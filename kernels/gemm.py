@@ -26,8 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, cluster_barrier, cluster_barrier_relaxed, dsmem_load_f32x4, effective_config,
-                      launch_clustered, smem_store_f32, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
 
@@ -43,11 +42,6 @@ _EARLY_STATS = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
-# The largest portable thread-block cluster (CUDA guarantees 8 on sm_90).
-_MAX_CLUSTER = 8
-# cluster=1 on the GPU: the partial tiles meet in distributed shared memory (each program reads its slice
-# from its peers' shared memory) instead of the L2 workspace.
-_DSMEM = True
 
 
 @dataclass(frozen=True)
@@ -62,12 +56,6 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # Split-K only. 0: a reduction kernel sums the partials and applies the epilogue (one more launch in
-    # the chain). 1: the split_k programs of a tile run as one thread-block cluster (sm_90+): each stores
-    # its partial, they meet at the cluster barrier, and each sums and finishes 1/split_k of the tile's
-    # rows (no second kernel). Where clusters cannot launch (the interpreter, older GPUs), the same two
-    # halves run as two launches of the GEMM kernel.
-    cluster: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -82,15 +70,10 @@ class GemmProblem:
 
 
 
-def dsmem_bytes(c: GemmConfig) -> int:
-    """Shared memory a cluster=1 program adds for its fp32 partial tile (read by its cluster's peers)."""
-    return c.block_m * (c.block_n + 4) * 4 if c.split_k > 1 and c.cluster else 0
-
-
 def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
     """The K loop's stages of A and B tiles (and, with TMA, one 8-byte mbarrier a stage: measured on
-    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages), and a cluster's partial tile."""
-    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma) + dsmem_bytes(c)
+    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages)."""
+    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma)
 
 
 def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
@@ -128,10 +111,6 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
     if c.tma not in (0, 1):
         return f"tma={c.tma} must be 0 or 1"
-    if c.cluster not in (0, 1):
-        return f"cluster={c.cluster} must be 0 or 1"
-    if c.cluster and c.split_k > _MAX_CLUSTER:
-        return f"cluster=1 needs split_k <= {_MAX_CLUSTER} (the portable cluster size), not {c.split_k}"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
@@ -163,8 +142,7 @@ def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
     caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
     tma = c.tma if (problem.k * problem.dtype_bytes) % 16 == 0 else 0
-    split_k = fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k))
-    return replace(c, split_k=split_k, tma=tma, cluster=c.cluster if split_k > 1 else 0)
+    return replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
 
 
 @triton.jit
@@ -304,8 +282,6 @@ def _gemm_kernel(
     trigger_k, n_prefetch,
     # LayerNorm prologue: eps, and the number of parts of ln_stats (LN_STATS_IN)
     ln_eps, ln_parts,
-    # CLUSTER 1 with DSMEM: byte offset of the partial tile in dynamic shared memory (past Triton's own)
-    smem_off,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
@@ -314,21 +290,10 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    CLUSTER: tl.constexpr = 0, SLICE: tl.constexpr = 1, SLICE_P2: tl.constexpr = 1, SPLIT_P2: tl.constexpr = 1,
-    DSMEM: tl.constexpr = False,
 ):
-    # CLUSTER (split-K only): 0, partials for the reduction kernel; 1, the SPLIT_K programs of a tile are
-    # one thread-block cluster (consecutive program ids): each stores its partial, the cluster barrier
-    # orders the stores before the loads, and each program reduces SLICE rows of the tile and applies the
-    # epilogue to them. 2 and 3 are the two halves of 1 as separate launches (the interpreter, GPUs
-    # without clusters): partials only, then reduction only.
     stamp(trace_ptr, 0, TRACE)
-    if CLUSTER > 0:
-        pid = tl.program_id(0) // SPLIT_K
-        pid_k = tl.program_id(0) % SPLIT_K
-    else:
-        pid = tl.program_id(0)
-        pid_k = tl.program_id(1)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     # Grouped ordering: GROUP_M row-tiles share their weight column-tiles in L2.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -346,13 +311,8 @@ def _gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    if CLUSTER > 0:
-        # This program's rows of the reduction; rows past the slice or the tile map to M (masked).
-        r_in = pid_k * SLICE + tl.arange(0, SLICE_P2)
-        offs_r = pid_m * BLOCK_M + r_in
-        offs_r = tl.where((tl.arange(0, SLICE_P2) < SLICE) & (r_in < BLOCK_M), offs_r, M)
 
-    if PREFETCH and CLUSTER != 3:
+    if PREFETCH:
         # Weights do not depend on the predecessor: pull this program's first K tiles into L2 while it
         # is still running. One pointer per 128-byte line, clamped inside the weight.
         n_idx = tl.minimum(offs_n, N - 1)
@@ -376,13 +336,6 @@ def _gemm_kernel(
                                    HAS_RES)
         if HAS_LN:
             u = tl.load(ln_u_ptr + offs_n, mask=offs_n < N, other=0.0)
-    elif CLUSTER == 1 or CLUSTER == 3:  # the same for this program's slice of the reduction
-        bias, r = _epilogue_inputs(offs_r, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS,
-                                   HAS_RES)
-        if HAS_LN:
-            u = tl.load(ln_u_ptr + offs_n, mask=offs_n < N, other=0.0)
-            if LN_STATS_IN:
-                p1, p2 = _row_stats_parts(ln_stats_ptr, offs_r, M, ln_parts, LN_PARTS)
     if HAS_LN:
         # Row sums of the raw x for the fused LayerNorm: from the producer of x (LN_STATS_IN: loaded here,
         # right after the wait, so that their latency hides behind the K loop), else gathered from the A
@@ -396,8 +349,6 @@ def _gemm_kernel(
         else:
             s1 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             s2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if CLUSTER == 3:
-        n_iters = 0  # reduction only: the partials are in the workspace
     for i in range(0, n_iters):
         k = (k_first + i) * BLOCK_K + offs_k
         if USE_TMA:
@@ -454,7 +405,7 @@ def _gemm_kernel(
         y = _epilogue_with(acc, bias, r, offs_m, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
         if STATS_OUT:
             _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
-    elif CLUSTER == 0:
+    else:
         ws = ws_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
         if HAS_LN and not LN_STATS_IN:
@@ -462,72 +413,6 @@ def _gemm_kernel(
                 st = stats_ptr + (pid_k * M + offs_m) * 2
                 tl.store(st, s1, mask=offs_m < M)
                 tl.store(st + 1, s2, mask=offs_m < M)
-    else:
-        # The tile's split s stores at ws[s]; with a LayerNorm gathered in the loop, its row sums per
-        # (tile, split), read by the cluster's own programs only.
-        ws = ws_ptr + pid_k * M * N
-        if CLUSTER == 1 and DSMEM:
-            # The partial stays in this program's shared memory; the cluster's programs read each other's.
-            # Rows padded by 4 words: a warp's lanes walk down the rows in both layouts (MMA and blocked),
-            # and 64 words a row put them all in one bank (measured: 5 us for the exchange); with 68, 2-way.
-            tile_off = (tl.arange(0, BLOCK_M)[:, None] * (BLOCK_N + 4) + tl.arange(0, BLOCK_N)[None, :]) * 4 + smem_off
-            smem_store_f32(tile_off, acc)
-        elif CLUSTER != 3:
-            tl.store(ws + offs_m[:, None] * N + offs_n[None, :], acc, mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-            if HAS_LN and not LN_STATS_IN:
-                st = stats_ptr + ((pid * SPLIT_K + pid_k) * BLOCK_M + tl.arange(0, BLOCK_M)) * 2
-                tl.store(st, s1)
-                tl.store(st + 1, s2)
-        if CLUSTER != 2:
-            zero = 0
-            if CLUSTER == 1:
-                # Every thread arrives after its stores (release) and waits for the cluster (acquire); the
-                # loads below take their addresses from the barrier's result (0), so none moves above it.
-                zero = cluster_barrier(pid_k) * 64  # (x 64: keeps the pointers' alignment known, vector loads)
-            ws = ws_ptr + zero
-            red = tl.zeros((SLICE_P2, BLOCK_N), dtype=tl.float32)
-            rmask = (offs_r[:, None] < M) & (offs_n[None, :] < N)
-            if CLUSTER == 1 and DSMEM:
-                # Rows past the tile read its last row (valid shared memory; masked at the store).
-                r_loc = tl.minimum(r_in, BLOCK_M - 1)
-                quad = tl.arange(0, BLOCK_N // 4)
-                slice_off = (r_loc[:, None] * (BLOCK_N + 4) + 4 * quad[None, :]) * 4 + smem_off + zero
-                q0 = tl.zeros((SLICE_P2, BLOCK_N // 4), dtype=tl.float32)
-                q1 = q0
-                q2 = q0
-                q3 = q0
-                for s in tl.static_range(SPLIT_K):
-                    v0, v1, v2, v3 = dsmem_load_f32x4(slice_off, s)
-                    q0 += v0
-                    q1 += v1
-                    q2 += v2
-                    q3 += v3
-                # columns 4j + t: (q0, q1, q2, q3)[t][:, j]
-                red = tl.reshape(tl.join(tl.join(q0, q2), tl.join(q1, q3)), (SLICE_P2, BLOCK_N))
-            else:
-                # Past L1 (.cg): another SM wrote these lines, and the workspace is reused by every layer.
-                for s in tl.static_range(SPLIT_K):
-                    red += tl.load(ws + s * M * N + offs_r[:, None] * N + offs_n[None, :], mask=rmask,
-                                   other=0.0, cache_modifier=".cg")
-            if HAS_LN:
-                if LN_STATS_IN:
-                    s1, s2 = _row_stats_sum(p1, p2)
-                else:  # the splits' sums over their K ranges, for this slice's rows
-                    sp = tl.arange(0, SPLIT_P2)
-                    rows = (offs_r - pid_m * BLOCK_M) % BLOCK_M
-                    st = stats_ptr + zero + ((pid * SPLIT_K + sp[:, None]) * BLOCK_M + rows[None, :]) * 2
-                    smask = (sp[:, None] < SPLIT_K) & (offs_r[None, :] < M)
-                    s1 = tl.sum(tl.load(st, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-                    s2 = tl.sum(tl.load(st + 1, mask=smask, other=0.0, cache_modifier=".cg"), axis=0)
-                red = _ln_apply(red, s1, s2, u, K, ln_eps)
-            y = _epilogue_with(red, bias, r, offs_r, offs_n, M, N, out_ptr, stride_om, stride_on, HAS_BIAS,
-                               HAS_RES, ACT)
-            if STATS_OUT:
-                _row_stats_out(y, offs_r, M, stats_out_ptr, pid_n)
-            if CLUSTER == 1 and DSMEM:
-                # No program may exit (its shared memory gone) before its peers have read their slices:
-                # the stores above use every value read, so the reads are complete (no fence needed).
-                cluster_barrier_relaxed(pid_k)
     stamp(trace_ptr, 3, TRACE)
 
 
@@ -570,7 +455,7 @@ def _splitk_reduce_kernel(
 
 def stats_parts(config: GemmConfig, n: int) -> int:
     """How many column tiles write row sums with ``stats_out`` (the GEMM's, or the split-K reduction's)."""
-    return triton.cdiv(n, config.block_n if config.split_k == 1 or config.cluster else _RED_BLOCK_N)
+    return triton.cdiv(n, config.block_n if config.split_k == 1 else _RED_BLOCK_N)
 
 
 def grid(config: GemmConfig, m: int, n: int) -> tuple[int, int]:
@@ -579,12 +464,8 @@ def grid(config: GemmConfig, m: int, n: int) -> tuple[int, int]:
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
-    """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm (with
-    ``cluster``: per split, tile and tile row, each cluster reading only its own)."""
-    if config.split_k == 1:
-        return 0
-    rows = grid(config, m, n)[0] * config.block_m if config.cluster else m
-    return config.split_k * (m * n + 2 * rows)
+    """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm."""
+    return config.split_k * (m * n + 2 * m) if config.split_k > 1 else 0
 
 
 def fold_layernorm(weight: torch.Tensor, bias: torch.Tensor | None, ln_weight: torch.Tensor,
@@ -687,7 +568,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    args = (
+    _gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
@@ -699,8 +580,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out.stride(0), out.stride(1),
         trigger_index(per_split, c.overlap_ratio), n_pref,
         ln_eps, ln_parts,
-    )
-    kw = dict(smem_off=0,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
@@ -709,19 +588,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
-    clustered = c.split_k > 1 and c.cluster
-    if clustered:
-        slice_rows = triton.cdiv(c.block_m, c.split_k)
-        kw.update(SLICE=slice_rows, SLICE_P2=triton.next_power_of_2(slice_rows),
-                  SPLIT_P2=triton.next_power_of_2(c.split_k))
-        if mode.clusters:
-            launch_clustered(_gemm_kernel, (tiles, 1), c.split_k, *args, CLUSTER=1, DSMEM=_DSMEM,
-                             extra_smem=dsmem_bytes(c) if _DSMEM else 0, **kw)
-        else:  # the two halves as two launches: partials, then each program's slice of the reduction
-            _gemm_kernel[(tiles * splits, 1)](*args, CLUSTER=2, **kw)
-            _gemm_kernel[(tiles * splits, 1)](*args, CLUSTER=3, **kw)
-        return out
-    _gemm_kernel[(tiles, splits)](*args, **kw)
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
         _splitk_reduce_kernel[rgrid](

@@ -1,12 +1,12 @@
 """Inside each GEMM of the timed stack: when its programs start, leave gdc_wait, finish the K loop and end.
 
 usage: python3 scripts/trace_gemms.py SHAPE CONFIG [CONFIG ...]   (CONFIG: a best.json or a timeline.py variant,
-e.g. best.json:ffn2.cluster=1)
+e.g. best.json:out.split_k=2)
 The stack is built and captured as the tuner times it (cold weights, one CUDA graph); every GEMM launch
 gets a trace buffer and stamps %globaltimer (ns) per program at four points (kernels/_common.stamp):
 entry, gdc_wait returned, K loop done, epilogue stored. Per GEMM of the middle layers (median over layers):
   launched early  first wait return - first entry (how long its programs sat waiting/prefetching)
-  entry skew      last entry - first entry (all programs resident at once: ~0; clusters wait for free SMs)
+  entry skew      last entry - first entry (~0 when every program finds a free SM at once)
   wait skew       last wait return - first wait return
   loop            median over programs of (loop done - wait return)
   epilogue        median over programs of (end - loop done)
@@ -74,8 +74,7 @@ def trace(shape, name):
     launched = [nm for nm, _ in layer_launches(shape, cfg, st.weights[0], st.x, st.bufs[0])]
     names = [nm for nm in launched if nm in ("qkv", "out", "ffn1", "ffn2")]
     # a GEMM follows the previous one directly: adjacent launches, and no split-K reduction between them
-    follows = {nm: i > 0 and launched[i - 1] in names and (getattr(cfg, launched[i - 1]).split_k == 1
-                                                            or getattr(cfg, launched[i - 1]).cluster == 1)
+    follows = {nm: i > 0 and launched[i - 1] in names and getattr(cfg, launched[i - 1]).split_k == 1
                for i, nm in enumerate(launched)}
     per_layer = len(order) // n
     assert per_layer == len(names), (per_layer, names)

@@ -39,14 +39,11 @@ def test_linear_odd_shape(dtype, bias, activation, res, device):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("split_k", [2, 3, 7])
-@pytest.mark.parametrize("cluster", [0, 1], ids=["reduce-kernel", "cluster"])
-def test_linear_split_k(dtype, split_k, cluster, device):
-    # cluster 1 with 7 splits of a 16-row tile: slices of 3 rows, the last one 1 row (masked past the tile).
+def test_linear_split_k(dtype, split_k, device):
     m, k, n = 37, 200, 90
     x, w, b, r = _inputs(m, n, k, dtype, device, seed=split_k)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_k, cluster=cluster, overlap_ratio=0.5,
-                     prefetch_ratio=1.0)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_k, overlap_ratio=0.5, prefetch_ratio=1.0)
     assert check(cfg, GemmProblem(m, n, k)) is None
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
@@ -69,15 +66,13 @@ def test_linear_big_tile_small_problem(device):
         (GemmConfig(num_warps=3), GemmProblem(128, 768, 768), "num_warps"),
         (GemmConfig(block_k=64, split_k=13), GemmProblem(128, 768, 768), "exceeds the 12 K tiles"),
         (GemmConfig(block_k=64, split_k=5), GemmProblem(128, 768, 768), "without K tiles"),
-        (GemmConfig(block_k=64, split_k=12, cluster=1), GemmProblem(128, 768, 3072), "portable cluster size"),
-        (GemmConfig(split_k=2, cluster=2), GemmProblem(128, 768, 768), "cluster=2 must be 0 or 1"),
         (GemmConfig(block_m=128, block_n=256, block_k=128, num_stages=4), GemmProblem(128, 768, 768), "shared memory"),
         (GemmConfig(block_m=256), GemmProblem(128, 768, 768), "exceeds the problem"),
         (GemmConfig(block_m=128, block_n=256, num_warps=2), GemmProblem(128, 768, 768), "registers"),
         (GemmConfig(overlap_ratio=1.5), GemmProblem(128, 768, 768), "overlap_ratio"),
         (GemmConfig(prefetch_ratio=float("nan")), GemmProblem(128, 768, 768), "prefetch_ratio"),
     ],
-    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "cluster>8", "cluster2", "smem", "bm>M", "regs", "overlap", "nan"],
+    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan"],
 )
 def test_check_rejects(cfg, problem, needle):
     why = check(cfg, problem, DeviceInfo.interpreter())
@@ -118,8 +113,8 @@ def test_fast_gelu_only_where_inline_asm_runs():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("split_k, cluster", [(1, 0), (3, 0), (3, 1)])
-def test_linear_layernorm_prologue(dtype, split_k, cluster, device):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_linear_layernorm_prologue(dtype, split_k, device):
     m, k, n = 37, 200, 90
     x, w, b, r = _inputs(m, n, k, dtype, device, seed=11 + split_k)
     x = (x * k**0.5 + 0.5).to(dtype)  # O(1) rows with a non-zero mean, as in a residual stream
@@ -127,7 +122,7 @@ def test_linear_layernorm_prologue(dtype, split_k, cluster, device):
     lw = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
     lb = (0.1 * torch.randn(k, generator=g)).to(dtype).to(device)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, cluster=cluster)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k)
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out, ln_weight=lw, ln_bias=lb)
     ref = linear_ref(x, w, b, activation="gelu", residual=r, ln_weight=lw, ln_bias=lb)
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
@@ -171,9 +166,8 @@ def test_repair_moves_configs_inside_the_limits():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("split_producer, split_consumer, cluster", [(1, 1, 0), (3, 1, 0), (1, 3, 0), (2, 2, 0),
-                                                                     (3, 1, 1), (2, 3, 1)])
-def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_consumer, cluster, device):
+@pytest.mark.parametrize("split_producer, split_consumer", [(1, 1), (3, 1), (1, 3), (2, 2)])
+def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_consumer, device):
     # h = x @ W1.T + b1 + r writes its rows' sums (stats_out); the next GEMM normalises h with them
     # (ln_stats) instead of gathering them in its K loop: LN(h) @ W2.T + b2 as the reference computes it.
     from tuner.kernels.gemm import fold_layernorm, stats_parts
@@ -185,8 +179,8 @@ def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_con
     g = torch.Generator().manual_seed(6)
     lw = (1 + 0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
     lb = (0.1 * torch.randn(d, generator=g)).to(dtype).to(device)
-    c1 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_producer, cluster=cluster)
-    c2 = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_consumer, cluster=cluster)
+    c1 = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_producer)
+    c2 = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_consumer)
     stats = torch.full((stats_parts(c1, d), m, 2), float("nan"), dtype=torch.float32, device=device)
     h = linear(x, w1, b1, config=c1, residual=r, stats_out=stats)
     wf, bf, u = fold_layernorm(w2, b2, lw, lb)
@@ -205,13 +199,13 @@ def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_con
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("split_k, cluster", [(1, 0), (3, 0), (3, 1)])
-def test_linear_tma_loads(dtype, split_k, cluster, device):
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_linear_tma_loads(dtype, split_k, device):
     # TMA tiles past the edges of x and w read as zeros: odd M and N, K a 16-byte multiple, tiles bigger
     # than the rest of the problem; the same result as the cp.async path.
     m, k, n = 37, 208, 90
     x, w, b, r = _inputs(m, n, k, dtype, device, seed=60 + split_k)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, tma=1, cluster=cluster)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, tma=1)
     assert check(cfg, GemmProblem(m, n, k, x.element_size())) is None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
@@ -222,12 +216,11 @@ def test_linear_tma_loads(dtype, split_k, cluster, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_k, overlap, cluster", [(1, 0.0, 0), (4, 0.0, 0), (1, -1.0, 0), (4, 0.0, 1),
-                                                        (3, -1.0, 1), (8, 0.0, 1)])
-def test_linear_tma_on_gpu(split_k, overlap, cluster):
+@pytest.mark.parametrize("split_k, overlap", [(1, 0.0), (4, 0.0), (1, -1.0)])
+def test_linear_tma_on_gpu(split_k, overlap):
     m, k, n = 128, 3072, 768
     x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=70 + split_k)
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=split_k, tma=1, cluster=cluster,
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, split_k=split_k, tma=1,
                      overlap_ratio=overlap, prefetch_ratio=1.0 if overlap >= 0 else -1.0)
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
     linear(x, w, b, config=cfg, residual=r, out=out)
@@ -248,92 +241,3 @@ def test_linear_trace_stamps_are_ordered():
     assert (trace > 0).all() and (trace.diff(dim=1) >= 0).all(), trace
     with pytest.raises(ValueError, match="_trace must be int64"):
         linear(x, w, b, config=cfg, _trace=trace[:3])
-
-
-def test_cluster_is_inert_without_split_k():
-    from tuner.kernels.gemm import fit, workspace_numel
-
-    p = GemmProblem(128, 768, 768)
-    assert fit(GemmConfig(split_k=1, cluster=1), p).cluster == 0
-    assert fit(GemmConfig(block_k=64, split_k=4, cluster=1), p).cluster == 1
-    # Row sums of a LayerNorm gathered in the loop: per (tile, split, tile row) with a cluster.
-    assert workspace_numel(GemmConfig(block_m=64, block_n=64, split_k=4, cluster=1), 100, 768) == 4 * (100 * 768 + 2 * 24 * 64)
-
-
-@pytest.mark.gpu
-def test_launch_clustered_forms_clusters():
-    # launch_clustered: consecutive programs form a cluster of the requested size, and a cluster barrier
-    # orders one program's global stores before its cluster peers' loads.
-    import triton
-    import triton.language as tl
-
-    from tuner.kernels._common import cluster_barrier, launch_clustered
-
-    @triton.jit
-    def probe(out_ptr, data_ptr, CL: tl.constexpr):
-        pid = tl.program_id(0)
-        rank = tl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r,r", [pid], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-        size = tl.inline_asm_elementwise("mov.u32 $0, %cluster_nctarank;", "=r,r", [pid], dtype=tl.int32,
-                                         is_pure=False, pack=1)
-        offs = tl.arange(0, 256)
-        tl.store(data_ptr + pid * 256 + offs, pid * 1000 + offs)
-        zero = cluster_barrier(pid) * 64
-        peer = (pid // CL) * CL + (pid % CL + 1) % CL
-        got = tl.load(data_ptr + zero + peer * 256 + offs, cache_modifier=".cg")
-        ok = tl.sum((got == peer * 1000 + offs).to(tl.int32), axis=0)
-        tl.store(out_ptr + pid * 3, rank)
-        tl.store(out_ptr + pid * 3 + 1, size)
-        tl.store(out_ptr + pid * 3 + 2, ok)
-
-    for cl in (2, 4, 8):
-        progs = 16 * cl
-        out = torch.full((progs, 3), -1, dtype=torch.int32, device="cuda")
-        data = torch.full((progs, 256), -1, dtype=torch.int32, device="cuda")
-        launch_clustered(probe, (16, 1), cl, out, data, CL=cl)
-        torch.cuda.synchronize()
-        pids = torch.arange(progs, device="cuda", dtype=torch.int32)
-        assert torch.equal(out[:, 0], pids % cl) and (out[:, 1] == cl).all(), out
-        assert (out[:, 2] == 256).all(), out[:, 2]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("split_k", [2, 4, 8])
-@pytest.mark.parametrize("dsmem", [True, False], ids=["dsmem", "l2"])
-def test_cluster_split_k_in_a_pdl_chain(split_k, dsmem, monkeypatch):
-    # Three clustered split-K GEMMs back to back with PDL, the output and workspace poisoned before each
-    # of 20 graph replays: a slice read before its partials landed, or a GEMM reading its input before
-    # its predecessor wrote it, shows as a NaN or a wrong value.
-    import tuner.kernels.gemm as gemm_k
-    from tuner.kernels.gemm import workspace_numel
-
-    monkeypatch.setattr(gemm_k, "_DSMEM", dsmem)
-    m, k = 128, 768
-    g = torch.Generator().manual_seed(split_k)
-    x = (torch.randn(m, k, generator=g) / 4).half().cuda()
-    ws_ = [(torch.randn(k, k, generator=g) / k**0.5).half().cuda() for _ in range(3)]
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=32, num_stages=4, split_k=split_k, tma=1, cluster=1,
-                     overlap_ratio=0.0, prefetch_ratio=1.0)
-    outs = [torch.empty(m, k, dtype=torch.float16, device="cuda") for _ in range(3)]
-    work = torch.empty(workspace_numel(cfg, m, k), dtype=torch.float32, device="cuda")
-
-    def chain():
-        h = x
-        for w, o in zip(ws_, outs):
-            h = linear(h, w, config=cfg, residual=h, out=o, workspace=work, activation="gelu")
-
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    ref = x.float()
-    for w in ws_:
-        ref = linear_ref(ref.half(), w, activation="gelu", residual=ref.half())
-    for _ in range(20):
-        for o in outs:
-            o.fill_(float("nan"))
-        work.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert rel_error(outs[-1], ref) < 1e-2

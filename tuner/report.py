@@ -261,8 +261,8 @@ def gemm_op(kernels: dict, g: str) -> str:
 
 
 def format_tiles(kernels: dict) -> str:
-    """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, with a
-    'c' where the splits reduce in a cluster, and '/tma' where the tiles are loaded by TMA);
+    """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
+    '/tma' where the tiles are loaded by TMA);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'."""
     f = fused_layer(kernels)
     if f is not None:
@@ -279,7 +279,7 @@ def format_tiles(kernels: dict) -> str:
             continue
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"
-                     + ("c" if _num(c.get("cluster")) == 1 else "") + ("/tma" if _num(c.get("tma")) == 1 else ""))
+                     + ("/tma" if _num(c.get("tma")) == 1 else ""))
     return "; ".join(parts)
 
 
