@@ -39,6 +39,8 @@ _FAST_GELU = True
 # The LayerNorm row sums read from the producer summed in the K loop's first iteration (under its MMAs)
 # instead of the epilogue.
 _EARLY_STATS = True
+# TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only).
+_DESC_PREFETCH = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -269,6 +271,18 @@ def _row_stats_in(stats_ptr, offs_m, M, parts, PARTS: tl.constexpr):
 
 
 @triton.jit
+def _prefetch_tma_descriptors(x):
+    """Thread 0 pulls both TMA descriptors (kernel parameters: x_desc is parameter 11 of the PTX entry after
+    the 11 pointers, w_desc parameter 16 after x_desc's shape and strides; checked by a GPU test) into the
+    descriptor cache, as CUTLASS does at kernel entry: the first TMA load then does not wait for them."""
+    return tl.inline_asm_elementwise(
+        "{\n\t.reg .pred %tp;\n\t.reg .u32 %tt;\n\tmov.u32 %tt, %tid.x;\n\tsetp.eq.u32 %tp, %tt, 0;\n\t"
+        "@%tp prefetch.param.tensormap [_gemm_kernel_param_11];\n\t"
+        "@%tp prefetch.param.tensormap [_gemm_kernel_param_16];\n\tmov.u32 $0, 0;\n\t}",
+        "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, trace_ptr,
@@ -290,8 +304,11 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
+    if USE_TMA and DESC_PREFETCH:
+        _prefetch_tma_descriptors(M)
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     # Grouped ordering: GROUP_M row-tiles share their weight column-tiles in L2.
@@ -585,7 +602,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS, num_warps=c.num_warps,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

@@ -241,3 +241,23 @@ def test_linear_trace_stamps_are_ordered():
     assert (trace > 0).all() and (trace.diff(dim=1) >= 0).all(), trace
     with pytest.raises(ValueError, match="_trace must be int64"):
         linear(x, w, b, config=cfg, _trace=trace[:3])
+
+
+@pytest.mark.gpu
+def test_tma_descriptor_prefetch_names_the_descriptors():
+    # _prefetch_tma_descriptors names the PTX parameters of x_desc and w_desc by position: every TMA build
+    # launched with PDL must declare both as 128-byte parameters there (and prefetch them).
+    import tuner.kernels.gemm as gemm_k
+
+    m, k, n = 96, 256, 160
+    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=93)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, tma=1, overlap_ratio=0.0, prefetch_ratio=1.0)
+    out = linear(x, w, b, config=cfg, residual=r)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
+    builds = [kern for cache in gemm_k._gemm_kernel.device_caches.values() for kern in cache[0].values()]
+    ptx = [kern.asm["ptx"] for kern in builds if "prefetch.param.tensormap" in kern.asm["ptx"]]
+    assert ptx
+    for text in ptx:
+        assert ".param .align 64 .b8 _gemm_kernel_param_11[128]" in text
+        assert ".param .align 64 .b8 _gemm_kernel_param_16[128]" in text
