@@ -41,9 +41,6 @@ _FAST_GELU = True
 _EARLY_STATS = True
 # TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only).
 _DESC_PREFETCH = True
-# The epilogue's inputs (bias, residual, LayerNorm column sums) requested in the K loop's first iteration,
-# after the pipeline's first TMA loads, instead of before the loop (ahead of them).
-_LATE_INPUTS = False
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -307,7 +304,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, LATE_INPUTS: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -350,17 +347,12 @@ def _gemm_kernel(
     stamp(trace_ptr, 1, TRACE)
     pdl_trigger(0, trigger_k, USE_PDL)
     if SPLIT_K == 1:
-        if LATE_INPUTS:  # requested in the loop's first iteration, after the pipeline's first TMA loads
-            bias = tl.zeros((BLOCK_N,), dtype=bias_ptr.dtype.element_ty)
-            r = tl.zeros((BLOCK_M, BLOCK_N), dtype=res_ptr.dtype.element_ty)
-            u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        else:
-            # The epilogue's bias, residual and LayerNorm column sums, requested now: their latency hides
-            # behind the K loop instead of following it (the residual is a predecessor's: after the wait).
-            bias, r = _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS,
-                                       HAS_RES)
-            if HAS_LN:
-                u = tl.load(ln_u_ptr + offs_n, mask=offs_n < N, other=0.0)
+        # The epilogue's bias, residual and LayerNorm column sums, requested now: their latency hides
+        # behind the K loop instead of following it (the residual is a predecessor's: after the wait).
+        bias, r = _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS,
+                                   HAS_RES)
+        if HAS_LN:
+            u = tl.load(ln_u_ptr + offs_n, mask=offs_n < N, other=0.0)
     if HAS_LN:
         # Row sums of the raw x for the fused LayerNorm: from the producer of x (LN_STATS_IN: loaded here,
         # right after the wait, so that their latency hides behind the K loop), else gathered from the A
@@ -406,12 +398,6 @@ def _gemm_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc)
-        if SPLIT_K == 1 and LATE_INPUTS:
-            if i == 0:
-                bias, r = _epilogue_inputs(offs_m, offs_n, M, N, bias_ptr, res_ptr, stride_rm, stride_rn, HAS_BIAS,
-                                           HAS_RES)
-                if HAS_LN:
-                    u = tl.load(ln_u_ptr + offs_n, mask=offs_n < N, other=0.0)
         if HAS_LN and LN_STATS_IN and SPLIT_K == 1 and EARLY_STATS:
             # Sum the producer's parts while the first tile's MMAs run, not after the loop: with one warp
             # per scheduler the epilogue's instructions are what it costs.
@@ -617,7 +603,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, LATE_INPUTS=_LATE_INPUTS, num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
