@@ -33,8 +33,6 @@ from ._common import (KnobConfig, effective_config, launch_mode, pdl_trigger, pd
                       tile_cap)
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
-# Causal programs load only the keys up to their last query row (A/B).
-_CAUSAL_LOADS = False
 _LOG2E = 1.4426950408889634
 
 
@@ -164,7 +162,6 @@ def _attn_fwd_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr,
-    CAUSAL_LOADS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -209,10 +206,7 @@ def _attn_fwd_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    kv_len = seq
-    if CAUSAL_LOADS:  # keys past the tile's last row are not loaded (read as 0; they are masked anyway)
-        kv_len = kv_end
-    acc = _attn_rows(q, k_base, v_base, offs_m, kv_len, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
+    acc = _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
                      BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, USE_PDL, UPCAST)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_oc,
              acc.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -253,7 +247,7 @@ def attention(qkv: torch.Tensor, *, batch: int, seq: int, heads: int, head_dim: 
         float(sm_scale) * _LOG2E, float(max(c.overlap_ratio, 0.0)),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal),
         USE_PDL=use_pdl, UPCAST=mode.upcast_bf16 and qkv.dtype == torch.bfloat16,
-        RACY_READ_BEFORE_WAIT=_racy_read_before_wait, CAUSAL_LOADS=_CAUSAL_LOADS and bool(causal),
+        RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     return out

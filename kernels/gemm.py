@@ -41,8 +41,6 @@ _FAST_GELU = True
 _EARLY_STATS = True
 # TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only).
 _DESC_PREFETCH = True
-# Weight prefetch with the default L2 policy instead of evict_last (A/B).
-_PREFETCH_NORMAL = False
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -306,7 +304,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, PREFETCH_NORMAL: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -338,7 +336,7 @@ def _gemm_kernel(
         lines = tl.arange(0, LINES) * LINE_ELEMS
         for i in range(0, tl.minimum(n_prefetch, n_iters)):
             k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
-            prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk, PREFETCH_NORMAL)
+            prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RACY_READ_BEFORE_WAIT:
@@ -605,7 +603,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, PREFETCH_NORMAL=_PREFETCH_NORMAL, num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
