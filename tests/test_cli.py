@@ -397,3 +397,20 @@ def test_summary_across_runs_writes_latest_and_stamped(first, tmp_path, capsys):
     stamped = sorted(tmp_path.glob("summary-*.md"))
     assert len(stamped) == 1 and stamped[0].read_text() == latest
     assert "SUMMARY OF ALL SHAPES" in latest and "REPLAYED" in latest and "bert-base" in latest
+
+
+TINY_BEST = Path(__file__).parent / "data" / "best-tiny-h200.json"  # best.json of the H200 run 20261122-061019
+
+
+def test_bench_measures_a_config_on_its_own_shape(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: `tune bench` would measure")
+    # Without --shape: the config's own shape (tiny), so the only complaint on a CPU box is the missing GPU.
+    assert_user_error(*tune("bench", "--config", TINY_BEST, "--out", tmp_path), ["tune bench", "CUDA GPU"])
+    # Another --shape: refused before any GPU work, naming both shapes.
+    assert_user_error(*tune("bench", "--config", TINY_BEST, "--shape", "bert-base", "--out", tmp_path),
+                      ["--config", "1x32x256x4x1024", "1x128x768x12x3072"])
+    assert_user_error(*tune("bench", "--config", tmp_path / "nope.json"), ["--config", "no best.json"])
+    assert not any(tmp_path.iterdir())

@@ -82,10 +82,28 @@ def cmd_shapes(args) -> int:
     return 0
 
 
+def _config_shape(path: str):
+    """The shape a best.json was tuned for (what `tune bench --config` measures when no --shape is given)."""
+    from tuner.config import ConfigError
+    from tuner.export import read_best
+    from tuner.shapes import DecoderShape
+
+    try:
+        d = read_best(path)
+        return [DecoderShape.from_dict(d["shape"])]
+    except ConfigError as e:
+        raise UserError(f"--config {e}") from None
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"--config {path}: best.json has no valid 'shape'; give --shape") from None
+
+
 def cmd_bench(args) -> int:
     from tuner import bench
 
-    shapes = _shapes(args.shape, args.shape_file)
+    if args.config and not args.shape and not args.shape_file:
+        shapes = _config_shape(args.config)  # a config is measured on the shape it was tuned for
+    else:
+        shapes = _shapes(args.shape, args.shape_file)
     dtype = _dtype(args.dtype)
     if args.config:  # schema and shape first: those mistakes are found without a GPU
         for shape in shapes:
@@ -437,7 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_shapes)
 
     b = sub.add_parser("bench", help="our layer against torch eager, torch.compile and the memory floor")
-    b.add_argument("--shape", action="append", help="preset, BxSxDxHxF or 'all' (repeatable)")
+    b.add_argument("--shape", action="append",
+                   help="preset, BxSxDxHxF or 'all' (repeatable); default: the --config's shape, else bert-base")
     b.add_argument("--shape-file")
     b.add_argument("--dtype", default="float16")
     b.add_argument("--l2", choices=["cold", "hot"], default="cold")
