@@ -261,3 +261,66 @@ def test_tma_descriptor_prefetch_names_the_descriptors():
     for text in ptx:
         assert ".param .align 64 .b8 _gemm_kernel_param_11[128]" in text
         assert ".param .align 64 .b8 _gemm_kernel_param_16[128]" in text
+
+
+@pytest.mark.parametrize("block_n", [32, 64, 128])
+def test_split_k_arrival_counts_return_to_zero(block_n, device):
+    # The reduction waits for each tile's split_k arrivals (split_flags) instead of the whole split GEMM. GEMM
+    # column tiles narrower than, as wide as and wider than the reduction's 64; odd M (a short last row tile).
+    # Every launch leaves the counts at zero for the next.
+    from tuner.kernels.gemm import split_flags_numel
+
+    m, k, n = 37, 192, 160
+    x, w, b, r = _inputs(m, n, k, torch.float16, device, seed=block_n)
+    cfg = GemmConfig(block_m=32, block_n=block_n, block_k=32, split_k=3, overlap_ratio=0.0, prefetch_ratio=1.0)
+    flags = torch.zeros(split_flags_numel(cfg, m, n), dtype=torch.int32, device=device)
+    for _ in range(2):
+        out = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)
+        linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out, split_flags=flags)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < 1e-2
+        assert int(flags.abs().sum()) == 0, flags
+    with pytest.raises(ValueError, match="split_flags needs"):
+        linear(x, w, b, config=cfg, split_flags=flags[:1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k, block_n", [(2, 64), (3, 32), (4, 64), (4, 128)])
+def test_split_k_arrival_counts_in_a_pdl_chain(split_k, block_n):
+    # Three split-K GEMMs back to back with PDL, their reductions waiting on per-tile arrival counts; the
+    # outputs and the workspace poisoned before each of 20 graph replays: a reduction that read a partial
+    # before its arrival, or a count not reset, shows as a NaN or a wrong value.
+    from tuner.kernels.gemm import split_flags_numel, workspace_numel
+
+    m, k = 100, 768
+    g = torch.Generator().manual_seed(split_k * block_n)
+    x = (torch.randn(m, k, generator=g) / 4).half().cuda()
+    weights = [(torch.randn(k, k, generator=g) / k**0.5).half().cuda() for _ in range(3)]
+    cfg = GemmConfig(block_m=64, block_n=block_n, block_k=64, num_stages=4, split_k=split_k, tma=1,
+                     overlap_ratio=0.0, prefetch_ratio=1.0)
+    outs = [torch.empty(m, k, dtype=torch.float16, device="cuda") for _ in range(3)]
+    work = torch.empty(workspace_numel(cfg, m, k), dtype=torch.float32, device="cuda")
+    flags = torch.zeros(split_flags_numel(cfg, m, k), dtype=torch.int32, device="cuda")
+
+    def chain():
+        h = x
+        for w, o in zip(weights, outs):
+            h = linear(h, w, config=cfg, residual=h, out=o, workspace=work, split_flags=flags, activation="gelu")
+
+    chain()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    ref = x.float()
+    for w in weights:
+        ref = linear_ref(ref.half(), w, activation="gelu", residual=ref.half())
+    for _ in range(20):
+        for o in outs:
+            o.fill_(float("nan"))
+        work.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(outs[-1], ref) < 1e-2
+        assert int(flags.abs().sum()) == 0
