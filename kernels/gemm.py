@@ -41,8 +41,6 @@ _FAST_GELU = True
 _EARLY_STATS = True
 # TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only).
 _DESC_PREFETCH = True
-# Split-K: the reduction kernel waits for per-tile arrival counts of the split GEMM instead of gdc_wait.
-_SPLIT_FLAGS = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -288,11 +286,8 @@ def _prefetch_tma_descriptors(x):
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, trace_ptr,
-    # TMA descriptors of x [M, K] and w [N, K] (USE_TMA; else the same pointers again, unused). Their
-    # positions are named by _prefetch_tma_descriptors: nothing may be added before them.
+    # TMA descriptors of x [M, K] and w [N, K] (USE_TMA; else the same pointers again, unused)
     x_desc, w_desc,
-    # split-K arrival counts (SPLIT_FLAGS)
-    flags_ptr,
     # sizes
     M, N, K,
     # strides
@@ -309,7 +304,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, SPLIT_FLAGS: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -435,34 +430,19 @@ def _gemm_kernel(
                 st = stats_ptr + (pid_k * M + offs_m) * 2
                 tl.store(st, s1, mask=offs_m < M)
                 tl.store(st + 1, s2, mask=offs_m < M)
-        if SPLIT_FLAGS:
-            # This split's partial counts as an arrival at its tile: every thread's stores, a CTA barrier,
-            # then one release atomic (Triton issues a scalar atomic from one thread).
-            tl.debug_barrier()
-            tl.atomic_add(flags_ptr + pid_m * num_pid_n + pid_n, 1, sem="release", scope="gpu")
     stamp(trace_ptr, 3, TRACE)
 
 
 @triton.jit
-def _wait_count(ptr, target):
-    """Spin until the int32 at ``ptr`` reaches ``target`` (acquire, gpu scope; one thread's atomic, its result
-    shared with the CTA behind a barrier)."""
-    c = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-    while c < target:
-        c = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
-
-
-@triton.jit
 def _splitk_reduce_kernel(
-    ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, flags_ptr,
+    ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr,
     M, N, K,
     stride_rm, stride_rn, stride_om, stride_on,
     trigger_s, ln_eps, ln_parts,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, LN_PARTS: tl.constexpr,
-    SPLIT_P2: tl.constexpr, SPLIT_FLAGS: tl.constexpr = False, GEMM_BM: tl.constexpr = 64,
-    GEMM_BN: tl.constexpr = 64, GEMM_TILES_N: tl.constexpr = 1,
+    SPLIT_P2: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -470,40 +450,12 @@ def _splitk_reduce_kernel(
     # Like the norm (no weights, short): at 0 the trigger goes before gdc_wait, so that the next GEMM
     # launches and prefetches its weights while the split GEMM is still running.
     pdl_trigger(0, trigger_s, USE_PDL)
-    if SPLIT_FLAGS:
-        # Instead of gdc_wait (the whole split GEMM): wait for the split_k arrivals of the GEMM tiles under
-        # this tile (one GEMM row tile; one column tile, or several when the GEMM's are narrower). What this
-        # kernel reads besides the partials (residual, bias, the producer's row sums) was complete before
-        # it launched: the split GEMM launches it after its own gdc_wait.
-        gm = (tl.program_id(0) * BLOCK_M) // GEMM_BM
-        gn0 = (tl.program_id(1) * BLOCK_N) // GEMM_BN
-        num_gn = tl.cdiv(N, GEMM_BN)
-        for j in tl.static_range(GEMM_TILES_N):  # GEMM column tiles under this tile
-            if gn0 + j < num_gn:
-                _wait_count(flags_ptr + gm * num_gn + gn0 + j, SPLIT_K)
-    else:
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # Unrolled: every split's partial tile is requested before the first is added (past L1: another SM
-    # wrote them, and every layer reuses the workspace).
+    # Unrolled: every split's partial tile is requested before the first is added.
     for s in tl.static_range(SPLIT_K):
-        acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
-                       cache_modifier=".cg")
+        acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
         pdl_trigger(s + 1, trigger_s, USE_PDL)
-    if SPLIT_FLAGS:
-        # The last reader of a GEMM tile's count resets it (and its own count of readers) for the next launch:
-        # no reader of this launch polls it any more, and the next launch's arrivals come after this kernel
-        # has completed (the chain's gdc_waits).
-        gm_rows = tl.minimum(GEMM_BM, M - gm * GEMM_BM)
-        for j in tl.static_range(GEMM_TILES_N):
-            if gn0 + j < num_gn:
-                t = gm * num_gn + gn0 + j
-                cols = tl.minimum(GEMM_BN, N - (gn0 + j) * GEMM_BN)
-                readers = tl.cdiv(gm_rows, BLOCK_M) * tl.cdiv(cols, BLOCK_N)
-                done = tl.atomic_add(flags_ptr + num_gn * tl.cdiv(M, GEMM_BM) + t, 1, sem="relaxed", scope="gpu")
-                if done == readers - 1:
-                    tl.atomic_xchg(flags_ptr + t, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(flags_ptr + num_gn * tl.cdiv(M, GEMM_BM) + t, 0, sem="relaxed", scope="gpu")
     if HAS_LN:
         if LN_STATS_IN:
             s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
@@ -516,6 +468,8 @@ def _splitk_reduce_kernel(
         _row_stats_out(y, offs_m, M, stats_out_ptr, tl.program_id(1))
 
 
+
+
 def stats_parts(config: GemmConfig, n: int) -> int:
     """How many column tiles write row sums with ``stats_out`` (the GEMM's, or the split-K reduction's)."""
     return triton.cdiv(n, config.block_n if config.split_k == 1 else _RED_BLOCK_N)
@@ -524,11 +478,6 @@ def stats_parts(config: GemmConfig, n: int) -> int:
 def grid(config: GemmConfig, m: int, n: int) -> tuple[int, int]:
     """The GEMM kernel's launch grid for an ``[m, n]`` output: (output tiles, splits)."""
     return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k
-
-
-def split_flags_numel(config: GemmConfig, m: int, n: int) -> int:
-    """int32 counters of a split-K GEMM with split flags: arrivals and readers per output tile."""
-    return 2 * grid(config, m, n)[0] if config.split_k > 1 else 0
 
 
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
@@ -557,8 +506,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None,
-           split_flags: torch.Tensor | None = None) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -570,11 +518,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``stats_out`` (``[stats_parts(config, N), M, 2]`` fp32): each column tile also writes its share of the
     output rows' sums of y and y^2, the statistics of a LayerNorm fused into the next GEMM.
-
-    ``split_flags`` (split-K, int32 ``[split_flags_numel(config, M, N)]``, zeroed once; every launch leaves
-    it at zero): the reduction kernel waits for each tile's split_k arrivals instead of the whole GEMM
-    (``gdc_wait``). Allocated here when not given; not used where the LayerNorm's row sums are gathered in
-    the split GEMM's loop (a reduction tile would also need the sums of another tile).
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -624,13 +567,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
     stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
-    flags = c.split_k > 1 and _SPLIT_FLAGS and not (ln_colsum is not None and ln_stats is None)
-    if flags:
-        need = split_flags_numel(c, M, N)
-        if split_flags is None:
-            split_flags = torch.zeros(need, device=x.device, dtype=torch.int32)
-        elif split_flags.numel() < need or split_flags.dtype != torch.int32 or split_flags.device != x.device:
-            raise ValueError(f"linear: split_flags needs {need} int32 elements on {x.device}")
     dummy = out  # never read when the matching HAS_* / LN_* / STATS_* flag is off
     ln_parts = ln_stats.shape[0] if ln_stats is not None else 0
     stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None,
@@ -654,7 +590,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
         ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
-        _trace if _trace is not None else dummy, x_desc, w_desc, split_flags if flags else dummy,
+        _trace if _trace is not None else dummy, x_desc, w_desc,
         M, N, K,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
@@ -667,7 +603,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, SPLIT_FLAGS=flags, num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
@@ -676,7 +612,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
             ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
             ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
-            split_flags if flags else dummy,
             M, N, K,
             residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
             out.stride(0), out.stride(1),
@@ -684,8 +619,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,
-            SPLIT_P2=triton.next_power_of_2(c.split_k), SPLIT_FLAGS=flags, GEMM_BM=c.block_m, GEMM_BN=c.block_n,
-            GEMM_TILES_N=max(1, _RED_BLOCK_N // c.block_n), num_warps=4, num_stages=1, launch_pdl=use_pdl,
+            SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )
     return out
 

@@ -146,7 +146,7 @@ class LayerBuffers:
     def __init__(self, shape: DecoderShape, cfg: DecoderConfig, dtype, device):
         m, d, f = shape.tokens, shape.d_model, shape.ffn
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
-        self.ws, self.flags = {}, {}
+        self.ws = {}
         self.fused = None
         self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
@@ -165,9 +165,6 @@ class LayerBuffers:
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
-            # Split-K arrival counts: zero once, every launch leaves them at zero; not poisoned (all()).
-            n = gemm_k.split_flags_numel(getattr(cfg, name), gm, gn)
-            self.flags[name] = torch.zeros(n, dtype=torch.int32, device=device) if n else None
 
     def all(self):
         """Every buffer a launch writes (poisoned before a correctness check); not the sync counters."""
@@ -214,22 +211,20 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
-                                      workspace=b.ws["qkv"], split_flags=b.flags["qkv"],
-                                      _racy_read_before_wait=r("qkv"), _oob_write=oob, _unchecked=unchecked, **ln1)),
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob,
+                                      _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
         ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
-                                      workspace=b.ws["out"], split_flags=b.flags["out"],
-                                      _racy_read_before_wait=r("out"), **out_kw)),
+                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
-                                       split_flags=b.flags["ffn1"], _racy_read_before_wait=r("ffn1"), **ln2)),
+                                       _racy_read_before_wait=r("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
-                                       workspace=b.ws["ffn2"], split_flags=b.flags["ffn2"],
-                                       _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
+                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     return [(n, f) for n, f in launches if n not in skip]
