@@ -143,12 +143,18 @@ def prefetch_l2(ptrs):
 
 
 @triton.jit
+def globaltimer(x):
+    """%globaltimer (ns, int64); ``x``: any int32 scalar (the asm needs an operand). GPU only."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
 def stamp(trace_ptr, slot, TRACE: tl.constexpr):
     """Diagnostics only (TRACE): this program's %globaltimer (ns) into ``trace_ptr[program, slot]`` of an
     int64 ``[programs, 4]`` tensor (scripts/trace_gemms.py)."""
     if TRACE:
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [slot], dtype=tl.int64, is_pure=False,
-                                      pack=1)
+        t = globaltimer(slot)
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
         tl.store(trace_ptr + pid * 4 + slot, t)
 

@@ -42,8 +42,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
-                      pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting, launch_mode,
+                      pdl_trigger, pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct, act_code
 
@@ -205,8 +205,7 @@ def _stamp(times_ptr, pid, slot, TIMES: tl.constexpr):
     """Diagnostics only (TIMES): %globaltimer (ns) and %clock64 of this program at a phase boundary."""
     if TIMES:
         tl.debug_barrier()
-        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [pid], dtype=tl.int64, is_pure=False,
-                                      pack=1)
+        t = globaltimer(pid)
         c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [pid], dtype=tl.int64, is_pure=False, pack=1)
         tl.store(times_ptr + (pid * 12 + slot) * 2, t)
         tl.store(times_ptr + (pid * 12 + slot) * 2 + 1, c)
