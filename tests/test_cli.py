@@ -414,3 +414,9 @@ def test_bench_measures_a_config_on_its_own_shape(tmp_path):
                       ["--config", "1x32x256x4x1024", "1x128x768x12x3072"])
     assert_user_error(*tune("bench", "--config", tmp_path / "nope.json"), ["--config", "no best.json"])
     assert not any(tmp_path.iterdir())
+    no_shape = tmp_path / "no-shape.json"
+    d = json.loads(TINY_BEST.read_text())
+    del d["shape"]
+    no_shape.write_text(json.dumps(d))
+    assert_user_error(*tune("bench", "--config", no_shape, "--out", tmp_path / "out"),
+                      [str(no_shape), "no valid 'shape'", "--shape"])
