@@ -573,6 +573,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                     LN_PARTS=triton.next_power_of_2(max(ln_parts, 1)))
     lines = max(1, c.block_k * x.element_size() // 128)
     tiles, splits = grid(c, M, N)
+    act = act_code(activation, x)
     if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < tiles * splits * 4
                                or _trace.device != x.device):
         raise ValueError(f"linear: _trace must be int64 [{tiles * splits}, 4] on {x.device}")
@@ -598,7 +599,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         trigger_index(per_split, c.overlap_ratio), n_pref,
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
@@ -617,7 +618,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out.stride(0), out.stride(1),
             trigger_index(c.split_k, c.overlap_ratio), ln_eps, ln_parts,
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act_code(activation, x),
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,
             SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )

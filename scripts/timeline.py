@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+import tuner.kernels.gemm as gemm_k
 from tuner.bench import hand_picked
 from tuner.device import DeviceInfo
 from tuner.export import load_config
@@ -52,8 +53,6 @@ def main():
     args = [a for a in sys.argv[1:] if a != "--hot"]
     red = [a for a in args if a.startswith("--red=")]  # the split-K reduction's tile, e.g. --red=16x64
     if red:
-        import tuner.kernels.gemm as gemm_k
-
         gemm_k._RED_BLOCK_M, gemm_k._RED_BLOCK_N = (int(v) for v in red[-1].split("=")[1].split("x"))
         print(f"split-K reduction tile {gemm_k._RED_BLOCK_M}x{gemm_k._RED_BLOCK_N}")
         args = [a for a in args if not a.startswith("--red=")]
@@ -63,8 +62,6 @@ def main():
     n = stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
-    import tuner.kernels.gemm as gemm_k
-
     switches = {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
                 "desc_prefetch": (gemm_k, "_DESC_PREFETCH")}
     defaults = {sw: getattr(*sw) for sw in switches.values()}
