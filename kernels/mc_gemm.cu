@@ -364,9 +364,14 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x64x16<BF16>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
-    wgmma_wait<1>();
-    // The previous tile's MMAs are done: hand its stage back to every producer of the cluster.
-    const int done = i - 1;
+    // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
+    // to every producer of the cluster (with one stage: this tile's, once its MMAs are done).
+    if (S > 1) {
+      wgmma_wait<1>();
+    } else {
+      wgmma_wait<0>();
+    }
+    const int done = S > 1 ? i - 1 : i;
     if (done >= 0 && done + S < n_iters) {
       __syncwarp();
       if (lane == 0) {
