@@ -616,9 +616,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    if c.mc and mc_gemm.usable(x):
-        if ln_colsum is not None and ln_stats is None:
-            raise ValueError("linear: mc > 0 needs the LayerNorm row sums from the producer (ln_stats)")
+    # The CUDA kernel takes a fused LayerNorm's row sums from the producer only; where they must be gathered
+    # from x (a stack's first layer) the Triton kernel runs the config.
+    if c.mc and mc_gemm.usable(x) and not (ln_colsum is not None and ln_stats is None):
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (mc=0)")
         per64 = per_split * c.block_k // mc_gemm.BLOCK
