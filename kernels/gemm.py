@@ -145,6 +145,8 @@ def _mc_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> str |
         return f"mc={c.mc} needs 16-bit operands"
     if triton.cdiv(p.n, 64) % c.mc:
         return f"mc={c.mc} does not divide the {triton.cdiv(p.n, 64)} column tiles of N={p.n}"
+    if mc_stages(c) < 2:
+        return f"mc={c.mc} needs 2 or more stages of 64-wide K tiles (num_stages*block_k >= 128)"
     if mc_stages(c) > mc_gemm.MAX_STAGES or mc_gemm.smem_bytes(mc_stages(c)) > smem_limit(device):
         return f"mc={c.mc}: {mc_stages(c)} stages of 64-wide K tiles exceed the kernel's shared memory"
     if device is not None and device.capability != (9, 0):

@@ -30,8 +30,12 @@ constexpr int TILE_BYTES = BM * BK * 2;  // one 64x64 tile of 16-bit elements: 8
 constexpr int THREADS = 160;
 constexpr int MAX_STAGES = 13;
 
+// The epilogue is a compile-time choice (EPI bits, and the activation in bits 6-7): a runtime branch per
+// element made the first build's epilogue ~3000 instructions a thread, ~5 us at 4 warps (H200).
+enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, HAS_LN = 8, STATS_OUT = 16, SPLIT = 32 };
+// Runtime flags.
 enum Flags {
-  HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, HAS_LN = 8, STATS_OUT = 16, SPLIT = 32, USE_PDL = 64,
+  USE_PDL = 64,
   RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
 };
 
@@ -56,7 +60,6 @@ struct Params {
   int ln_parts;
   float ln_eps;
   int flags;
-  int act;                 // 0 none, 1 gelu (tanh form), 2 silu, 3 gelu with tanh.approx
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -175,6 +178,13 @@ __device__ __forceinline__ void wgmma_64x64x16(float* d, uint64_t da, uint64_t d
   }
 }
 
+// Pins the accumulator registers across the asynchronous MMAs (CUTLASS's warpgroup_fence_operand): without it
+// the compiler may touch them in flight, and ptxas then waits for every MMA group before the next.
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
 template <bool BF16>
 struct Elem;
 template <>
@@ -196,13 +206,14 @@ struct Elem<true> {
   __device__ static float2 unpack(T2 v) { return __bfloat1622float2(v); }
 };
 
-__device__ __forceinline__ float activate(float v, int act) {
-  if (act == 1) {
+template <int ACT>  // 0 none, 1 gelu (tanh form), 2 silu, 3 gelu with tanh.approx
+__device__ __forceinline__ float activate(float v) {
+  if constexpr (ACT == 1) {
     float z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
     return v / (1.0f + __expf(-2.0f * z));
-  } else if (act == 2) {
+  } else if constexpr (ACT == 2) {
     return v / (1.0f + __expf(-v));
-  } else if (act == 3) {
+  } else if constexpr (ACT == 3) {
     float z = v * (0.7978845608028654f + 0.035677408136300125f * v * v);
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(z));
@@ -212,8 +223,9 @@ __device__ __forceinline__ float activate(float v, int act) {
   return v;
 }
 
-template <bool BF16, int CLUSTER>
+template <bool BF16, int CLUSTER, int EPI>
 __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_constant__ Params p) {
+  constexpr int ACT = (EPI >> 6) & 3;
   using E = Elem<BF16>;
   using T = typename E::T;
   using T2 = typename E::T2;
@@ -266,8 +278,7 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i)
         tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
-      auto load_a = [&](int i) {
-        const int s = i % S;
+      auto load_a = [&](int i, int s) {
         const uint32_t a_dst = a_smem + s * TILE_BYTES + rank * A_ROWS * BK * 2;
         if constexpr (CLUSTER > 1) {
           tma_load_multicast(a_dst, &p.a_map, full + 8 * s, (k_first + i) * BK, m0 + rank * A_ROWS, mask);
@@ -275,18 +286,23 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
           tma_load(a_dst, &p.a_map, full + 8 * s, (k_first + i) * BK, m0);
         }
       };
-      if (racy && n_iters > 0) load_a(0);
+      if (racy && n_iters > 0) load_a(0, 0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
+      int s = 0;
+      uint32_t phase = 0;  // of the stage's empty barrier, from the second round on
       for (int i = 0; i < n_iters; ++i) {
-        const int s = i % S;
         const uint32_t bar = full + 8 * s;
-        if (i >= S) mbar_wait(empty + 8 * s, ((i / S) - 1) & 1);
+        if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
           mbar_expect_tx(bar, 2 * TILE_BYTES);
           tma_load(b_smem + s * TILE_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) load_a(i);
+        if (!(racy && i == 0)) load_a(i, s);
+        if (++s == S) {
+          s = 0;
+          if (i >= S) phase ^= 1;
+        }
       }
     } else {
       gdc_wait();
@@ -302,7 +318,7 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
   if (p.trigger_k == 0) gdc_launch();
 
-  const bool split_out = (p.flags & SPLIT) != 0;
+  constexpr bool split_out = (EPI & SPLIT) != 0;
   // The epilogue's inputs, requested before the K loop so that their latency hides behind it.
   float bias[16], u[16];
   float2 res[16];
@@ -315,10 +331,10 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
       bias[2 * j + e] = 0.f;
       u[2 * j + e] = 0.f;
       if (!split_out && c < p.N) {
-        if (p.flags & HAS_BIAS)
-          bias[2 * j + e] = (p.flags & BIAS_F32) ? static_cast<const float*>(p.bias)[c]
-                                                 : E::f(static_cast<const T*>(p.bias)[c]);
-        if (p.flags & HAS_LN) u[2 * j + e] = p.ln_u[c];
+        if constexpr ((EPI & HAS_BIAS) != 0)
+          bias[2 * j + e] = (EPI & BIAS_F32) ? static_cast<const float*>(p.bias)[c]
+                                             : E::f(static_cast<const T*>(p.bias)[c]);
+        if constexpr ((EPI & HAS_LN) != 0) u[2 * j + e] = p.ln_u[c];
       }
     }
 #pragma unroll
@@ -326,7 +342,7 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
       const int r = r_lo + 8 * h;
       const int c = c_lo + 8 * j;
       float2 v = make_float2(0.f, 0.f);
-      if (!split_out && (p.flags & HAS_RES) && r < p.M) {
+      if (!split_out && (EPI & HAS_RES) && r < p.M) {
         const T* rp = static_cast<const T*>(p.res) + static_cast<long long>(r) * p.res_stride + c;
         if (c + 1 < p.N && (p.res_stride % 2) == 0) {
           v = E::unpack(*reinterpret_cast<const T2*>(rp));
@@ -338,7 +354,7 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
       res[2 * j + h] = v;
     }
   }
-  if (!split_out && (p.flags & HAS_LN)) {
+  if constexpr (!split_out && (EPI & HAS_LN)) {
     for (int q = 0; q < p.ln_parts; ++q) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -355,36 +371,39 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
   float acc[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  int s = 0, prev = 0;  // this tile's stage and the previous one's
+  uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
-    const int s = i % S;
-    mbar_wait(full + 8 * s, (i / S) & 1);
+    mbar_wait(full + 8 * s, phase);
     const uint64_t da = smem_desc(a_smem + s * TILE_BYTES);
     const uint64_t db = smem_desc(b_smem + s * TILE_BYTES);
+    fence_acc(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x64x16<BF16>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
+    fence_acc(acc);
     // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
-    // to every producer of the cluster (with one stage: this tile's, once its MMAs are done).
-    if (S > 1) {
-      wgmma_wait<1>();
-    } else {
-      wgmma_wait<0>();
-    }
-    const int done = S > 1 ? i - 1 : i;
-    if (done >= 0 && done + S < n_iters) {
+    // to every producer of the cluster (the host requires 2 stages or more: with one, this would deadlock).
+    wgmma_wait<1>();
+    if (i >= 1 && i - 1 + S < n_iters) {
       __syncwarp();
       if (lane == 0) {
 #pragma unroll
-        for (int c = 0; c < CLUSTER; ++c) mbar_arrive_cluster(empty + 8 * (done % S), c);
+        for (int c = 0; c < CLUSTER; ++c) mbar_arrive_cluster(empty + 8 * prev, c);
       }
     }
     if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
+    prev = s;
+    if (++s == S) {
+      s = 0;
+      phase ^= 1;
+    }
   }
   wgmma_wait<0>();
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
 
-  if (split_out) {
+  if constexpr (split_out) {
     float* ws = p.ws + static_cast<long long>(split) * p.M * p.N;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -404,7 +423,7 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
     }
   } else {
     float rstd[2] = {1.f, 1.f}, mr[2] = {0.f, 0.f};
-    if (p.flags & HAS_LN) {
+    if constexpr ((EPI & HAS_LN) != 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float mean = st[h][0] / p.K;
@@ -422,10 +441,10 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float v = acc[4 * j + 2 * h + e];
-          if (p.flags & HAS_LN) v = rstd[h] * v - mr[h] * u[2 * j + e];
-          v += bias[2 * j + e];
-          v = activate(v, p.act);
-          v += e == 0 ? res[2 * j + h].x : res[2 * j + h].y;
+          if constexpr ((EPI & HAS_LN) != 0) v = rstd[h] * v - mr[h] * u[2 * j + e];
+          if constexpr ((EPI & HAS_BIAS) != 0) v += bias[2 * j + e];
+          v = activate<ACT>(v);
+          if constexpr ((EPI & HAS_RES) != 0) v += e == 0 ? res[2 * j + h].x : res[2 * j + h].y;
           y[e] = (c + e < p.N) ? v : 0.f;
         }
         rs1[h] += y[0] + y[1];
@@ -440,7 +459,7 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
         }
       }
     }
-    if (p.flags & STATS_OUT) {
+    if constexpr ((EPI & STATS_OUT) != 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // The four lanes of a quad hold the same row.
@@ -493,9 +512,9 @@ int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int strid
   return 0;
 }
 
-template <bool BF16, int CLUSTER>
+template <bool BF16, int CLUSTER, int EPI>
 int launch(const Params& prm, dim3 grid, int smem, cudaStream_t stream, bool pdl, char* err, int errlen) {
-  auto kernel = mc_gemm_kernel<BF16, CLUSTER>;
+  auto kernel = mc_gemm_kernel<BF16, CLUSTER, EPI>;
   static int configured = 0;
   if (configured < smem) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -537,32 +556,41 @@ int launch(const Params& prm, dim3 grid, int smem, cudaStream_t stream, bool pdl
 
 }  // namespace
 
-extern "C" int mc_gemm_max_stages() { return MAX_STAGES; }
+// One library per variant (dtype, cluster, epilogue), chosen at build time: mc_gemm.py compiles each variant a
+// process asks for, once per machine.
+#ifndef MC_BF16
+#define MC_BF16 0
+#endif
+#ifndef MC_CLUSTER
+#define MC_CLUSTER 2
+#endif
+#ifndef MC_EPI
+#define MC_EPI 0
+#endif
+
+extern "C" int mc_gemm_variant() { return MC_BF16 | (MC_CLUSTER << 1) | (MC_EPI << 8); }
 
 extern "C" int mc_gemm_smem_bytes(int stages) { return stages * 2 * TILE_BYTES + 16 * stages + 1024; }
 
 extern "C" int mc_gemm_launch(void* x, void* w, const void* bias, const void* res, void* out, float* ws,
                               const float* ln_u, const float* ln_stats, float* stats_out, long long* trace, int M,
                               int N, int K, int x_stride, int w_stride, int res_stride, int out_stride, int split_k,
-                              int per_split, int stages, int cluster, int trigger_k, int n_pref, int ln_parts,
-                              float ln_eps, int flags, int act, int bf16, void* stream, char* err, int errlen) {
+                              int per_split, int stages, int trigger_k, int n_pref, int ln_parts, float ln_eps,
+                              int flags, void* stream, char* err, int errlen) {
+  constexpr int cluster = MC_CLUSTER;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + BM - 1) / BM;
-  if (cluster != 1 && cluster != 2 && cluster != 4) {
-    snprintf(err, errlen, "cluster=%d must be 1, 2 or 4", cluster);
-    return 1;
-  }
   if (n_tiles % cluster) {
     snprintf(err, errlen, "cluster=%d does not divide the %d column tiles of N=%d", cluster, n_tiles, N);
     return 1;
   }
-  if (stages < 1 || stages > MAX_STAGES) {
-    snprintf(err, errlen, "stages=%d must be in 1..%d", stages, MAX_STAGES);
+  if (stages < 2 || stages > MAX_STAGES) {
+    snprintf(err, errlen, "stages=%d must be in 2..%d", stages, MAX_STAGES);
     return 1;
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  if (encode(&p.a_map, bf16, x, M, K, x_stride, BM / cluster, err, errlen) ||
-      encode(&p.b_map, bf16, w, N, K, w_stride, BN, err, errlen))
+  if (encode(&p.a_map, MC_BF16, x, M, K, x_stride, BM / cluster, err, errlen) ||
+      encode(&p.b_map, MC_BF16, w, N, K, w_stride, BN, err, errlen))
     return 1;
   p.bias = bias;
   p.res = res;
@@ -585,17 +613,7 @@ extern "C" int mc_gemm_launch(void* x, void* w, const void* bias, const void* re
   p.ln_parts = ln_parts;
   p.ln_eps = ln_eps;
   p.flags = flags;
-  p.act = act;
-  const dim3 grid(n_tiles, m_tiles, split_k);
-  const int smem = mc_gemm_smem_bytes(stages);
-  const bool pdl = (flags & USE_PDL) != 0;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (bf16) {
-    if (cluster == 1) return launch<true, 1>(p, grid, smem, s, pdl, err, errlen);
-    if (cluster == 2) return launch<true, 2>(p, grid, smem, s, pdl, err, errlen);
-    return launch<true, 4>(p, grid, smem, s, pdl, err, errlen);
-  }
-  if (cluster == 1) return launch<false, 1>(p, grid, smem, s, pdl, err, errlen);
-  if (cluster == 2) return launch<false, 2>(p, grid, smem, s, pdl, err, errlen);
-  return launch<false, 4>(p, grid, smem, s, pdl, err, errlen);
+  return launch<MC_BF16 != 0, MC_CLUSTER, MC_EPI>(p, dim3(n_tiles, m_tiles, split_k), mc_gemm_smem_bytes(stages),
+                                                  static_cast<cudaStream_t>(stream), (flags & USE_PDL) != 0, err,
+                                                  errlen);
 }

@@ -22,8 +22,9 @@ SOURCE = Path(__file__).with_name("mc_gemm.cu")
 CLUSTERS = (1, 2, 4)
 BLOCK = 64  # the kernel's tile: 64x64 outputs, K in 64-wide tiles (the 128-byte swizzle span)
 MAX_STAGES = 13  # mc_gemm.cu's MAX_STAGES: 13 stages of 16 KB fit the H100/H200's 227 KB
-# Flags of mc_gemm.cu's Params.flags.
-HAS_BIAS, BIAS_F32, HAS_RES, HAS_LN, STATS_OUT, SPLIT, USE_PDL, RACY = 1, 2, 4, 8, 16, 32, 64, 128
+# mc_gemm.cu's epilogue bits (compile time: one library per variant) and runtime flags.
+HAS_BIAS, BIAS_F32, HAS_RES, HAS_LN, STATS_OUT, SPLIT = 1, 2, 4, 8, 16, 32
+USE_PDL, RACY = 64, 128
 
 
 def smem_bytes(stages: int) -> int:
@@ -43,26 +44,27 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("PDL_TUNE_CACHE", Path.home() / ".cache" / "pdl-tune"))
 
 
-_LIB = None
+_LIBS: dict[tuple[int, int, int], ctypes.CDLL] = {}
 
 
-def library() -> ctypes.CDLL:
-    """The built library (built now if this source version has not been built on this machine)."""
-    global _LIB
-    if _LIB is not None:
-        return _LIB
+def library(bf16: int, cluster: int, epi: int) -> ctypes.CDLL:
+    """The library of one variant (operand dtype, cluster size, epilogue bits), built now if this source version
+    has not been built for it on this machine (nvcc, about 2 s)."""
+    key = (bf16, cluster, epi)
+    if key in _LIBS:
+        return _LIBS[key]
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("mc_gemm: nvcc not found (PATH or $CUDA_HOME/bin); the mc > 0 GEMM needs the CUDA toolkit")
     src = SOURCE.read_bytes()
     tag = hashlib.sha256(src + compiler.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"mc_gemm-{tag}.so"
+    out = _cache_dir() / f"mc_gemm-{tag}-{bf16}-{cluster}-{epi}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
         cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", "-o", tmp, str(SOURCE)]
+               "-fPIC", f"-DMC_BF16={bf16}", f"-DMC_CLUSTER={cluster}", f"-DMC_EPI={epi}", "-o", tmp, str(SOURCE)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
@@ -71,13 +73,13 @@ def library() -> ctypes.CDLL:
         os.replace(tmp, out)  # atomic: concurrent builders (the tuner's workers) never load a partial file
     lib = ctypes.CDLL(str(out))
     P, I, F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.mc_gemm_launch.argtypes = [P] * 10 + [I] * 14 + [F, I, I, I, P, ctypes.c_char_p, I]
+    lib.mc_gemm_launch.argtypes = [P] * 10 + [I] * 13 + [F, I, P, ctypes.c_char_p, I]
     lib.mc_gemm_launch.restype = I
     lib.mc_gemm_smem_bytes.argtypes = [I]
     lib.mc_gemm_smem_bytes.restype = I
-    if lib.mc_gemm_smem_bytes(4) != smem_bytes(4):
-        raise RuntimeError("mc_gemm: the library's shared-memory layout does not match mc_gemm.py")
-    _LIB = lib
+    if lib.mc_gemm_smem_bytes(4) != smem_bytes(4) or lib.mc_gemm_variant() != bf16 | (cluster << 1) | (epi << 8):
+        raise RuntimeError(f"mc_gemm: {out} does not match mc_gemm.py (shared-memory layout or variant)")
+    _LIBS[key] = lib
     return lib
 
 
@@ -98,18 +100,21 @@ def launch(x, weight, out, *, bias=None, residual=None, workspace=None, ln_colsu
     """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles."""
     M, K = x.shape
     N = weight.shape[0]
-    flags = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
-                                                      else 0)
-             | (HAS_RES if residual is not None else 0) | (HAS_LN if ln_colsum is not None else 0)
-             | (STATS_OUT if stats_out is not None else 0) | (SPLIT if split_k > 1 else 0)
-             | (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0))
+    epi = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
+                                                    else 0)
+           | (HAS_RES if residual is not None else 0) | (HAS_LN if ln_colsum is not None else 0)
+           | (STATS_OUT if stats_out is not None else 0) | (SPLIT if split_k > 1 else 0) | (act << 6))
+    if split_k > 1:
+        epi = SPLIT  # the partials are stored raw; the split-K reduction kernel applies the epilogue
+    flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    rc = library().mc_gemm_launch(
+    lib = library(int(x.dtype == torch.bfloat16), cluster, epi)
+    rc = lib.mc_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(workspace), _ptr(ln_colsum),
         _ptr(ln_stats), _ptr(stats_out), _ptr(trace),
         M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        split_k, per_split, stages, cluster, trigger_k, n_pref, ln_stats.shape[0] if ln_stats is not None else 0,
-        ln_eps, flags, act, int(x.dtype == torch.bfloat16), stream, err, len(err))
+        split_k, per_split, stages, trigger_k, n_pref, ln_stats.shape[0] if ln_stats is not None else 0,
+        ln_eps, flags, stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))

@@ -27,6 +27,7 @@ def _inputs(m, n, k, dtype, device, seed):
 @pytest.mark.parametrize("cfg, problem, needle", [
     (replace(MC, mc=3), GemmProblem(128, 256, 256), "mc=3 must be 0"),
     (replace(MC, block_n=32), GemmProblem(128, 256, 256), "needs 64x64 tiles"),
+    (replace(MC, num_stages=1), GemmProblem(128, 256, 256), "needs 2 or more stages"),
     (replace(MC, tma=0), GemmProblem(128, 256, 256), "needs 64x64 tiles"),
     (MC, GemmProblem(128, 256, 256, 4), "16-bit operands"),
     (MC, GemmProblem(128, 192, 256), "does not divide the 3 column tiles"),
@@ -59,8 +60,8 @@ gpu = pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mc", [1, 2, 4])
-@pytest.mark.parametrize("stages, knobs", [(1, (-1.0, -1.0)), (2, (0.0, 1.0)), (8, (0.5, 0.5))],
-                         ids=["1stage-off", "2stages-pdl", "8stages-half"])
+@pytest.mark.parametrize("stages, knobs", [(2, (-1.0, -1.0)), (3, (0.0, 1.0)), (8, (0.5, 0.5))],
+                         ids=["2stages-off", "3stages-pdl", "8stages-half"])
 @pytest.mark.parametrize("epilogue", ["plain", "all"])
 def test_mc_linear_odd_shapes(dtype, mc, stages, knobs, epilogue):
     # Odd M (37: rows past M zero-filled by TMA, stores masked), odd N (250: the last column stored alone), K not
