@@ -32,7 +32,9 @@ constexpr int MAX_STAGES = 13;
 
 // The epilogue is a compile-time choice (EPI bits, and the activation in bits 6-7): a runtime branch per
 // element made the first build's epilogue ~3000 instructions a thread, ~5 us at 4 warps (H200).
-enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, HAS_LN = 8, STATS_OUT = 16, SPLIT = 32 };
+enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, HAS_LN = 8, STATS_OUT = 16, SPLIT = 32,
+  NO_MMA = 256,  // diagnostics only (wrong results): the K loop moves the tiles but issues no MMA
+};
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -380,7 +382,8 @@ __global__ void __launch_bounds__(THREADS, 1) mc_gemm_kernel(const __grid_consta
     fence_acc(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x64x16<BF16>(acc, da + 2 * kk, db + 2 * kk);
+    for (int kk = 0; kk < BK / 16; ++kk)
+      if constexpr ((EPI & NO_MMA) == 0) wgmma_64x64x16<BF16>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
     fence_acc(acc);
     // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back

@@ -25,6 +25,9 @@ MAX_STAGES = 13  # mc_gemm.cu's MAX_STAGES: 13 stages of 16 KB fit the H100/H200
 # mc_gemm.cu's epilogue bits (compile time: one library per variant) and runtime flags.
 HAS_BIAS, BIAS_F32, HAS_RES, HAS_LN, STATS_OUT, SPLIT = 1, 2, 4, 8, 16, 32
 USE_PDL, RACY = 64, 128
+NO_MMA = 256
+# Diagnostics only (scripts/timeline.py switch mc_no_mma): the K loop without its MMAs, to time the data movement.
+_NO_MMA = False
 
 
 def smem_bytes(stages: int) -> int:
@@ -106,6 +109,7 @@ def launch(x, weight, out, *, bias=None, residual=None, workspace=None, ln_colsu
            | (STATS_OUT if stats_out is not None else 0) | (SPLIT if split_k > 1 else 0) | (act << 6))
     if split_k > 1:
         epi = SPLIT  # the partials are stored raw; the split-K reduction kernel applies the epilogue
+    epi |= NO_MMA if _NO_MMA else 0
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
