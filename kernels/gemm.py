@@ -26,7 +26,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
-from . import mc_gemm
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
@@ -59,9 +58,6 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # 0: this module's Triton kernel. 1, 2, 4: the CUDA kernel of mc_gemm.cu (Hopper only; elsewhere the Triton
-    # kernel runs the config), its 64-row activation tile loaded once per cluster of ``mc`` CTAs and multicast.
-    mc: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -123,35 +119,7 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
         return f"shared memory {need} B > {limit} B (num_stages*(block_m+block_n)*block_k*bytes)"
-    why = _mc_error(c, p, device)
-    if why:
-        return why
     return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
-
-
-def mc_stages(c: GemmConfig) -> int:
-    """The CUDA kernel's pipeline depth in 64-wide K tiles: the same bytes in flight as the Triton config."""
-    return c.num_stages * c.block_k // mc_gemm.BLOCK
-
-
-def _mc_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> str | None:
-    if c.mc == 0:
-        return None
-    if c.mc not in mc_gemm.CLUSTERS:
-        return f"mc={c.mc} must be 0 (Triton kernel) or one of {mc_gemm.CLUSTERS}"
-    if (c.block_m, c.block_n, c.num_warps) != (64, 64, 4) or c.block_k < 64 or not c.tma:
-        return f"mc={c.mc} needs 64x64 tiles, block_k >= 64, 4 warps and tma=1"
-    if p.dtype_bytes != 2:
-        return f"mc={c.mc} needs 16-bit operands"
-    if triton.cdiv(p.n, 64) % c.mc:
-        return f"mc={c.mc} does not divide the {triton.cdiv(p.n, 64)} column tiles of N={p.n}"
-    if mc_stages(c) < 2:
-        return f"mc={c.mc} needs 2 or more stages of 64-wide K tiles (num_stages*block_k >= 128)"
-    if mc_stages(c) > mc_gemm.MAX_STAGES or mc_gemm.smem_bytes(mc_stages(c)) > smem_limit(device):
-        return f"mc={c.mc}: {mc_stages(c)} stages of 64-wide K tiles exceed the kernel's shared memory"
-    if device is not None and device.capability != (9, 0):
-        return f"mc={c.mc} needs a Hopper GPU (compute capability 9.0), not {device.capability}"
-    return None
 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
@@ -618,41 +586,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    # The CUDA kernel takes a fused LayerNorm's row sums from the producer only; where they must be gathered
-    # from x (a stack's first layer) the Triton kernel runs the config.
-    if c.mc and mc_gemm.usable(x) and not (ln_colsum is not None and ln_stats is None):
-        if _oob_write:
-            raise ValueError("linear: _oob_write is a defect of the Triton kernel only (mc=0)")
-        per64 = per_split * c.block_k // mc_gemm.BLOCK
-        mc_gemm.launch(
-            x, weight, out, bias=bias, residual=residual if c.split_k == 1 else None,
-            workspace=workspace if c.split_k > 1 else None, ln_colsum=ln_colsum if c.split_k == 1 else None,
-            ln_stats=ln_stats if c.split_k == 1 else None, stats_out=stats_out if c.split_k == 1 else None,
-            trace=_trace, split_k=c.split_k, per_split=per64, stages=mc_stages(c), cluster=c.mc,
-            trigger_k=trigger_index(per64, c.overlap_ratio), n_pref=prefetch_count(per64, c.prefetch_ratio),
-            ln_eps=ln_eps, act=act, racy=_racy_read_before_wait)
-    else:
-        _gemm_kernel[(tiles, splits)](
-            x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-            workspace if workspace is not None else dummy,
-            ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
-            ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
-            _trace if _trace is not None else dummy, x_desc, w_desc,
-            M, N, K,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
-            out.stride(0), out.stride(1),
-            trigger_index(per_split, c.overlap_ratio), n_pref,
-            ln_eps, ln_parts,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
-            USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
-            LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
-            HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
-            USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-            DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
-            num_stages=c.num_stages, launch_pdl=use_pdl,
-        )
+    _gemm_kernel[(tiles, splits)](
+        x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+        workspace if workspace is not None else dummy,
+        ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
+        ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,
+        _trace if _trace is not None else dummy, x_desc, w_desc,
+        M, N, K,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
+        out.stride(0), out.stride(1),
+        trigger_index(per_split, c.overlap_ratio), n_pref,
+        ln_eps, ln_parts,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
+        USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
+        LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
+        HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
+        USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
+        num_stages=c.num_stages, launch_pdl=use_pdl,
+    )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
         _splitk_reduce_kernel[rgrid](

@@ -3,7 +3,7 @@
 usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
 switches (gemm module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats,
-desc_prefetch, mc_no_mma (diagnostics: the CUDA GEMM without its MMAs, results wrong).
+desc_prefetch.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
 replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
@@ -63,7 +63,7 @@ def main():
     weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
     switches = {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
-                "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "mc_no_mma": (gemm_k.mc_gemm, "_NO_MMA")}
+                "desc_prefetch": (gemm_k, "_DESC_PREFETCH")}
     defaults = {sw: getattr(*sw) for sw in switches.values()}
     for name in names:
         for (mod, attr), v in defaults.items():
