@@ -26,6 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
+from . import cluster_gemm
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
@@ -58,6 +59,10 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
+    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2 or 4) programs of a tile form one
+    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. Elsewhere,
+    # and for a GEMM with a fused LayerNorm, this module's kernels run the config.
+    cluster: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -119,7 +124,34 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     need = smem_bytes(c, p.dtype_bytes)
     if need > limit:
         return f"shared memory {need} B > {limit} B (num_stages*(block_m+block_n)*block_k*bytes)"
+    why = _cluster_error(c, p, device)
+    if why:
+        return why
     return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
+
+
+def cluster_stages(c: GemmConfig) -> int:
+    """The CUDA kernel's pipeline depth in 64-wide K tiles: the bytes in flight of the Triton config."""
+    return c.num_stages * c.block_k // cluster_gemm.BLOCK
+
+
+def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> str | None:
+    if c.cluster == 0:
+        return None
+    if c.cluster != 1:
+        return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
+    if c.split_k not in cluster_gemm.SPLITS:
+        return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
+    if (c.block_m, c.block_n, c.num_warps) != (64, 64, 4) or c.block_k < 64 or not c.tma:
+        return "cluster=1 needs 64x64 tiles, block_k >= 64, 4 warps and tma=1"
+    if p.dtype_bytes != 2:
+        return "cluster=1 needs 16-bit operands"
+    st = cluster_stages(c)
+    if st < 2 or st > cluster_gemm.MAX_STAGES or cluster_gemm.smem_bytes(st) > smem_limit(device):
+        return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) must be in 2..{cluster_gemm.MAX_STAGES}"
+    if device is not None and device.capability != (9, 0):
+        return f"cluster=1 needs a Hopper GPU (compute capability 9.0), not {device.capability}"
+    return None
 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
@@ -586,6 +618,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
+    # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, no reduction kernel.
+    # A fused LayerNorm, or rows that are not contiguous, run on the Triton kernels.
+    if (c.cluster and cluster_gemm.usable(x) and ln_colsum is None and out.stride(1) == 1
+            and (residual is None or residual.stride(1) == 1)):
+        if _oob_write:
+            raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
+        per64 = per_split * c.block_k // cluster_gemm.BLOCK
+        cluster_gemm.launch(
+            x, weight, out, bias=bias, residual=residual, stats_out=stats_out, trace=_trace, split=c.split_k,
+            per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
+            n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait)
+        return out
     _gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,

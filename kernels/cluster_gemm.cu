@@ -1,0 +1,575 @@
+// Split-K GEMM whose K splits of a tile form one thread-block cluster and reduce through distributed shared
+// memory: no workspace in global memory, no second kernel.
+//
+//   out = act(x @ w.T + bias) + residual       (x [M, K], w [N, K], 16-bit; fp32 accumulation)
+//
+// Why (docs/perf-notes.md, section 14): a 64x64 program's K loop is bound by the bytes its SM receives (its A and
+// B tiles, ~190 KB at K = 768) and its MMAs; splitting K over SC programs divides both, but the split-K reduction
+// kernel adds ~1.6 us a layer, and a reduction through L2 (a cluster barrier after a fenced store, then a reload)
+// costs as much. Here the reduction is a reduce-scatter inside the cluster: each CTA stores its fp32 partial tile
+// in its own shared memory, pushes row slab q of it to CTA q with one bulk copy (cp.async.bulk shared::cluster,
+// completing on CTA q's mbarrier), and CTA q sums the SC slabs of its 64/SC rows and applies the epilogue to them.
+//
+// A CTA: one consumer warpgroup (warps 0-3: wgmma m64n64k16 from 128-byte-swizzled shared memory) and one
+// producer warp (warp 4: one thread issues the TMA loads; the weight tiles of the first stages before
+// griddepcontrol.wait, which the weights never need). K is consumed in 64-wide tiles, STAGES of them in flight.
+//
+// Built at run time by kernels/cluster_gemm.py with nvcc (sm_90a), one library per variant (operand dtype, SC,
+// epilogue), and called through ctypes. The Triton GEMM (gemm.py) stays the reference and the CPU-tested path.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <type_traits>
+
+namespace {
+
+constexpr int BM = 64, BN = 64, BK = 64;
+constexpr int TILE_BYTES = BM * BK * 2;  // one 64x64 tile of 16-bit elements: 8 KB (A and B alike)
+constexpr int THREADS = 160;
+constexpr int MAX_STAGES = 12;
+constexpr int SROW = BN + 4;  // fp32 row pitch of the partial tiles in shared memory (fewer bank conflicts)
+constexpr int PART_BYTES = BM * SROW * 4;  // one partial tile: 17408 B
+
+// Epilogue (compile time; the activation in bits 6-7).
+enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, STATS_OUT = 16 };
+// Runtime flags.
+enum Flags {
+  USE_PDL = 64,
+  RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
+};
+
+struct Params {
+  CUtensorMap a_map;  // x [M, K]: box {BK, BM}
+  CUtensorMap b_map;  // w [N, K]: box {BK, BN}
+  const void* bias;
+  const void* res;
+  void* out;
+  float* stats_out;   // this GEMM's row sums for the next LayerNorm [N tiles, M, 2]
+  long long* trace;   // diagnostics: %globaltimer [programs, 4]
+  int M, N, K;
+  int res_stride, out_stride;
+  int per_split;      // 64-wide K tiles per split
+  int k_tiles;        // 64-wide K tiles of K
+  int stages;
+  int trigger_k;      // launch_dependents after this many K tiles (-1: never early)
+  int n_pref;         // weight tiles requested before griddepcontrol.wait
+  int flags;
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cluster_sync() {
+  // relaxed: what must be visible (the mbarrier inits) is ordered by fence.mbarrier_init before it.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t cta) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
+  return r;
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n"
+      "CG_WAIT:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+      "@!p bra CG_WAIT;\n\t}" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1)
+               : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// `bytes` of this CTA's shared memory at `src` to `dst` in another CTA of the cluster (both shared::cluster
+// addresses from mapa for the destination), completing on the destination's mbarrier `bar`.
+__device__ __forceinline__ void bulk_push(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+      "r"(src), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void gdc_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The consumer warpgroup's own barrier (the producer warp does not take part).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+// wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Pins the accumulator registers across the asynchronous MMAs (CUTLASS's warpgroup_fence_operand).
+__device__ __forceinline__ void fence_acc(float* d) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+#define CG_ACC32(d)                                                                                        \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
+      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
+      "+f"(d[30]), "+f"(d[31])
+
+#define CG_WGMMA(TYPE)                                                                                        \
+  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"                                                          \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                                  \
+  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "   \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+
+template <bool BF16>
+__device__ __forceinline__ void wgmma_64x64x16(float* d, uint64_t da, uint64_t db) {
+  if constexpr (BF16) {
+    asm volatile(CG_WGMMA("bf16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
+  } else {
+    asm volatile(CG_WGMMA("f16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
+  }
+}
+
+template <bool BF16>
+struct Elem;
+template <>
+struct Elem<false> {
+  using T = __half;
+  __device__ static float f(T v) { return __half2float(v); }
+  __device__ static T one(float a) { return __float2half_rn(a); }
+};
+template <>
+struct Elem<true> {
+  using T = __nv_bfloat16;
+  __device__ static float f(T v) { return __bfloat162float(v); }
+  __device__ static T one(float a) { return __float2bfloat16_rn(a); }
+};
+
+template <int ACT>  // 0 none, 1 gelu (tanh form), 2 silu, 3 gelu with tanh.approx
+__device__ __forceinline__ float activate(float v) {
+  if constexpr (ACT == 1) {
+    float z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+    return v / (1.0f + __expf(-2.0f * z));
+  } else if constexpr (ACT == 2) {
+    return v / (1.0f + __expf(-v));
+  } else if constexpr (ACT == 3) {
+    float z = v * (0.7978845608028654f + 0.035677408136300125f * v * v);
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(z));
+    float h = 0.5f * v;
+    return h + h * t;
+  }
+  return v;
+}
+
+template <bool BF16, int SC, int EPI>
+__global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
+  static_assert(SC == 2 || SC == 4, "the K splits of a tile: 2 or 4 CTAs a cluster");
+  using E = Elem<BF16>;
+  using T = typename E::T;
+  using BT = std::conditional_t<(EPI & BIAS_F32) != 0, float, T>;
+  constexpr int ACT = (EPI >> 6) & 3;
+  constexpr int R = BM / SC;          // rows of the tile this CTA reduces and stores
+  constexpr int TPR = 128 / R;        // consumer threads a row
+  constexpr int CPT = BN / TPR;       // columns a thread
+  constexpr int SLAB = R * SROW * 4;  // bytes of one row slab of a partial tile
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const int S = p.stages;
+  const uint32_t a_smem = base;
+  const uint32_t b_smem = base + S * TILE_BYTES;
+  const uint32_t recv = b_smem + S * TILE_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
+  const uint32_t full = recv + PART_BYTES;        // S mbarriers: the stage's bytes have landed
+  const uint32_t empty = full + 8 * S;            // S mbarriers: the consumers are done with the stage
+  const uint32_t red = empty + 8 * S;             // 1 mbarrier: the other CTAs' slabs have landed
+  float* const part = reinterpret_cast<float*>(smem_raw + (a_smem - raw));  // this CTA's partial (after the loop)
+  const float* const slabs = reinterpret_cast<const float*>(smem_raw + (recv - raw));
+
+  const int tid = threadIdx.x;
+  const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 0] = globaltimer();
+  const int n_tile = blockIdx.x, m_tile = blockIdx.y;
+  const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split
+  const int m0 = m_tile * BM, n0 = n_tile * BN;
+  const int k_first = rank * p.per_split;
+  const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
+  const bool pdl = (p.flags & USE_PDL) != 0;
+
+  if (tid == 128) {
+    prefetch_tensormap(&p.a_map);
+    prefetch_tensormap(&p.b_map);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, 4);  // one arrival per consumer warp
+    }
+    mbar_init(red, 1);
+    // The one arrival of `red`'s phase, with the bytes the SC-1 other CTAs will push (their complete_tx may
+    // come first: the phase cannot complete before this arrival).
+    mbar_expect_tx(red, (SC - 1) * SLAB);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // Every CTA's barriers must be initialised before any CTA of the cluster pushes into them.
+  cluster_sync();
+
+  if (tid >= 128) {
+    // Producer warp: one thread issues the loads.
+    if (tid == 128) {
+      const bool racy = (p.flags & RACY) != 0;
+      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
+      if (racy && early == 0 && n_iters > 0) early = 1;
+      for (int i = 0; i < early; ++i) {
+        mbar_expect_tx(full + 8 * i, 2 * TILE_BYTES);
+        tma_load(b_smem + i * TILE_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
+      }
+      for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
+      if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
+      gdc_wait();
+      if (p.trigger_k == 0) gdc_launch();
+      int s = 0;
+      uint32_t phase = 0;  // of the stage's empty barrier, from the second round on
+      for (int i = 0; i < n_iters; ++i) {
+        const uint32_t bar = full + 8 * s;
+        if (i >= S) mbar_wait(empty + 8 * s, phase);
+        if (i >= early) {
+          mbar_expect_tx(bar, 2 * TILE_BYTES);
+          tma_load(b_smem + s * TILE_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
+        }
+        if (!(racy && i == 0)) tma_load(a_smem + s * TILE_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
+        if (++s == S) {
+          s = 0;
+          if (i >= S) phase ^= 1;
+        }
+      }
+    } else {
+      gdc_wait();
+    }
+    return;
+  }
+
+  // Consumer warpgroup.
+  const int warp = tid / 32, lane = tid % 32;
+  gdc_wait();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
+  if (p.trigger_k == 0) gdc_launch();
+
+  // The epilogue's inputs for this thread's row and columns of the CTA's slab, loaded now (clamped addresses,
+  // no branches, no conversion) so that all are in flight before the K loop and waited for only after it.
+  const int lr = tid / TPR;                  // row within the slab
+  const int row = m0 + rank * R + lr;        // global row
+  const int c0 = n0 + (tid % TPR) * CPT;     // first global column
+  const int rrow = min(row, p.M - 1);
+  BT bias_raw[CPT];
+  T res_raw[CPT];
+#pragma unroll
+  for (int e = 0; e < CPT; ++e) {
+    const int c = min(c0 + e, p.N - 1);
+    if constexpr ((EPI & HAS_BIAS) != 0) bias_raw[e] = static_cast<const BT*>(p.bias)[c];
+    if constexpr ((EPI & HAS_RES) != 0)
+      res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + c];
+  }
+
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  int s = 0, prev = 0;  // this tile's stage and the previous one's
+  uint32_t phase = 0;
+  for (int i = 0; i < n_iters; ++i) {
+    mbar_wait(full + 8 * s, phase);
+    const uint64_t da = smem_desc(a_smem + s * TILE_BYTES);
+    const uint64_t db = smem_desc(b_smem + s * TILE_BYTES);
+    fence_acc(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x64x16<BF16>(acc, da + 2 * kk, db + 2 * kk);
+    wgmma_commit();
+    fence_acc(acc);
+    // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
+    // to the producer (the host requires 2 stages or more).
+    wgmma_wait<1>();
+    if (i >= 1 && i - 1 + S < n_iters) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * prev);
+    }
+    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
+    prev = s;
+    if (++s == S) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
+  wgmma_wait<0>();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
+
+  // Reduce-scatter. Every MMA of the warpgroup is done (the barrier), so the A stages hold this CTA's partial.
+  consumer_sync();
+  {
+    const int r_lo = warp * 16 + lane / 4, c_lo = (lane % 4) * 2;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(part + (r_lo + 8 * h) * SROW + c_lo + 8 * j) =
+            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+  }
+  // The bulk copies read the partial through the async proxy: order the stores before them.
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  consumer_sync();
+  if (tid == 0) {
+#pragma unroll
+    for (int q = 1; q < SC; ++q) {
+      const int dst = (rank + q) % SC;
+      bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  mbar_wait(red, 0);
+
+  // This CTA's slab: its own partial's rows plus the SC-1 pushed ones.
+  float y[CPT];
+  {
+    const float* own = part + (rank * R + lr) * SROW + (tid % TPR) * CPT;
+#pragma unroll
+    for (int e = 0; e < CPT; e += 4) {
+      float4 v = *reinterpret_cast<const float4*>(own + e);
+      y[e] = v.x, y[e + 1] = v.y, y[e + 2] = v.z, y[e + 3] = v.w;
+    }
+#pragma unroll
+    for (int q = 0; q < SC; ++q) {
+      if (q == rank) continue;
+      const float* o = slabs + q * (SLAB / 4) + lr * SROW + (tid % TPR) * CPT;
+#pragma unroll
+      for (int e = 0; e < CPT; e += 4) {
+        float4 v = *reinterpret_cast<const float4*>(o + e);
+        y[e] += v.x, y[e + 1] += v.y, y[e + 2] += v.z, y[e + 3] += v.w;
+      }
+    }
+  }
+  float rs1 = 0.f, rs2 = 0.f;
+#pragma unroll
+  for (int e = 0; e < CPT; ++e) {
+    float v = y[e];
+    if constexpr ((EPI & HAS_BIAS) != 0) {
+      if constexpr ((EPI & BIAS_F32) != 0) {
+        v += bias_raw[e];
+      } else {
+        v += E::f(bias_raw[e]);
+      }
+    }
+    v = activate<ACT>(v);
+    if constexpr ((EPI & HAS_RES) != 0) v += E::f(res_raw[e]);
+    y[e] = (c0 + e < p.N) ? v : 0.f;
+    rs1 += y[e];
+    rs2 += y[e] * y[e];
+  }
+  if (row < p.M) {
+    T* op = static_cast<T*>(p.out) + static_cast<long long>(row) * p.out_stride + c0;
+    if (c0 + CPT <= p.N && (p.out_stride % 8) == 0 && (reinterpret_cast<uintptr_t>(p.out) % 16) == 0) {
+#pragma unroll
+      for (int e = 0; e < CPT; e += 8) {
+        alignas(16) T pk[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) pk[k] = E::one(y[e + k]);
+        *reinterpret_cast<uint4*>(op + e) = *reinterpret_cast<const uint4*>(pk);
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < CPT; ++e)
+        if (c0 + e < p.N) op[e] = E::one(y[e]);
+    }
+  }
+  if constexpr ((EPI & STATS_OUT) != 0) {
+    // The TPR threads of a row are adjacent lanes.
+#pragma unroll
+    for (int o = 1; o < TPR; o *= 2) {
+      rs1 += __shfl_xor_sync(0xffffffffu, rs1, o);
+      rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
+    }
+    if ((tid % TPR) == 0 && row < p.M)
+      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(n_tile) * p.M + row) * 2) =
+          make_float2(rs1, rs2);
+  }
+  if (tid == 0) {
+    // The partial must stay, and this CTA must not exit, until its pushes have completed.
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  if (fn == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* f = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) ==
+            cudaSuccess &&
+        q == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }
+  return fn;
+}
+
+int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stride, int box_rows, char* err,
+           int errlen) {
+  auto fn = encode_fn();
+  if (fn == nullptr) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled is not available from the driver");
+    return 1;
+  }
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t estr[2] = {1, 1};
+  CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ptr, dims,
+                  strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
+             static_cast<int>(r), rows, cols, stride);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// One library per variant (dtype, cluster size, epilogue), chosen at build time: cluster_gemm.py compiles each
+// variant a process asks for, once per machine.
+#ifndef CG_BF16
+#define CG_BF16 0
+#endif
+#ifndef CG_SC
+#define CG_SC 4
+#endif
+#ifndef CG_EPI
+#define CG_EPI 0
+#endif
+
+extern "C" int cluster_gemm_variant() { return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8); }
+
+extern "C" int cluster_gemm_smem_bytes(int stages) {
+  return 1024 + stages * 2 * TILE_BYTES + PART_BYTES + 16 * stages + 8;
+}
+
+extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const void* res, void* out, float* stats_out,
+                                   long long* trace, int M, int N, int K, int x_stride, int w_stride, int res_stride,
+                                   int out_stride, int per_split, int stages, int trigger_k, int n_pref, int flags,
+                                   void* stream, char* err, int errlen) {
+  constexpr int SC = CG_SC;
+  const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + BM - 1) / BM;
+  if (stages < 2 || stages > MAX_STAGES) {  // (2 stages of A and B hold the fp32 partial: 32 KB >= 17 KB)
+    snprintf(err, errlen, "stages=%d must be in 2..%d", stages, MAX_STAGES);
+    return 1;
+  }
+  Params p;
+  memset(&p, 0, sizeof(p));
+  if (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
+      encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
+    return 1;
+  p.bias = bias;
+  p.res = res;
+  p.out = out;
+  p.stats_out = stats_out;
+  p.trace = trace;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.res_stride = res_stride;
+  p.out_stride = out_stride;
+  p.k_tiles = (K + BK - 1) / BK;
+  p.per_split = per_split;
+  p.stages = stages;
+  p.trigger_k = trigger_k;
+  p.n_pref = n_pref;
+  p.flags = flags;
+
+  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI>;
+  const int smem = cluster_gemm_smem_bytes(stages);
+  static int configured = 0;
+  if (configured < smem) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) {
+      snprintf(err, errlen, "cudaFuncSetAttribute(%d B shared memory): %s", smem, cudaGetErrorString(e));
+      return 1;
+    }
+    configured = smem;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(n_tiles, m_tiles, SC);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attrs[2];
+  int n = 0;
+  attrs[n].id = cudaLaunchAttributeClusterDimension;
+  attrs[n].val.clusterDim.x = 1;
+  attrs[n].val.clusterDim.y = 1;
+  attrs[n].val.clusterDim.z = SC;
+  ++n;
+  if (flags & USE_PDL) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "cluster_gemm launch (grid %d x %d x %d, cluster 1x1x%d, %d B shared memory): %s", n_tiles,
+             m_tiles, SC, SC, smem, cudaGetErrorString(e));
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,118 @@
+"""The cluster split-K GEMM (``cluster_gemm.cu``): built with nvcc on first use, called through ctypes.
+
+``gemm.linear`` calls :func:`launch` for a ``GemmConfig`` with ``cluster=1`` on a Hopper GPU (compute capability
+9.0): the ``split_k`` programs of a tile form one thread-block cluster and reduce their partials through
+distributed shared memory, so no reduction kernel follows. Everywhere else (the Triton interpreter, other GPUs),
+and for a GEMM with a fused LayerNorm, the Triton kernel runs the same config with its reduction kernel, as PDL
+and prefetch are switched off where they cannot run. Each variant (operand dtype, split, epilogue) is built once
+per source version into ``$PDL_TUNE_CACHE`` (default ``~/.cache/pdl-tune``) and shared by every process, the
+tuner's workers included.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cluster_gemm.cu")
+SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
+BLOCK = 64  # the kernel's tile: 64x64 outputs, K in 64-wide tiles (the 128-byte swizzle span)
+MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
+# cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
+HAS_BIAS, BIAS_F32, HAS_RES, STATS_OUT = 1, 2, 4, 16
+USE_PDL, RACY = 64, 128
+
+
+def smem_bytes(stages: int) -> int:
+    """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): 1 KB for the swizzle
+    alignment, A and B tiles of 8 KB a stage, the slabs pushed by the other CTAs (64 rows of 68 fp32), mbarriers."""
+    return 1024 + stages * 2 * BLOCK * BLOCK * 2 + BLOCK * (BLOCK + 4) * 4 + 16 * stages + 8
+
+
+def nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("PDL_TUNE_CACHE", Path.home() / ".cache" / "pdl-tune"))
+
+
+_LIBS: dict[tuple[int, int, int], ctypes.CDLL] = {}
+
+
+def library(bf16: int, split: int, epi: int) -> ctypes.CDLL:
+    """The library of one variant, built now if this source version has not been built for it on this machine
+    (nvcc, a few seconds)."""
+    key = (bf16, split, epi)
+    if key in _LIBS:
+        return _LIBS[key]
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError("cluster_gemm: nvcc not found (PATH or $CUDA_HOME/bin); cluster=1 needs the CUDA toolkit")
+    tag = hashlib.sha256(SOURCE.read_bytes() + compiler.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"cluster_gemm-{tag}-{bf16}-{split}-{epi}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+        os.close(fd)
+        cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
+               "-fPIC", "-diag-suppress=177", f"-DCG_BF16={bf16}", f"-DCG_SC={split}", f"-DCG_EPI={epi}",
+               "-o", tmp, str(SOURCE)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"cluster_gemm: nvcc failed: {last}")
+        os.replace(tmp, out)  # atomic: concurrent builders (the tuner's workers) never load a partial file
+    lib = ctypes.CDLL(str(out))
+    P, I = ctypes.c_void_p, ctypes.c_int
+    lib.cluster_gemm_launch.argtypes = [P] * 7 + [I] * 12 + [P, ctypes.c_char_p, I]
+    lib.cluster_gemm_launch.restype = I
+    lib.cluster_gemm_smem_bytes.argtypes = [I]
+    lib.cluster_gemm_smem_bytes.restype = I
+    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4)
+            or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8)):
+        raise RuntimeError(f"cluster_gemm: {out} does not match cluster_gemm.py (shared-memory layout or variant)")
+    _LIBS[key] = lib
+    return lib
+
+
+def usable(x: torch.Tensor) -> bool:
+    """Whether the CUDA kernel runs for tensors on ``x``'s device (Hopper, not under the interpreter)."""
+    from ._common import interpreting
+
+    return x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device) == (9, 0)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return t.data_ptr() if t is not None else None
+
+
+def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
+           trigger_k=-1, n_pref=0, act=0, racy=False) -> None:
+    """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles."""
+    M, K = x.shape
+    N = weight.shape[0]
+    epi = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
+                                                    else 0)
+           | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0) | (act << 6))
+    flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
+    err = ctypes.create_string_buffer(512)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    lib = library(int(x.dtype == torch.bfloat16), split, epi)
+    rc = lib.cluster_gemm_launch(
+        _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace),
+        M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        per_split, stages, trigger_k, n_pref, flags, stream, err, len(err))
+    if rc != 0:
+        raise RuntimeError(err.value.decode(errors="replace"))

@@ -1,0 +1,166 @@
+"""The cluster split-K GEMM (kernels/cluster_gemm.cu, ``GemmConfig.cluster``): its validity rules and the fallback
+run everywhere; the CUDA kernel itself only on a Hopper GPU (pytest -m gpu)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tuner.device import DeviceInfo
+from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fold_layernorm, linear, linear_ref, stats_parts
+
+CL = GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, tma=1, split_k=4, cluster=1)
+HOPPER = DeviceInfo("H200", (9, 0), 132, 60 << 20, 232448)
+AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
+
+
+def _inputs(m, n, k, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) / k**0.5).to(dtype).to(device)
+    w = torch.randn(n, k, generator=g).to(dtype).to(device)
+    b = torch.randn(n, generator=g).to(dtype).to(device)
+    r = torch.randn(m, n, generator=g).to(dtype).to(device)
+    return x, w, b, r
+
+
+@pytest.mark.parametrize("cfg, problem, needle", [
+    (replace(CL, cluster=2), GemmProblem(128, 256, 768), "cluster=2 must be 0"),
+    (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
+    (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
+    (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64x64 tiles"),
+    (replace(CL, tma=0), GemmProblem(128, 256, 768), "needs 64x64 tiles"),
+    (CL, GemmProblem(128, 256, 768, 4), "16-bit operands"),
+    (replace(CL, num_stages=1), GemmProblem(128, 256, 768), "must be in 2..12"),
+    (replace(CL, block_k=128, num_stages=7), GemmProblem(128, 256, 4096), "must be in 2..12"),
+])
+def test_check_rejects_cluster(cfg, problem, needle):
+    assert needle in (check(cfg, problem, HOPPER) or "")
+
+
+def test_check_cluster_device():
+    p = GemmProblem(128, 256, 768)
+    assert check(CL, p, HOPPER) is None
+    assert "needs a Hopper GPU" in check(CL, p, AMPERE)
+    assert check(replace(CL, cluster=0), p, AMPERE) is None
+
+
+def test_cluster_config_runs_the_triton_kernels_off_hopper(device):
+    # Where the CUDA kernel cannot run (here: the interpreter), the same config runs on the Triton GEMM and its
+    # split-K reduction kernel.
+    if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("on Hopper the CUDA kernel runs: the GPU tests below")
+    m, k, n = 37, 200, 90
+    x, w, b, r = _inputs(m, n, k, torch.float16, device, seed=1)
+    out = linear(x, w, b, config=replace(CL, overlap_ratio=0.0, prefetch_ratio=1.0), residual=r, activation="gelu")
+    assert rel_error(out, linear_ref(x, w, b, residual=r, activation="gelu")) < REL_TOLERANCE[torch.float16]
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("stages, knobs", [(2, (-1.0, -1.0)), (3, (0.0, 1.0)), (8, (0.5, 0.5))],
+                         ids=["2stages-off", "3stages-pdl", "8stages-half"])
+@pytest.mark.parametrize("epilogue", ["plain", "bias-gelu-res-stats", "bias32"])
+def test_cluster_linear_odd_shapes(dtype, split, stages, knobs, epilogue):
+    # Odd M (37: rows past M zero-filled by TMA, stores masked), odd N (250: a partial column tile, scalar stores),
+    # K not a multiple of 64 (456: the last K tile zero-filled, splits of unequal length), stages reused within
+    # a split; outputs and row sums poisoned with NaN, so every element must be written.
+    m, k, n = 37, 456, 250
+    x, w, b, r = _inputs(m, n, k, dtype, "cuda", seed=split * 10 + stages)
+    cfg = replace(CL, split_k=split, num_stages=stages, overlap_ratio=knobs[0], prefetch_ratio=knobs[1])
+    assert check(cfg, GemmProblem(m, n, k), DeviceInfo.from_torch()) is None
+    kw, bias, stats = {}, None, None
+    if epilogue == "bias-gelu-res-stats":
+        bias = b
+        stats = torch.full((stats_parts(cfg, n), m, 2), float("nan"), dtype=torch.float32, device="cuda")
+        kw = dict(activation="gelu", residual=r)
+    elif epilogue == "bias32":
+        bias = b.float()
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    linear(x, w, bias, config=cfg, out=out, stats_out=stats, **kw)
+    torch.cuda.synchronize()
+    ref = linear_ref(x, w, bias, **kw)
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    if stats is not None:
+        of = out.float()
+        rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(stats.sum(0)[:, 0], of.sum(1), rtol=rtol, atol=5e-2)
+        torch.testing.assert_close(stats.sum(0)[:, 1], (of * of).sum(1), rtol=rtol * 4, atol=5e-1)
+
+
+@gpu
+def test_cluster_linear_with_layernorm_runs_the_triton_kernels():
+    # A fused LayerNorm is not in the CUDA kernel's epilogue: the Triton GEMM and its reduction run the config.
+    m, k, n = 64, 256, 128
+    x, w, b, _ = _inputs(m, n, k, torch.float16, "cuda", seed=5)
+    g = torch.Generator().manual_seed(6)
+    lw = (1 + 0.1 * torch.randn(k, generator=g)).half().cuda()
+    lb = (0.1 * torch.randn(k, generator=g)).half().cuda()
+    wf, bf, u = fold_layernorm(w, b, lw, lb)
+    out = linear(x, wf, bf, config=replace(CL, split_k=2), ln_colsum=u)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)) < 1e-2
+
+
+@gpu
+def test_cluster_pdl_chain_in_a_graph():
+    # Three dependent GEMMs launched with PDL (trigger right after the wait, weights requested before it) in one
+    # CUDA graph; every output poisoned before each replay: a read before the predecessor's writes land, or a
+    # reduction that sums a slab before it has arrived, would show as NaN or a wrong value.
+    m, d = 128, 768
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(7)
+    ws = [(torch.randn(d, d, generator=g) / d**0.5).to(dtype).cuda() for _ in range(3)]
+    x = torch.randn(m, d, generator=g).to(dtype).cuda()
+    bufs = [torch.empty(m, d, dtype=dtype, device="cuda") for _ in range(3)]
+    cfgs = [replace(CL, block_k=128, num_stages=s, split_k=sk, overlap_ratio=0.0, prefetch_ratio=1.0)
+            for s, sk in ((4, 4), (2, 2), (3, 4))]
+    ref = x.float()
+    for w in ws:
+        ref = ref @ w.float().T
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for i in range(3):  # warm-up: builds the libraries, sets the kernels' shared-memory attribute
+            linear(x if i == 0 else bufs[i - 1], ws[i], config=cfgs[i], out=bufs[i])
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(3):
+            linear(x if i == 0 else bufs[i - 1], ws[i], config=cfgs[i], out=bufs[i])
+    for _ in range(20):
+        for b in bufs:
+            b.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_error(bufs[2], ref) < 1e-2
+
+
+@gpu
+def test_cluster_racy_read_is_caught():
+    # The test-only defect (the first activation tile loaded before griddepcontrol.wait) behind a slow PDL
+    # predecessor that writes x and lets its successor launch at once: the defect reads stale values in some
+    # runs, the same chain without it never.
+    m, d, k0 = 128, 768, 16384
+    g = torch.Generator().manual_seed(8)
+    a = (torch.randn(m, k0, generator=g) / k0**0.5).half().cuda()
+    w0 = torch.randn(d, k0, generator=g).half().cuda()
+    w = (torch.randn(d, d, generator=g) / d**0.5).half().cuda()
+    x = torch.empty(m, d, dtype=torch.float16, device="cuda")
+    out = torch.empty(m, d, dtype=torch.float16, device="cuda")
+    slow = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, overlap_ratio=0.0)
+    cfg = replace(CL, block_k=128, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
+    ref = (a.float() @ w0.float().T).half().float() @ w.float().T
+    wrong = {}
+    for racy in (False, True):
+        wrong[racy] = 0
+        for _ in range(20):
+            x.fill_(float("nan"))
+            linear(a, w0, config=slow, out=x)
+            linear(x, w, config=cfg, out=out, _racy_read_before_wait=racy)
+            torch.cuda.synchronize()
+            wrong[racy] += rel_error(out, ref) > 1e-2
+    assert wrong[False] == 0 and wrong[True] > 0, wrong
