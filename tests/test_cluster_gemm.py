@@ -117,8 +117,8 @@ def test_cluster_pdl_chain_in_a_graph():
     ws = [(torch.randn(d, d, generator=g) / d**0.5).to(dtype).cuda() for _ in range(3)]
     x = torch.randn(m, d, generator=g).to(dtype).cuda()
     bufs = [torch.empty(m, d, dtype=dtype, device="cuda") for _ in range(3)]
-    cfgs = [replace(CL, block_k=128, num_stages=s, split_k=sk, overlap_ratio=0.0, prefetch_ratio=1.0)
-            for s, sk in ((4, 4), (2, 2), (3, 4))]
+    cfgs = [replace(CL, block_k=bk, num_stages=s, split_k=sk, overlap_ratio=0.0, prefetch_ratio=1.0)
+            for bk, s, sk in ((64, 4, 4), (128, 2, 2), (64, 2, 4))]
     ref = x.float()
     for w in ws:
         ref = ref @ w.float().T
@@ -152,7 +152,7 @@ def test_cluster_racy_read_is_caught():
     x = torch.empty(m, d, dtype=torch.float16, device="cuda")
     out = torch.empty(m, d, dtype=torch.float16, device="cuda")
     slow = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, overlap_ratio=0.0)
-    cfg = replace(CL, block_k=128, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
+    cfg = replace(CL, block_k=64, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
     ref = (a.float() @ w0.float().T).half().float() @ w.float().T
     wrong = {}
     for racy in (False, True):
