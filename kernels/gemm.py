@@ -156,7 +156,8 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
     """The nearest config that passes :func:`check` on resources: fewer stages until the shared memory
-    fits, more warps (up to 8) until the accumulator fits the registers. The search calls this so that
+    fits, more warps (up to 8) until the accumulator fits the registers, the Triton kernels (cluster 0) where
+    the CUDA kernel cannot run the tiles or the GPU. The search calls this so that
     a sampled combination of tiles is measured rather than thrown away (on the H200 more than half of
     the default space's samples were over one of these two limits)."""
     c = fit(config, problem)
@@ -167,6 +168,8 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
         c = replace(c, num_warps=c.num_warps * 2)
     while c.num_warps > 1 and c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         c = replace(c, num_warps=c.num_warps // 2)
+    if c.cluster and _cluster_error(c, problem, device):  # the tiles or the GPU do not fit the CUDA kernel
+        c = replace(c, cluster=0)
     return c
 
 

@@ -155,12 +155,14 @@ def test_cluster_racy_read_is_caught():
     cfg = replace(CL, block_k=64, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
     ref = (a.float() @ w0.float().T).half().float() @ w.float().T
     wrong = {}
+    stream = torch.cuda.Stream()  # PDL needs a stream of its own: the legacy default stream serialises launches
     for racy in (False, True):
         wrong[racy] = 0
         for _ in range(20):
-            x.fill_(float("nan"))
-            linear(a, w0, config=slow, out=x)
-            linear(x, w, config=cfg, out=out, _racy_read_before_wait=racy)
+            with torch.cuda.stream(stream):
+                x.fill_(float("nan"))
+                linear(a, w0, config=slow, out=x)
+                linear(x, w, config=cfg, out=out, _racy_read_before_wait=racy)
             torch.cuda.synchronize()
             wrong[racy] += rel_error(out, ref) > 1e-2
     assert wrong[False] == 0 and wrong[True] > 0, wrong

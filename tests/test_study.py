@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from tuner import space
-from tuner.bench import hand_picked, hand_picked_fused
+from tuner.bench import hand_picked, hand_picked_cluster, hand_picked_fused
 from tuner.config import DecoderConfig
 from tuner.evaluate import ReplayEvaluator
 from tuner.kernels.norm import NormConfig
@@ -199,11 +199,12 @@ def test_first_trial_is_the_enqueued_baseline(tmp_path, replay):
     base = default_config(BERT_BASE)
     assert trials[0].user_attrs["is_baseline"] and trials[0].params == space.from_config(base)
     assert not any(t.user_attrs.get("is_baseline") for t in trials[1:])
-    # Then the hand-picked tiles with PDL + full prefetch, the one-kernel layer, and the hand-picked
-    # tiles with the knobs off.
+    # Then the hand-picked tiles with PDL + full prefetch, the same with split-K reduced in clusters, the
+    # one-kernel layer, and the hand-picked tiles with the knobs off.
     assert trials[1].params == space.from_config(hand_picked(BERT_BASE))
-    assert trials[2].params == space.from_config(hand_picked_fused(BERT_BASE))
-    assert trials[3].params == space.from_config(hand_picked(BERT_BASE).without_knobs())
+    assert trials[2].params == space.from_config(hand_picked_cluster(BERT_BASE))
+    assert trials[3].params == space.from_config(hand_picked_fused(BERT_BASE))
+    assert trials[4].params == space.from_config(hand_picked(BERT_BASE).without_knobs())
     # The baseline's replayed latency is the recording's baseline trial.
     recorded = pd.read_csv(REPLAY / "trials.csv")
     assert trials[0].value == recorded.loc[recorded["is_baseline"], "latency_us"].item()

@@ -171,7 +171,7 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     search must stay inside what the user asked for); the baseline is measured anyway in the final
     phase, interleaved with the top-k, and every speedup is against that measurement.
     """
-    from tuner.bench import hand_picked, hand_picked_fused
+    from tuner.bench import hand_picked, hand_picked_cluster, hand_picked_fused
 
     hp = hand_picked(shape)
     norm_kernels = hand_picked(shape, norms=0)
@@ -180,6 +180,9 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
              (layer if pdl else layer.without_knobs(), None)]
     if pdl:
         seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
+        clustered = hand_picked_cluster(shape)
+        if clustered != hp:
+            seeds.insert(2, (clustered, None))
     study.set_user_attr("seeded", True)
     for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
         params = from_config(cfg, pdl)
