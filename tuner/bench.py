@@ -49,14 +49,14 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     return fit_config(cfg, shape).with_knobs(0.0, 1.0)
 
 
-def hand_picked_cluster(shape: DecoderShape) -> DecoderConfig:
+def hand_picked_cluster(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
     a layer; bert-large, whose 128 FFN2 programs in clusters of four no longer launch as one wave: 25.7 -> 28.4).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
     from tuner.kernels.gemm import GemmProblem, check
 
-    hp = hand_picked(shape)
+    hp = hand_picked(shape, norms)
     gemms = shape.gemms()
     want = {"out": replace(hp.out, block_k=64, num_stages=6, split_k=4, cluster=1),
             "ffn2": replace(hp.ffn2, cluster=1)}

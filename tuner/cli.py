@@ -138,15 +138,26 @@ def _bench_config(path: str, **expect):
 def cmd_verify(args) -> int:
     import json
 
+    import torch
+
     from tuner import bench, manifest, verify
+    from tuner.device import DeviceInfo
+    from tuner.layer import check_config
 
     shapes = _shapes(args.shape)
     dtype = _dtype(args.dtype)
     _need_gpu("tune verify")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
-        # The norm kernels kept (norms=0): every kernel of the layer is checked for races.
-        res = verify.run_verify(shape, bench.hand_picked(shape, norms=0), dtype=dtype, race_trials=args.trials)
+        # The norm kernels kept (norms=0): every kernel of the layer is checked for races. On Hopper, also the
+        # out-projection and FFN2 split-K reduced in clusters (the CUDA kernel of cluster_gemm.cu).
+        hp = bench.hand_picked(shape, norms=0)
+        res = verify.run_verify(shape, hp, dtype=dtype, race_trials=args.trials)
+        clustered = bench.hand_picked_cluster(shape, norms=0)
+        dev = DeviceInfo.from_torch()
+        if clustered != hp and not check_config(clustered, shape, torch.tensor([], dtype=dtype).element_size(), dev):
+            res["clustered"] = verify.run_verify(shape, clustered, dtype=dtype, race_trials=args.trials,
+                                                 racy_kernels=("out", "ffn2"))
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))
