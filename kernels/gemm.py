@@ -142,8 +142,11 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
         return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
     if c.split_k not in cluster_gemm.SPLITS:
         return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
-    if (c.block_m, c.block_n, c.num_warps) != (64, 64, 4) or c.block_k < 64 or not c.tma:
-        return "cluster=1 needs 64x64 tiles, block_k >= 64, 4 warps and tma=1"
+    # The kernel's tiles are 64x64; a block_m below 64 that covers every row (M <= block_m, e.g. 32 tokens) is the
+    # same program with its rows past M zero-filled by TMA and masked.
+    rows_ok = c.block_m == 64 or (c.block_m < 64 and p.m <= c.block_m)
+    if not rows_ok or (c.block_n, c.num_warps) != (64, 4) or c.block_k < 64 or not c.tma:
+        return "cluster=1 needs 64x64 tiles (or block_m >= M below 64), block_k >= 64, 4 warps and tma=1"
     if p.dtype_bytes != 2:
         return "cluster=1 needs 16-bit operands"
     st = cluster_stages(c)

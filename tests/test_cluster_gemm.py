@@ -38,6 +38,12 @@ def test_check_rejects_cluster(cfg, problem, needle):
     assert needle in (check(cfg, problem, HOPPER) or "")
 
 
+def test_check_cluster_few_rows():
+    # Below 64 rows a tile that covers every row runs on the 64-row kernel (rows past M zero-filled, masked).
+    assert check(replace(CL, block_m=32), GemmProblem(32, 256, 1024), HOPPER) is None
+    assert "needs 64x64 tiles" in check(replace(CL, block_m=32), GemmProblem(48, 256, 1024), HOPPER)
+
+
 def test_check_cluster_device():
     p = GemmProblem(128, 256, 768)
     assert check(CL, p, HOPPER) is None
@@ -90,6 +96,19 @@ def test_cluster_linear_odd_shapes(dtype, split, stages, knobs, epilogue):
         rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
         torch.testing.assert_close(stats.sum(0)[:, 0], of.sum(1), rtol=rtol, atol=5e-2)
         torch.testing.assert_close(stats.sum(0)[:, 1], (of * of).sum(1), rtol=rtol * 4, atol=5e-1)
+
+
+@gpu
+@pytest.mark.parametrize("m, block_m", [(20, 32), (16, 16)])
+def test_cluster_linear_few_rows(m, block_m):
+    k, n = 1024, 256
+    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=m)
+    cfg = replace(CL, block_m=block_m, block_k=256, num_stages=3, overlap_ratio=0.0, prefetch_ratio=1.0)
+    assert check(cfg, GemmProblem(m, n, k), DeviceInfo.from_torch()) is None
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < 1e-2
 
 
 @gpu

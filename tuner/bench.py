@@ -58,7 +58,7 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
 
     hp = hand_picked(shape, norms)
     gemms = shape.gemms()
-    want = {"out": replace(hp.out, block_k=64, num_stages=6, split_k=4, cluster=1),
+    want = {"out": replace(hp.out, block_n=64, block_k=64, num_stages=6, split_k=4, cluster=1),
             "ffn2": replace(hp.ffn2, cluster=1)}
     kw = {n: c for n, c in want.items() if check(c, GemmProblem(*gemms[n])) is None}
     return replace(hp, **kw)
