@@ -28,6 +28,9 @@ MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, STATS_OUT = 1, 2, 4, 16
 USE_PDL, RACY = 64, 128
+# Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
+# triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
+launch_enter_hook = None
 
 
 def smem_bytes(stages: int) -> int:
@@ -107,6 +110,8 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
                                                     else 0)
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0) | (act << 6))
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
+    if launch_enter_hook is not None:
+        launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     lib = library(int(x.dtype == torch.bfloat16), split, epi)

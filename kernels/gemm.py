@@ -597,10 +597,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     k_tiles = triton.cdiv(K, c.block_k)
     per_split = triton.cdiv(k_tiles, c.split_k)
     n_pref = prefetch_count(per_split, c.prefetch_ratio)
+    # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, with no workspace and
+    # no reduction kernel. A fused LayerNorm, or rows that are not contiguous, run on the Triton kernels.
+    on_cluster = bool(c.cluster and cluster_gemm.usable(x) and ln_colsum is None and out.stride(1) == 1
+                      and (residual is None or residual.stride(1) == 1))
     if c.split_k > 1:
         need = workspace_numel(c, M, N)
         if workspace is None:
-            workspace = torch.empty(need, device=x.device, dtype=torch.float32)
+            if not on_cluster:  # (the cluster kernel reduces in shared memory)
+                workspace = torch.empty(need, device=x.device, dtype=torch.float32)
         elif workspace.numel() < need or workspace.dtype != torch.float32:
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
@@ -620,14 +625,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
                 raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
                                  f"(strides {tuple(t.stride())})")
-        x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])
-        w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
-    else:
-        x_desc, w_desc = x, weight
-    # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, no reduction kernel.
-    # A fused LayerNorm, or rows that are not contiguous, run on the Triton kernels.
-    if (c.cluster and cluster_gemm.usable(x) and ln_colsum is None and out.stride(1) == 1
-            and (residual is None or residual.stride(1) == 1)):
+    if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
         per64 = per_split * c.block_k // cluster_gemm.BLOCK
@@ -636,6 +634,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait)
         return out
+    if c.tma:
+        x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])
+        w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
+    else:
+        x_desc, w_desc = x, weight
     _gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,

@@ -10,18 +10,11 @@ from tuner.device import DeviceInfo
 from tuner.kernels._common import REL_TOLERANCE, rel_error
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fold_layernorm, linear, linear_ref, stats_parts
 
+from test_gemm import _inputs  # the GEMM tests' inputs (tests/ is on sys.path under pytest)
+
 CL = GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, tma=1, split_k=4, cluster=1)
 HOPPER = DeviceInfo("H200", (9, 0), 132, 60 << 20, 232448)
 AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
-
-
-def _inputs(m, n, k, dtype, device, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, k, generator=g) / k**0.5).to(dtype).to(device)
-    w = torch.randn(n, k, generator=g).to(dtype).to(device)
-    b = torch.randn(n, generator=g).to(dtype).to(device)
-    r = torch.randn(m, n, generator=g).to(dtype).to(device)
-    return x, w, b, r
 
 
 @pytest.mark.parametrize("cfg, problem, needle", [

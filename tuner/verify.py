@@ -41,24 +41,18 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
             for k in cache[0].values():
                 fn_pdl[k.function] = (k.name, bool(k.metadata.launch_pdl))
     launched = []
-    # The CUDA kernel of cluster_gemm.cu is launched through ctypes, not Triton's launcher: counted at its
-    # launch function (PDL when it has a trigger point, which sets the launch's programmatic serialisation).
+    # The CUDA kernel of cluster_gemm.cu is launched through ctypes, not Triton's launcher: its own hook names it
+    # and whether it was launched with PDL.
     from tuner.kernels import cluster_gemm
-
-    launch = cluster_gemm.launch
-
-    def counted(*a, **kw):
-        launched.append(("cluster_gemm_kernel", kw.get("trigger_k", -1) >= 0))
-        return launch(*a, **kw)
 
     old = triton.knobs.runtime.launch_enter_hook
     triton.knobs.runtime.launch_enter_hook = lambda md: launched.append(md.get()["function"])
-    cluster_gemm.launch = counted
+    cluster_gemm.launch_enter_hook = lambda name, pdl: launched.append((name, pdl))
     try:
         stack.run()
     finally:
         triton.knobs.runtime.launch_enter_hook = old
-        cluster_gemm.launch = launch
+        cluster_gemm.launch_enter_hook = None
     torch.cuda.synchronize()
     census = collections.Counter()
     for f in launched:
