@@ -30,15 +30,25 @@
 
 namespace {
 
-constexpr int BM = 64, BN = 64, BK = 64;
-constexpr int TILE_BYTES = BM * BK * 2;  // one 64x64 tile of 16-bit elements: 8 KB (A and B alike)
-constexpr int THREADS = 160;
+// The tile is BM x BN (BM 64 or 128: one consumer warpgroup per 64 rows; BN 64 or 128), K in 64-wide tiles.
+constexpr int BK = 64;
 constexpr int MAX_STAGES = 12;
-constexpr int SROW = BN + 4;  // fp32 row pitch of the partial tiles in shared memory (fewer bank conflicts)
-constexpr int PART_BYTES = BM * SROW * 4;  // one partial tile: 17408 B
+constexpr int MAX_LN_PARTS = 32;  // LN_IN: the producer's row-sum parts a launch may read
+
+template <int BM, int BN>
+struct Tile {
+  static constexpr int WG = BM / 64;                  // consumer warpgroups
+  static constexpr int CONSUMERS = 128 * WG;
+  static constexpr int THREADS = CONSUMERS + 32;      // + the producer warp
+  static constexpr int A_BYTES = BM * BK * 2;         // one stage's A tile (16-bit)
+  static constexpr int B_BYTES = BN * BK * 2;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int SROW = BN + 4;                 // fp32 row pitch of the partial tiles (fewer bank conflicts)
+  static constexpr int PART_BYTES = BM * SROW * 4;    // one partial tile
+};
 
 // Epilogue (compile time; the activation in bits 6-7).
-enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, STATS_OUT = 16 };
+enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16 };
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -51,7 +61,13 @@ struct Params {
   const void* bias;
   const void* res;
   void* out;
-  float* stats_out;   // this GEMM's row sums for the next LayerNorm [N tiles, M, 2]
+  float* stats_out;   // this GEMM's row sums for the next LayerNorm [64-column parts of N, M, 2]
+  // LN_IN: LayerNorm folded into the weights (gemm.fold_layernorm), applied in the epilogue from the row sums of x
+  // written by x's producer: out = rstd * (acc - mean * colsum) + ...
+  const float* ln_stats;  // [ln_parts, M, 2]: sums of x and x^2 over column tiles
+  const float* ln_colsum; // [N]: colsum of the folded weights
+  float ln_eps;
+  int ln_parts;
   long long* trace;   // diagnostics: %globaltimer [programs, 4]
   int M, N, K;
   int res_stride, out_stride;
@@ -137,8 +153,9 @@ __device__ __forceinline__ long long globaltimer() {
   return t;
 }
 
-// The consumer warpgroup's own barrier (the producer warp does not take part).
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+// The consumer warpgroups' own barrier (the producer warp does not take part).
+template <int N>
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(N) : "memory"); }
 
 // wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
@@ -154,30 +171,60 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Pins the accumulator registers across the asynchronous MMAs (CUTLASS's warpgroup_fence_operand).
+template <int N>
 __device__ __forceinline__ void fence_acc(float* d) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-#define CG_ACC32(d)                                                                                        \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),          \
+// The accumulator operands and the instruction of wgmma m64nNk16 (N/2 fp32 registers a thread).
+#define CG_ACC32(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),            \
-      "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),            \
-      "+f"(d[30]), "+f"(d[31])
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
-#define CG_WGMMA(TYPE)                                                                                        \
-  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"                                                          \
-  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                                  \
-  " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "   \
-  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+#define CG_ACC64(d) \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
-template <bool BF16>
-__device__ __forceinline__ void wgmma_64x64x16(float* d, uint64_t da, uint64_t db) {
-  if constexpr (BF16) {
-    asm volatile(CG_WGMMA("bf16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
+#define CG_WGMMA64(TYPE) \
+  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t" \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+
+#define CG_WGMMA128(TYPE) \
+  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t" \
+  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  "}, %64, %65, p, 1, 1, 0, 0;\n\t}"
+
+template <bool BF16, int N>
+__device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db) {
+  static_assert(N == 64 || N == 128, "wgmma tile width: 64 or 128");
+  if constexpr (N == 64) {
+    if constexpr (BF16) {
+      asm volatile(CG_WGMMA64("bf16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
+    } else {
+      asm volatile(CG_WGMMA64("f16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
+    }
   } else {
-    asm volatile(CG_WGMMA("f16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
+    if constexpr (BF16) {
+      asm volatile(CG_WGMMA128("bf16") : CG_ACC64(d) : "l"(da), "l"(db), "r"(1));
+    } else {
+      asm volatile(CG_WGMMA128("f16") : CG_ACC64(d) : "l"(da), "l"(db), "r"(1));
+    }
   }
 }
 
@@ -213,29 +260,37 @@ __device__ __forceinline__ float activate(float v) {
   return v;
 }
 
-template <bool BF16, int SC, int EPI>
-__global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
+template <bool BF16, int SC, int EPI, int BM, int BN>
+__global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
   static_assert(SC == 2 || SC == 4, "the K splits of a tile: 2 or 4 CTAs a cluster");
+  static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
+  using TL = Tile<BM, BN>;
   using E = Elem<BF16>;
   using T = typename E::T;
   using BT = std::conditional_t<(EPI & BIAS_F32) != 0, float, T>;
   constexpr int ACT = (EPI >> 6) & 3;
-  constexpr int R = BM / SC;          // rows of the tile this CTA reduces and stores
-  constexpr int TPR = 128 / R;        // consumer threads a row
-  constexpr int CPT = BN / TPR;       // columns a thread
-  constexpr int SLAB = R * SROW * 4;  // bytes of one row slab of a partial tile
+  constexpr bool LN = (EPI & LN_IN) != 0;
+  constexpr int CONSUMERS = TL::CONSUMERS, SROW = TL::SROW;
+  constexpr int NACC = BN / 2;           // accumulator registers a thread (wgmma m64nBN, fp32)
+  constexpr int R = BM / SC;             // rows of the tile this CTA reduces and stores
+  constexpr int TPR = CONSUMERS / R;     // consumer threads a row (adjacent lanes)
+  constexpr int CPT = BN / TPR;          // columns a thread
+  constexpr int SLAB = R * SROW * 4;     // bytes of one row slab of a partial tile
+  constexpr int LNP = MAX_LN_PARTS / TPR;  // LN_IN: row-sum parts a thread loads
+  static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0, "epilogue mapping");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const int S = p.stages;
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + S * TILE_BYTES;
-  const uint32_t recv = b_smem + S * TILE_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
-  const uint32_t full = recv + PART_BYTES;        // S mbarriers: the stage's bytes have landed
-  const uint32_t empty = full + 8 * S;            // S mbarriers: the consumers are done with the stage
-  const uint32_t red = empty + 8 * S;             // 1 mbarrier: the other CTAs' slabs have landed
-  float* const part = reinterpret_cast<float*>(smem_raw + (a_smem - raw));  // this CTA's partial (after the loop)
+  const uint32_t b_smem = base + S * TL::A_BYTES;
+  const uint32_t recv = b_smem + S * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
+  const uint32_t full = recv + TL::PART_BYTES;     // S mbarriers: the stage's bytes have landed
+  const uint32_t empty = full + 8 * S;             // S mbarriers: the consumers are done with the stage
+  const uint32_t red = empty + 8 * S;              // 1 mbarrier: the other CTAs' slabs have landed
+  // This CTA's partial after the loop, over the idle A and B stages (the host checks that they hold it).
+  float* const part = reinterpret_cast<float*>(smem_raw + (a_smem - raw));
   const float* const slabs = reinterpret_cast<const float*>(smem_raw + (recv - raw));
 
   const int tid = threadIdx.x;
@@ -248,12 +303,12 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
   const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
   const bool pdl = (p.flags & USE_PDL) != 0;
 
-  if (tid == 128) {
+  if (tid == CONSUMERS) {
     prefetch_tensormap(&p.a_map);
     prefetch_tensormap(&p.b_map);
     for (int s = 0; s < S; ++s) {
       mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, 4);  // one arrival per consumer warp
+      mbar_init(empty + 8 * s, CONSUMERS / 32);  // one arrival per consumer warp
     }
     mbar_init(red, 1);
     // The one arrival of `red`'s phase, with the bytes the SC-1 other CTAs will push (their complete_tx may
@@ -264,15 +319,15 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
   // Every CTA's barriers must be initialised before any CTA of the cluster pushes into them.
   cluster_sync();
 
-  if (tid >= 128) {
+  if (tid >= CONSUMERS) {
     // Producer warp: one thread issues the loads.
-    if (tid == 128) {
+    if (tid == CONSUMERS) {
       const bool racy = (p.flags & RACY) != 0;
       int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
       if (racy && early == 0 && n_iters > 0) early = 1;
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full + 8 * i, 2 * TILE_BYTES);
-        tma_load(b_smem + i * TILE_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
+        mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
+        tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
       if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
@@ -284,10 +339,10 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
         const uint32_t bar = full + 8 * s;
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          mbar_expect_tx(bar, 2 * TILE_BYTES);
-          tma_load(b_smem + s * TILE_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
+          mbar_expect_tx(bar, TL::STAGE_BYTES);
+          tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) tma_load(a_smem + s * TILE_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
+        if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -299,8 +354,8 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
     return;
   }
 
-  // Consumer warpgroup.
-  const int warp = tid / 32, lane = tid % 32;
+  // Consumer warpgroups: warpgroup wg multiplies rows 64*wg.. of the tile.
+  const int warp = tid / 32, lane = tid % 32, wg = tid / 128;
   gdc_wait();
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
   if (p.trigger_k == 0) gdc_launch();
@@ -313,29 +368,39 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
   const int rrow = min(row, p.M - 1);
   BT bias_raw[CPT];
   T res_raw[CPT];
+  float ln_u[LN ? CPT : 1];
+  float2 ln_st[LN ? LNP : 1];  // this thread's share of the row's parts (summed over the TPR lanes after the loop)
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
     const int c = min(c0 + e, p.N - 1);
     if constexpr ((EPI & HAS_BIAS) != 0) bias_raw[e] = static_cast<const BT*>(p.bias)[c];
     if constexpr ((EPI & HAS_RES) != 0)
       res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + c];
+    if constexpr (LN) ln_u[e] = p.ln_colsum[c];
+  }
+  if constexpr (LN) {
+#pragma unroll
+    for (int i = 0; i < LNP; ++i) {
+      const int q = min((tid % TPR) + TPR * i, p.ln_parts - 1);
+      ln_st[i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + rrow) * 2);
+    }
   }
 
-  float acc[32];
+  float acc[NACC];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   int s = 0, prev = 0;  // this tile's stage and the previous one's
   uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
     mbar_wait(full + 8 * s, phase);
-    const uint64_t da = smem_desc(a_smem + s * TILE_BYTES);
-    const uint64_t db = smem_desc(b_smem + s * TILE_BYTES);
-    fence_acc(acc);
+    const uint64_t da = smem_desc(a_smem + s * TL::A_BYTES + wg * (64 * BK * 2));
+    const uint64_t db = smem_desc(b_smem + s * TL::B_BYTES);
+    fence_acc<NACC>(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64x64x16<BF16>(acc, da + 2 * kk, db + 2 * kk);
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
-    fence_acc(acc);
+    fence_acc<NACC>(acc);
     // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
     // to the producer (the host requires 2 stages or more).
     wgmma_wait<1>();
@@ -353,12 +418,12 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
   wgmma_wait<0>();
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
 
-  // Reduce-scatter. Every MMA of the warpgroup is done (the barrier), so the A stages hold this CTA's partial.
-  consumer_sync();
+  // Reduce-scatter. Every MMA of the warpgroups is done (the barrier), so the stages hold this CTA's partial.
+  consumer_sync<CONSUMERS>();
   {
-    const int r_lo = warp * 16 + lane / 4, c_lo = (lane % 4) * 2;
+    const int r_lo = warp * 16 + lane / 4, c_lo = (lane % 4) * 2;  // (warp counts over the warpgroups: 64*wg + ..)
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         *reinterpret_cast<float2*>(part + (r_lo + 8 * h) * SROW + c_lo + 8 * j) =
@@ -366,7 +431,7 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
   }
   // The bulk copies read the partial through the async proxy: order the stores before them.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  consumer_sync();
+  consumer_sync<CONSUMERS>();
   if (tid == 0) {
 #pragma unroll
     for (int q = 1; q < SC; ++q) {
@@ -397,10 +462,29 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
       }
     }
   }
+  float ln_rstd = 1.f, ln_mr = 0.f;
+  if constexpr (LN) {
+    // The row's sums of x and x^2: this thread's parts (those past ln_parts were clamped to the last: not counted),
+    // then the row's TPR lanes.
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < LNP; ++i) {
+      if ((tid % TPR) + TPR * i < p.ln_parts) s1 += ln_st[i].x, s2 += ln_st[i].y;
+    }
+#pragma unroll
+    for (int o = 1; o < TPR; o *= 2) {
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+    const float mean = s1 / p.K;
+    ln_rstd = 1.0f / sqrtf(fmaxf(s2 / p.K - mean * mean, 0.f) + p.ln_eps);
+    ln_mr = mean * ln_rstd;
+  }
   float rs1 = 0.f, rs2 = 0.f;
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
     float v = y[e];
+    if constexpr (LN) v = ln_rstd * v - ln_mr * ln_u[e];
     if constexpr ((EPI & HAS_BIAS) != 0) {
       if constexpr ((EPI & BIAS_F32) != 0) {
         v += bias_raw[e];
@@ -431,14 +515,18 @@ __global__ void __launch_bounds__(THREADS, 1) cluster_gemm_kernel(const __grid_c
     }
   }
   if constexpr ((EPI & STATS_OUT) != 0) {
-    // The TPR threads of a row are adjacent lanes.
+    // One part per 64 columns, whatever BN (gemm.stats_parts: the Triton split-K reduction's parts): the TPH
+    // threads of a row's 64 columns are adjacent lanes.
+    constexpr int TPH = TPR / (BN / 64);
+    static_assert(TPH >= 1 && CPT <= 64, "a thread's columns lie in one 64-column part");
 #pragma unroll
-    for (int o = 1; o < TPR; o *= 2) {
+    for (int o = 1; o < TPH; o *= 2) {
       rs1 += __shfl_xor_sync(0xffffffffu, rs1, o);
       rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
     }
-    if ((tid % TPR) == 0 && row < p.M)
-      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(n_tile) * p.M + row) * 2) =
+    const int part = n_tile * (BN / 64) + (tid % TPR) / TPH;
+    if ((tid % TPH) == 0 && row < p.M && part * 64 < p.N)
+      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
   if (tid == 0) {
@@ -485,8 +573,8 @@ int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int strid
 
 }  // namespace
 
-// One library per variant (dtype, cluster size, epilogue), chosen at build time: cluster_gemm.py compiles each
-// variant a process asks for, once per machine.
+// One library per variant (dtype, cluster size, epilogue, tile), chosen at build time: cluster_gemm.py compiles
+// each variant a process asks for, once per machine.
 #ifndef CG_BF16
 #define CG_BF16 0
 #endif
@@ -496,21 +584,38 @@ int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int strid
 #ifndef CG_EPI
 #define CG_EPI 0
 #endif
+#ifndef CG_BM
+#define CG_BM 64
+#endif
+#ifndef CG_BN
+#define CG_BN 64
+#endif
 
-extern "C" int cluster_gemm_variant() { return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8); }
+using TV = Tile<CG_BM, CG_BN>;
+
+extern "C" int cluster_gemm_variant() {
+  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20);
+}
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {
-  return 1024 + stages * 2 * TILE_BYTES + PART_BYTES + 16 * stages + 8;
+  return 1024 + stages * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;
 }
 
 extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const void* res, void* out, float* stats_out,
-                                   long long* trace, int M, int N, int K, int x_stride, int w_stride, int res_stride,
-                                   int out_stride, int per_split, int stages, int trigger_k, int n_pref, int flags,
+                                   long long* trace, const float* ln_stats, const float* ln_colsum, int M, int N,
+                                   int K, int x_stride, int w_stride, int res_stride, int out_stride, int per_split,
+                                   int stages, int trigger_k, int n_pref, int flags, int ln_parts, float ln_eps,
                                    void* stream, char* err, int errlen) {
-  constexpr int SC = CG_SC;
+  constexpr int SC = CG_SC, BM = CG_BM, BN = CG_BN;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + BM - 1) / BM;
-  if (stages < 2 || stages > MAX_STAGES) {  // (2 stages of A and B hold the fp32 partial: 32 KB >= 17 KB)
-    snprintf(err, errlen, "stages=%d must be in 2..%d", stages, MAX_STAGES);
+  if (stages < 2 || stages > MAX_STAGES || stages * TV::STAGE_BYTES < TV::PART_BYTES) {
+    // (the stages hold the fp32 partial after the loop)
+    snprintf(err, errlen, "stages=%d must be in 2..%d and hold the %d B partial tile (%d B a stage)", stages,
+             MAX_STAGES, TV::PART_BYTES, TV::STAGE_BYTES);
+    return 1;
+  }
+  if ((CG_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
+    snprintf(err, errlen, "ln_parts=%d must be in 1..%d", ln_parts, MAX_LN_PARTS);
     return 1;
   }
   Params p;
@@ -523,6 +628,10 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.out = out;
   p.stats_out = stats_out;
   p.trace = trace;
+  p.ln_stats = ln_stats;
+  p.ln_colsum = ln_colsum;
+  p.ln_eps = ln_eps;
+  p.ln_parts = ln_parts;
   p.M = M;
   p.N = N;
   p.K = K;
@@ -535,7 +644,7 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.n_pref = n_pref;
   p.flags = flags;
 
-  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI>;
+  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN>;
   const int smem = cluster_gemm_smem_bytes(stages);
   static int configured = 0;
   if (configured < smem) {
@@ -548,7 +657,7 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n_tiles, m_tiles, SC);
-  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.blockDim = dim3(TV::THREADS, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attrs[2];

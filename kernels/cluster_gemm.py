@@ -3,8 +3,10 @@
 ``gemm.linear`` calls :func:`launch` for a ``GemmConfig`` with ``cluster=1`` on a Hopper GPU (compute capability
 9.0): the ``split_k`` programs of a tile form one thread-block cluster and reduce their partials through
 distributed shared memory, so no reduction kernel follows. Everywhere else (the Triton interpreter, other GPUs),
-and for a GEMM with a fused LayerNorm, the Triton kernel runs the same config with its reduction kernel, as PDL
-and prefetch are switched off where they cannot run. Each variant (operand dtype, split, epilogue) is built once
+and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, the Triton kernel runs the same config
+with its reduction kernel, as PDL and prefetch are switched off where they cannot run. A LayerNorm whose row sums
+come from the producer (``norm.fuse: 2``) is applied in the cluster kernel's epilogue. Each variant (operand
+dtype, split, epilogue, tile) is built once
 per source version into ``$PDL_TUNE_CACHE`` (default ``~/.cache/pdl-tune``) and shared by every process, the
 tuner's workers included.
 """
@@ -23,20 +25,42 @@ import torch
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
 SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
-BLOCK = 64  # the kernel's tile: 64x64 outputs, K in 64-wide tiles (the 128-byte swizzle span)
+BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
+TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
+MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
-HAS_BIAS, BIAS_F32, HAS_RES, STATS_OUT = 1, 2, 4, 16
+HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
 USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
 
 
-def smem_bytes(stages: int) -> int:
+def stage_bytes(bm: int = 64, bn: int = 64) -> int:
+    """One stage of the K loop: a bm x 64 A tile and a bn x 64 B tile of 16-bit elements."""
+    return (bm + bn) * BLOCK * 2
+
+
+def part_bytes(bm: int = 64, bn: int = 64) -> int:
+    """One fp32 partial tile in shared memory (rows padded by 4 floats)."""
+    return bm * (bn + 4) * 4
+
+
+def smem_bytes(stages: int, bm: int = 64, bn: int = 64) -> int:
     """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): 1 KB for the swizzle
-    alignment, A and B tiles of 8 KB a stage, the slabs pushed by the other CTAs (64 rows of 68 fp32), mbarriers."""
-    return 1024 + stages * 2 * BLOCK * BLOCK * 2 + BLOCK * (BLOCK + 4) * 4 + 16 * stages + 8
+    alignment, the stages, the slabs pushed by the other CTAs (one partial tile), mbarriers."""
+    return 1024 + stages * stage_bytes(bm, bn) + part_bytes(bm, bn) + 16 * stages + 8
+
+
+def stages_error(stages: int, bm: int = 64, bn: int = 64) -> str | None:
+    """Why the kernel cannot run ``stages`` stages of a bm x bn tile (shared-memory size aside): after the loop
+    the stages hold the CTA's fp32 partial tile."""
+    if stages < 2 or stages > MAX_STAGES:
+        return f"must be in 2..{MAX_STAGES}"
+    if stages * stage_bytes(bm, bn) < part_bytes(bm, bn):
+        return f"must hold the {part_bytes(bm, bn)} B partial tile ({stage_bytes(bm, bn)} B a stage)"
+    return None
 
 
 def nvcc() -> str | None:
@@ -50,27 +74,27 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("PDL_TUNE_CACHE", Path.home() / ".cache" / "pdl-tune"))
 
 
-_LIBS: dict[tuple[int, int, int], ctypes.CDLL] = {}
+_LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, split: int, epi: int) -> ctypes.CDLL:
+def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctypes.CDLL:
     """The library of one variant, built now if this source version has not been built for it on this machine
     (nvcc, a few seconds)."""
-    key = (bf16, split, epi)
+    key = (bf16, split, epi, bm, bn)
     if key in _LIBS:
         return _LIBS[key]
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError("cluster_gemm: nvcc not found (PATH or $CUDA_HOME/bin); cluster=1 needs the CUDA toolkit")
     tag = hashlib.sha256(SOURCE.read_bytes() + compiler.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cluster_gemm-{tag}-{bf16}-{split}-{epi}.so"
+    out = _cache_dir() / f"cluster_gemm-{tag}-{bf16}-{split}-{epi}-{bm}x{bn}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
         cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
                "-fPIC", "-diag-suppress=177", f"-DCG_BF16={bf16}", f"-DCG_SC={split}", f"-DCG_EPI={epi}",
-               "-o", tmp, str(SOURCE)]
+               f"-DCG_BM={bm}", f"-DCG_BN={bn}", "-o", tmp, str(SOURCE)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
@@ -79,12 +103,12 @@ def library(bf16: int, split: int, epi: int) -> ctypes.CDLL:
         os.replace(tmp, out)  # atomic: concurrent builders (the tuner's workers) never load a partial file
     lib = ctypes.CDLL(str(out))
     P, I = ctypes.c_void_p, ctypes.c_int
-    lib.cluster_gemm_launch.argtypes = [P] * 7 + [I] * 12 + [P, ctypes.c_char_p, I]
+    lib.cluster_gemm_launch.argtypes = [P] * 9 + [I] * 13 + [ctypes.c_float, P, ctypes.c_char_p, I]
     lib.cluster_gemm_launch.restype = I
     lib.cluster_gemm_smem_bytes.argtypes = [I]
     lib.cluster_gemm_smem_bytes.restype = I
-    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4)
-            or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8)):
+    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
+            or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
         raise RuntimeError(f"cluster_gemm: {out} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -102,22 +126,29 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
-           trigger_k=-1, n_pref=0, act=0, racy=False) -> None:
-    """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles."""
+           trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
+           ln_eps=1e-5) -> None:
+    """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles; the
+    output tile is ``bm`` x ``bn``. With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
+    ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm."""
     M, K = x.shape
     N = weight.shape[0]
+    if (ln_stats is None) != (ln_colsum is None):
+        raise ValueError("cluster_gemm: ln_stats and ln_colsum go together")
     epi = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
                                                     else 0)
-           | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0) | (act << 6))
+           | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
+           | (LN_IN if ln_stats is not None else 0) | (act << 6))
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     if launch_enter_hook is not None:
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), split, epi)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn)
     rc = lib.cluster_gemm_launch(
-        _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace),
-        M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
-        per_split, stages, trigger_k, n_pref, flags, stream, err, len(err))
+        _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
+        _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0), per_split, stages, trigger_k, n_pref, flags, ln_stats.shape[0] if ln_stats is not None else 0,
+        ln_eps, stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))

@@ -61,7 +61,7 @@ class GemmConfig(KnobConfig):
     tma: int = 0
     # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2 or 4) programs of a tile form one
     # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. Elsewhere,
-    # and for a GEMM with a fused LayerNorm, this module's kernels run the config.
+    # and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, this module's kernels run it.
     cluster: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
@@ -135,6 +135,13 @@ def cluster_stages(c: GemmConfig) -> int:
     return c.num_stages * c.block_k // cluster_gemm.BLOCK
 
 
+def cluster_tile(c: GemmConfig, p: GemmProblem) -> tuple[int, int]:
+    """The CUDA kernel's output tile for ``c``: a block_m below 64 that covers every row (M <= block_m, e.g. 32
+    tokens) runs as 64 rows, those past M zero-filled by TMA and masked."""
+    bm = 64 if (c.block_m < 64 and p.m <= c.block_m) else c.block_m
+    return bm, c.block_n
+
+
 def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> str | None:
     if c.cluster == 0:
         return None
@@ -142,16 +149,20 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
         return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
     if c.split_k not in cluster_gemm.SPLITS:
         return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
-    # The kernel's tiles are 64x64; a block_m below 64 that covers every row (M <= block_m, e.g. 32 tokens) is the
-    # same program with its rows past M zero-filled by TMA and masked.
-    rows_ok = c.block_m == 64 or (c.block_m < 64 and p.m <= c.block_m)
-    if not rows_ok or (c.block_n, c.num_warps) != (64, 4) or c.block_k < 64 or not c.tma:
-        return "cluster=1 needs 64x64 tiles (or block_m >= M below 64), block_k >= 64, 4 warps and tma=1"
+    # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
+    bm, bn = cluster_tile(c, p)
+    if (bm not in cluster_gemm.TILES or bn not in cluster_gemm.TILES or c.num_warps != 4 * bm // 64
+            or c.block_k < 64 or not c.tma):
+        return ("cluster=1 needs 64- or 128-row and -column tiles (or block_m >= M below 64), 4 warps a 64 rows, "
+                "block_k >= 64 and tma=1")
     if p.dtype_bytes != 2:
         return "cluster=1 needs 16-bit operands"
     st = cluster_stages(c)
-    if st < 2 or st > cluster_gemm.MAX_STAGES or cluster_gemm.smem_bytes(st) > smem_limit(device):
-        return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) must be in 2..{cluster_gemm.MAX_STAGES}"
+    why = cluster_gemm.stages_error(st, bm, bn)
+    if why is None and cluster_gemm.smem_bytes(st, bm, bn) > smem_limit(device):
+        why = f"need {cluster_gemm.smem_bytes(st, bm, bn)} B of shared memory"
+    if why:
+        return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
     if device is not None and device.capability != (9, 0):
         return f"cluster=1 needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return None
@@ -509,7 +520,8 @@ def _splitk_reduce_kernel(
 
 
 def stats_parts(config: GemmConfig, n: int) -> int:
-    """How many column tiles write row sums with ``stats_out`` (the GEMM's, or the split-K reduction's)."""
+    """How many column tiles write row sums with ``stats_out`` (the GEMM's, or with split-K the reduction's and
+    the cluster kernel's: 64 columns each)."""
     return triton.cdiv(n, config.block_n if config.split_k == 1 else _RED_BLOCK_N)
 
 
@@ -598,8 +610,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     per_split = triton.cdiv(k_tiles, c.split_k)
     n_pref = prefetch_count(per_split, c.prefetch_ratio)
     # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, with no workspace and
-    # no reduction kernel. A fused LayerNorm, or rows that are not contiguous, run on the Triton kernels.
-    on_cluster = bool(c.cluster and cluster_gemm.usable(x) and ln_colsum is None and out.stride(1) == 1
+    # no reduction kernel. A fused LayerNorm that gathers its row sums in the K loop (no ln_stats), or rows that
+    # are not contiguous, run on the Triton kernels.
+    on_cluster = bool(c.cluster and cluster_gemm.usable(x) and out.stride(1) == 1
+                      and (ln_colsum is None or (ln_stats is not None
+                                                 and ln_stats.shape[0] <= cluster_gemm.MAX_LN_PARTS))
                       and (residual is None or residual.stride(1) == 1))
     if c.split_k > 1:
         need = workspace_numel(c, M, N)
@@ -609,7 +624,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         elif workspace.numel() < need or workspace.dtype != torch.float32:
             raise ValueError(f"linear: workspace needs {need} fp32 elements")
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
-    stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None) else None
+    stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None and not on_cluster) else None
     dummy = out  # never read when the matching HAS_* / LN_* / STATS_* flag is off
     ln_parts = ln_stats.shape[0] if ln_stats is not None else 0
     stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None,
@@ -629,10 +644,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
         per64 = per_split * c.block_k // cluster_gemm.BLOCK
+        bm, bn = cluster_tile(c, GemmProblem(M, N, K))
         cluster_gemm.launch(
             x, weight, out, bias=bias, residual=residual, stats_out=stats_out, trace=_trace, split=c.split_k,
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
-            n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait)
+            n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
+            ln_stats=ln_stats, ln_colsum=ln_colsum if ln_stats is not None else None, ln_eps=ln_eps)
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])

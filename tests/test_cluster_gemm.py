@@ -21,8 +21,8 @@ AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
     (replace(CL, cluster=2), GemmProblem(128, 256, 768), "cluster=2 must be 0"),
     (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
     (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
-    (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64x64 tiles"),
-    (replace(CL, tma=0), GemmProblem(128, 256, 768), "needs 64x64 tiles"),
+    (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
+    (replace(CL, tma=0), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
     (CL, GemmProblem(128, 256, 768, 4), "16-bit operands"),
     (replace(CL, num_stages=1), GemmProblem(128, 256, 768), "must be in 2..12"),
     (replace(CL, block_k=128, num_stages=7), GemmProblem(128, 256, 4096), "must be in 2..12"),
@@ -34,7 +34,20 @@ def test_check_rejects_cluster(cfg, problem, needle):
 def test_check_cluster_few_rows():
     # Below 64 rows a tile that covers every row runs on the 64-row kernel (rows past M zero-filled, masked).
     assert check(replace(CL, block_m=32), GemmProblem(32, 256, 1024), HOPPER) is None
-    assert "needs 64x64 tiles" in check(replace(CL, block_m=32), GemmProblem(48, 256, 1024), HOPPER)
+    assert "needs 64- or 128-row" in check(replace(CL, block_m=32), GemmProblem(48, 256, 1024), HOPPER)
+
+
+@pytest.mark.parametrize("bm, bn, warps, stages, ok", [
+    (64, 128, 4, 3, None), (128, 64, 8, 3, None), (128, 128, 8, 3, None),
+    (128, 128, 4, 3, "needs 64- or 128-row"),     # one warpgroup (4 warps) a 64 rows
+    (64, 256, 4, 3, "needs 64- or 128-row"),
+    (128, 128, 8, 2, "must hold the 67584 B partial"),  # 2 stages of 32 KB cannot hold the fp32 partial
+    (128, 128, 8, 6, "B of shared memory"),
+])
+def test_check_cluster_tiles(bm, bn, warps, stages, ok):
+    cfg = replace(CL, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, block_k=64)
+    why = check(cfg, GemmProblem(256, 2304, 768), HOPPER)
+    assert why is None if ok is None else ok in (why or ""), why
 
 
 def test_check_cluster_device():
@@ -104,9 +117,70 @@ def test_cluster_linear_few_rows(m, block_m):
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < 1e-2
 
 
+def _row_sums(x: torch.Tensor, parts: int) -> torch.Tensor:
+    """[parts, M, 2] fp32: the sums of x and x^2 over `parts` column blocks (what a producer's stats_out holds)."""
+    xf = x.float()
+    return torch.stack([torch.stack([c.sum(1), (c * c).sum(1)], dim=1) for c in xf.chunk(parts, dim=1)])
+
+
+@gpu
+@pytest.mark.parametrize("tile", [(64, 128), (128, 64), (128, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("epilogue", ["plain", "bias-gelu-res-stats", "layernorm"])
+def test_cluster_linear_tiles(tile, split, epilogue):
+    # The wider tiles (128 columns: wgmma m64n128) and the taller ones (two consumer warpgroups) on odd shapes:
+    # a partial second row tile (150 rows), a partial column tile (N 330), K splits of unequal length (K 456);
+    # LayerNorm folded into the weights and applied in the epilogue from the producer's row sums (13 parts).
+    bm, bn = tile
+    m, k, n = 150, 456, 330
+    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=split * 100 + bm + bn)
+    cfg = replace(CL, block_m=bm, block_n=bn, num_warps=4 * bm // 64, split_k=split, num_stages=3,
+                  overlap_ratio=0.0, prefetch_ratio=1.0)
+    assert check(cfg, GemmProblem(m, n, k), DeviceInfo.from_torch()) is None
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    stats = None
+    if epilogue == "layernorm":
+        g = torch.Generator().manual_seed(bm + bn + split)
+        lw = (1 + 0.1 * torch.randn(k, generator=g)).half().cuda()
+        lb = (0.1 * torch.randn(k, generator=g)).half().cuda()
+        x = x * 3 + 0.5  # rows with a mean and a variance to remove
+        wf, bf, u = fold_layernorm(w, b, lw, lb)
+        linear(x, wf, bf, config=cfg, out=out, ln_colsum=u, ln_stats=_row_sums(x, 13))
+        ref = linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)
+    else:
+        kw = dict(activation="gelu", residual=r) if epilogue != "plain" else {}
+        bias = b if kw else None
+        if kw:
+            stats = torch.full((stats_parts(cfg, n), m, 2), float("nan"), dtype=torch.float32, device="cuda")
+        linear(x, w, bias, config=cfg, out=out, stats_out=stats, **kw)
+        ref = linear_ref(x, w, bias, **kw)
+    torch.cuda.synchronize()
+    assert rel_error(out, ref) < (1e-2 if epilogue == "layernorm" else REL_TOLERANCE[torch.float16])
+    if stats is not None:
+        of = out.float()
+        torch.testing.assert_close(stats.sum(0)[:, 0], of.sum(1), rtol=1e-3, atol=5e-2)
+        torch.testing.assert_close(stats.sum(0)[:, 1], (of * of).sum(1), rtol=4e-3, atol=5e-1)
+
+
+@gpu
+def test_cluster_linear_layernorm_bf16_few_rows():
+    # bf16, 32 rows on the 64-row kernel, LayerNorm from 32 parts (the most a launch reads).
+    m, k, n = 32, 768, 256
+    x, w, b, _ = _inputs(m, n, k, torch.bfloat16, "cuda", seed=11)
+    g = torch.Generator().manual_seed(12)
+    lw = (1 + 0.1 * torch.randn(k, generator=g)).bfloat16().cuda()
+    lb = (0.1 * torch.randn(k, generator=g)).bfloat16().cuda()
+    wf, bf, u = fold_layernorm(w, b, lw, lb)
+    cfg = replace(CL, block_m=32, split_k=2, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
+    out = linear(x, wf, bf, config=cfg, ln_colsum=u, ln_stats=_row_sums(x, 32), activation="gelu")
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, ln_weight=lw, ln_bias=lb, activation="gelu")) < 2e-2
+
+
 @gpu
 def test_cluster_linear_with_layernorm_runs_the_triton_kernels():
-    # A fused LayerNorm is not in the CUDA kernel's epilogue: the Triton GEMM and its reduction run the config.
+    # A fused LayerNorm that gathers its row sums in the K loop (no ln_stats) is not in the CUDA kernel: the
+    # Triton GEMM and its reduction run the config.
     m, k, n = 64, 256, 128
     x, w, b, _ = _inputs(m, n, k, torch.float16, "cuda", seed=5)
     g = torch.Generator().manual_seed(6)
@@ -154,8 +228,10 @@ def test_cluster_pdl_chain_in_a_graph():
 @gpu
 def test_cluster_racy_read_is_caught():
     # The test-only defect (the first activation tile loaded before griddepcontrol.wait) behind a slow PDL
-    # predecessor that writes x and lets its successor launch at once: the defect reads stale values in some
-    # runs, the same chain without it never.
+    # predecessor that writes x and lets its successor launch at once, replayed in a CUDA graph with x poisoned
+    # before the producer: the defect reads the poison (or a partly written x) in some replays, the same chain
+    # without it never. In a graph the launches are back to back, as in the timed stack; launched eagerly the
+    # consumer could reach the GPU only after its producer had finished, and nothing would race.
     m, d, k0 = 128, 768, 16384
     g = torch.Generator().manual_seed(8)
     a = (torch.randn(m, k0, generator=g) / k0**0.5).half().cuda()
@@ -166,15 +242,26 @@ def test_cluster_racy_read_is_caught():
     slow = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, overlap_ratio=0.0)
     cfg = replace(CL, block_k=64, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
     ref = (a.float() @ w0.float().T).half().float() @ w.float().T
-    wrong = {}
     stream = torch.cuda.Stream()  # PDL needs a stream of its own: the legacy default stream serialises launches
+
+    def chain(racy):
+        x.fill_(float("nan"))
+        linear(a, w0, config=slow, out=x)
+        linear(x, w, config=cfg, out=out, _racy_read_before_wait=racy)
+
+    wrong = {}
     for racy in (False, True):
+        with torch.cuda.stream(stream):
+            chain(racy)  # warm-up: builds the kernels, sets the shared-memory attribute
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            chain(racy)
         wrong[racy] = 0
         for _ in range(20):
-            with torch.cuda.stream(stream):
-                x.fill_(float("nan"))
-                linear(a, w0, config=slow, out=x)
-                linear(x, w, config=cfg, out=out, _racy_read_before_wait=racy)
+            out.fill_(0.0)
+            graph.replay()
             torch.cuda.synchronize()
             wrong[racy] += rel_error(out, ref) > 1e-2
+        del graph
     assert wrong[False] == 0 and wrong[True] > 0, wrong
