@@ -40,7 +40,10 @@ _FAST_GELU = True
 # The LayerNorm row sums read from the producer summed in the K loop's first iteration (under its MMAs)
 # instead of the epilogue.
 _EARLY_STATS = True
-# TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only).
+# TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only). Not in one-stage builds: with
+# one stage and split-K, the prefetch made every launch fail with an illegal instruction on the H200 (triton 3.6;
+# every tile size tried, 64x64x64 to 64x256x256; one stage without split-K, or two stages, ran correctly), the
+# crashed trials of sessions 6-7 (scripts/crash_probe.py, docs/perf-notes.md section 16).
 _DESC_PREFETCH = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
@@ -674,7 +677,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl, num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

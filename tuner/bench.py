@@ -60,6 +60,12 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     gemms = shape.gemms()
     want = {"out": replace(hp.out, block_n=64, block_k=64, num_stages=6, split_k=4, cluster=1),
             "ffn2": replace(hp.ffn2, cluster=1)}
+    if shape.batch * shape.seq <= 64 and norms == 2:
+        # A few tokens (tiny): QKV split four ways in clusters too, its LayerNorm applied in the cluster epilogue
+        # from FFN2's row sums (H200, tiny: 11.12-11.34 -> 10.97 us). On 128 tokens every clustered QKV or FFN1
+        # measured slower: the distributed-shared-memory exchange of a 128-wide partial costs more than the
+        # split saves (docs/perf-notes.md section 16).
+        want["qkv"] = replace(hp.qkv, block_k=64, num_stages=2, split_k=4, cluster=1)
     kw = {n: c for n, c in want.items() if check(c, GemmProblem(*gemms[n])) is None}
     return replace(hp, **kw)
 
