@@ -10,18 +10,12 @@
 // in its own shared memory, pushes row slab q of it to CTA q with one bulk copy (cp.async.bulk shared::cluster,
 // completing on CTA q's mbarrier), and CTA q sums the SC slabs of its 64/SC rows and applies the epilogue to them.
 //
-// A CTA: one consumer warpgroup per 64 rows of its BM x BN tile (wgmma m64nBNk16 from 128-byte-swizzled shared
-// memory) and one producer warp (one thread issues the TMA loads). K is consumed in 64-wide tiles through two
-// rings: SA slots of activation tiles, loaded after griddepcontrol.wait, and SB slots of weight tiles, the first
-// SB of which are requested before it (the weights never depend on the predecessor). With SB = the split's K tiles
-// the CTA holds its whole weight slice before the predecessor's writes are visible, and only the activations are
-// streamed after the wait. SC = 1: no cluster, no exchange.
-//
-// Measured (docs/perf-notes.md, section 16): the exchange through distributed shared memory costs about as much
-// per byte as it saves, so it pays only for small partial tiles (64x64 at split 4: 13 KB a CTA, not 128x128: 50 KB).
+// A CTA: one consumer warpgroup (warps 0-3: wgmma m64n64k16 from 128-byte-swizzled shared memory) and one
+// producer warp (warp 4: one thread issues the TMA loads; the weight tiles of the first stages before
+// griddepcontrol.wait, which the weights never need). K is consumed in 64-wide tiles, STAGES of them in flight.
 //
 // Built at run time by kernels/cluster_gemm.py with nvcc (sm_90a), one library per variant (operand dtype, SC,
-// epilogue, tile), and called through ctypes. The Triton GEMM (gemm.py) stays the reference and the CPU-tested path.
+// epilogue), and called through ctypes. The Triton GEMM (gemm.py) stays the reference and the CPU-tested path.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -38,7 +32,7 @@ namespace {
 
 // The tile is BM x BN (BM 64 or 128: one consumer warpgroup per 64 rows; BN 64 or 128), K in 64-wide tiles.
 constexpr int BK = 64;
-constexpr int MAX_STAGES = 16;  // slots of a ring
+constexpr int MAX_STAGES = 12;
 constexpr int MAX_LN_PARTS = 32;  // LN_IN: the producer's row-sum parts a launch may read
 
 template <int BM, int BN>
@@ -79,7 +73,7 @@ struct Params {
   int res_stride, out_stride;
   int per_split;      // 64-wide K tiles per split
   int k_tiles;        // 64-wide K tiles of K
-  int sa, sb;         // slots of the A ring and of the B ring (B: the first sb weight tiles go before the wait)
+  int stages;
   int trigger_k;      // launch_dependents after this many K tiles (-1: never early)
   int n_pref;         // weight tiles requested before griddepcontrol.wait
   int flags;
@@ -268,7 +262,7 @@ __device__ __forceinline__ float activate(float v) {
 
 template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 1 || SC == 2 || SC == 4, "the K splits of a tile: 1, 2 or 4 CTAs a cluster");
+  static_assert(SC == 2 || SC == 4, "the K splits of a tile: 2 or 4 CTAs a cluster");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
   using TL = Tile<BM, BN>;
   using E = Elem<BF16>;
@@ -285,26 +279,17 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   constexpr int LNP = MAX_LN_PARTS / TPR;  // LN_IN: row-sum parts a thread loads
   static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0, "epilogue mapping");
 
-  // Swizzle atoms are 1024-byte aligned. Without static shared memory the dynamic allocation starts at a 1024-byte
-  // boundary (after the 1 KB the system reserves), so no padding is allocated: two CTAs of ~113 KB then fit one
-  // SM's 228 KB, the predecessor's and the successor's. A misaligned start would corrupt the tiles: trap instead.
-  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
-  const uint32_t base = raw;
-  if ((raw & 1023u) != 0) __trap();
-  // Two rings: SA slots of A tiles (activations, loaded after the wait) and SB slots of B tiles (weights: the
-  // first SB are requested before the wait, so that with SB = the split's K tiles the whole weight slice is in
-  // shared memory when the predecessor's writes become visible).
-  const int SA = p.sa, SB = p.sb;
+  const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const int S = p.stages;
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + SA * TL::A_BYTES;
-  const uint32_t recv = b_smem + SB * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
-  const uint32_t full_a = recv + (SC > 1 ? TL::PART_BYTES : 0);  // SA mbarriers: the A tile has landed
-  const uint32_t full_b = full_a + 8 * SA;          // SB mbarriers: the B tile has landed
-  const uint32_t empty_a = full_b + 8 * SB;         // SA mbarriers: the consumers are done with the A slot
-  const uint32_t empty_b = empty_a + 8 * SA;        // SB mbarriers: ... with the B slot
-  const uint32_t red = empty_b + 8 * SB;            // 1 mbarrier: the other CTAs' slabs have landed
-  // This CTA's partial after the loop, over the idle rings (the host checks that they hold it).
+  const uint32_t b_smem = base + S * TL::A_BYTES;
+  const uint32_t recv = b_smem + S * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
+  const uint32_t full = recv + TL::PART_BYTES;     // S mbarriers: the stage's bytes have landed
+  const uint32_t empty = full + 8 * S;             // S mbarriers: the consumers are done with the stage
+  const uint32_t red = empty + 8 * S;              // 1 mbarrier: the other CTAs' slabs have landed
+  // This CTA's partial after the loop, over the idle A and B stages (the host checks that they hold it).
   float* const part = reinterpret_cast<float*>(smem_raw + (a_smem - raw));
   const float* const slabs = reinterpret_cast<const float*>(smem_raw + (recv - raw));
 
@@ -321,13 +306,9 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   if (tid == CONSUMERS) {
     prefetch_tensormap(&p.a_map);
     prefetch_tensormap(&p.b_map);
-    for (int s = 0; s < SA; ++s) {
-      mbar_init(full_a + 8 * s, 1);
-      mbar_init(empty_a + 8 * s, CONSUMERS / 32);  // one arrival per consumer warp
-    }
-    for (int s = 0; s < SB; ++s) {
-      mbar_init(full_b + 8 * s, 1);
-      mbar_init(empty_b + 8 * s, CONSUMERS / 32);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, CONSUMERS / 32);  // one arrival per consumer warp
     }
     mbar_init(red, 1);
     // The one arrival of `red`'s phase, with the bytes the SC-1 other CTAs will push (their complete_tx may
@@ -336,49 +317,35 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Every CTA's barriers must be initialised before any CTA of the cluster pushes into them.
-  if constexpr (SC > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
+  cluster_sync();
 
   if (tid >= CONSUMERS) {
     // Producer warp: one thread issues the loads.
     if (tid == CONSUMERS) {
       const bool racy = (p.flags & RACY) != 0;
-      int early = p.n_pref > 0 ? min(SB, n_iters) : 0;  // weight tiles requested before the wait
+      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
       if (racy && early == 0 && n_iters > 0) early = 1;
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full_b + 8 * i, TL::B_BYTES);
-        tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full_b + 8 * i, (k_first + i) * BK, n0);
+        mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
+        tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
-      if (racy && n_iters > 0) {
-        mbar_expect_tx(full_a, TL::A_BYTES);
-        tma_load(a_smem, &p.a_map, full_a, k_first * BK, m0);
-      }
+      if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
-      int sa = 0, sb = 0;
-      uint32_t pa = 0, pb = 0;  // parity of the slot's empty barrier, from the ring's second round on
+      int s = 0;
+      uint32_t phase = 0;  // of the stage's empty barrier, from the second round on
       for (int i = 0; i < n_iters; ++i) {
+        const uint32_t bar = full + 8 * s;
+        if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          if (i >= SB) mbar_wait(empty_b + 8 * sb, pb);
-          mbar_expect_tx(full_b + 8 * sb, TL::B_BYTES);
-          tma_load(b_smem + sb * TL::B_BYTES, &p.b_map, full_b + 8 * sb, (k_first + i) * BK, n0);
+          mbar_expect_tx(bar, TL::STAGE_BYTES);
+          tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) {
-          if (i >= SA) mbar_wait(empty_a + 8 * sa, pa);
-          mbar_expect_tx(full_a + 8 * sa, TL::A_BYTES);
-          tma_load(a_smem + sa * TL::A_BYTES, &p.a_map, full_a + 8 * sa, (k_first + i) * BK, m0);
-        }
-        if (++sb == SB) {
-          sb = 0;
-          if (i >= SB) pb ^= 1;
-        }
-        if (++sa == SA) {
-          sa = 0;
-          if (i >= SA) pa ^= 1;
+        if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
+        if (++s == S) {
+          s = 0;
+          if (i >= S) phase ^= 1;
         }
       }
     } else {
@@ -422,39 +389,30 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   float acc[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  int sa = 0, sb = 0, prev_a = 0, prev_b = 0;  // this tile's slots and the previous tile's
-  uint32_t pa = 0, pb = 0;
+  int s = 0, prev = 0;  // this tile's stage and the previous one's
+  uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
-    mbar_wait(full_a + 8 * sa, pa);
-    mbar_wait(full_b + 8 * sb, pb);
-    const uint64_t da = smem_desc(a_smem + sa * TL::A_BYTES + wg * (64 * BK * 2));
-    const uint64_t db = smem_desc(b_smem + sb * TL::B_BYTES);
+    mbar_wait(full + 8 * s, phase);
+    const uint64_t da = smem_desc(a_smem + s * TL::A_BYTES + wg * (64 * BK * 2));
+    const uint64_t db = smem_desc(b_smem + s * TL::B_BYTES);
     fence_acc<NACC>(acc);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
     fence_acc<NACC>(acc);
-    // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's slots back to
-    // the producer where it will reuse them (the host requires 2 slots or more a ring).
+    // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
+    // to the producer (the host requires 2 stages or more).
     wgmma_wait<1>();
-    if (i >= 1) {
+    if (i >= 1 && i - 1 + S < n_iters) {
       __syncwarp();
-      if (lane == 0) {
-        if (i - 1 + SA < n_iters) mbar_arrive(empty_a + 8 * prev_a);
-        if (i - 1 + SB < n_iters) mbar_arrive(empty_b + 8 * prev_b);
-      }
+      if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
     if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
-    prev_a = sa;
-    prev_b = sb;
-    if (++sa == SA) {
-      sa = 0;
-      pa ^= 1;
-    }
-    if (++sb == SB) {
-      sb = 0;
-      pb ^= 1;
+    prev = s;
+    if (++s == S) {
+      s = 0;
+      phase ^= 1;
     }
   }
   wgmma_wait<0>();
@@ -474,7 +432,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   // The bulk copies read the partial through the async proxy: order the stores before them.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   consumer_sync<CONSUMERS>();
-  if (SC > 1 && tid == 0) {
+  if (tid == 0) {
 #pragma unroll
     for (int q = 1; q < SC; ++q) {
       const int dst = (rank + q) % SC;
@@ -482,7 +440,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     }
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
-  if constexpr (SC > 1) mbar_wait(red, 0);
+  mbar_wait(red, 0);
 
   // This CTA's slab: its own partial's rows plus the SC-1 pushed ones.
   float y[CPT];
@@ -573,7 +531,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   }
   if (tid == 0) {
     // The partial must stay, and this CTA must not exit, until its pushes have completed.
-    if constexpr (SC > 1) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
   }
 }
@@ -639,22 +597,21 @@ extern "C" int cluster_gemm_variant() {
   return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20);
 }
 
-extern "C" int cluster_gemm_smem_bytes(int sa, int sb) {
-  return sa * TV::A_BYTES + sb * TV::B_BYTES + (CG_SC > 1 ? TV::PART_BYTES : 0) + 16 * (sa + sb) + 8;
+extern "C" int cluster_gemm_smem_bytes(int stages) {
+  return 1024 + stages * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;
 }
 
 extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const void* res, void* out, float* stats_out,
                                    long long* trace, const float* ln_stats, const float* ln_colsum, int M, int N,
                                    int K, int x_stride, int w_stride, int res_stride, int out_stride, int per_split,
-                                   int sa, int sb, int trigger_k, int n_pref, int flags, int ln_parts, float ln_eps,
+                                   int stages, int trigger_k, int n_pref, int flags, int ln_parts, float ln_eps,
                                    void* stream, char* err, int errlen) {
   constexpr int SC = CG_SC, BM = CG_BM, BN = CG_BN;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + BM - 1) / BM;
-  if (sa < 2 || sb < 2 || sa > MAX_STAGES || sb > MAX_STAGES ||
-      sa * TV::A_BYTES + sb * TV::B_BYTES < TV::PART_BYTES) {
-    // (the rings hold the fp32 partial after the loop)
-    snprintf(err, errlen, "ring slots A %d, B %d must be in 2..%d and hold the %d B partial tile", sa, sb,
-             MAX_STAGES, TV::PART_BYTES);
+  if (stages < 2 || stages > MAX_STAGES || stages * TV::STAGE_BYTES < TV::PART_BYTES) {
+    // (the stages hold the fp32 partial after the loop)
+    snprintf(err, errlen, "stages=%d must be in 2..%d and hold the %d B partial tile (%d B a stage)", stages,
+             MAX_STAGES, TV::PART_BYTES, TV::STAGE_BYTES);
     return 1;
   }
   if ((CG_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
@@ -682,14 +639,13 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.out_stride = out_stride;
   p.k_tiles = (K + BK - 1) / BK;
   p.per_split = per_split;
-  p.sa = sa;
-  p.sb = sb;
+  p.stages = stages;
   p.trigger_k = trigger_k;
   p.n_pref = n_pref;
   p.flags = flags;
 
   auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN>;
-  const int smem = cluster_gemm_smem_bytes(sa, sb);
+  const int smem = cluster_gemm_smem_bytes(stages);
   static int configured = 0;
   if (configured < smem) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -706,13 +662,11 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attrs[2];
   int n = 0;
-  if (SC > 1) {
-    attrs[n].id = cudaLaunchAttributeClusterDimension;
-    attrs[n].val.clusterDim.x = 1;
-    attrs[n].val.clusterDim.y = 1;
-    attrs[n].val.clusterDim.z = SC;
-    ++n;
-  }
+  attrs[n].id = cudaLaunchAttributeClusterDimension;
+  attrs[n].val.clusterDim.x = 1;
+  attrs[n].val.clusterDim.y = 1;
+  attrs[n].val.clusterDim.z = SC;
+  ++n;
   if (flags & USE_PDL) {
     attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attrs[n].val.programmaticStreamSerializationAllowed = 1;

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
-SPLITS = (1, 2, 4)  # CTAs a cluster (the K splits of one tile; 1: no cluster)
+SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
-MAX_STAGES = 16  # cluster_gemm.cu's MAX_STAGES: slots of a ring
+MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
@@ -37,9 +37,9 @@ USE_PDL, RACY = 64, 128
 launch_enter_hook = None
 
 
-def tile_bytes(rows: int) -> int:
-    """One ring slot: a rows x 64 tile of 16-bit elements."""
-    return rows * BLOCK * 2
+def stage_bytes(bm: int = 64, bn: int = 64) -> int:
+    """One stage of the K loop: a bm x 64 A tile and a bn x 64 B tile of 16-bit elements."""
+    return (bm + bn) * BLOCK * 2
 
 
 def part_bytes(bm: int = 64, bn: int = 64) -> int:
@@ -47,21 +47,19 @@ def part_bytes(bm: int = 64, bn: int = 64) -> int:
     return bm * (bn + 4) * 4
 
 
-def smem_bytes(sa: int, sb: int, bm: int = 64, bn: int = 64, split: int = 2) -> int:
-    """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): the A ring (sa slots) and
-    the B ring (sb slots), the slabs pushed by the other CTAs of a cluster (one partial tile), the mbarriers. (No
-    alignment padding: the allocation starts 1024-byte aligned, which the kernel checks.)"""
-    return (sa * tile_bytes(bm) + sb * tile_bytes(bn) + (part_bytes(bm, bn) if split > 1 else 0)
-            + 16 * (sa + sb) + 8)
+def smem_bytes(stages: int, bm: int = 64, bn: int = 64) -> int:
+    """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): 1 KB for the swizzle
+    alignment, the stages, the slabs pushed by the other CTAs (one partial tile), mbarriers."""
+    return 1024 + stages * stage_bytes(bm, bn) + part_bytes(bm, bn) + 16 * stages + 8
 
 
-def rings_error(sa: int, sb: int, bm: int = 64, bn: int = 64) -> str | None:
-    """Why the kernel cannot run rings of sa and sb slots (shared-memory size aside): after the loop the rings
-    hold the CTA's fp32 partial tile."""
-    if not (2 <= sa <= MAX_STAGES and 2 <= sb <= MAX_STAGES):
+def stages_error(stages: int, bm: int = 64, bn: int = 64) -> str | None:
+    """Why the kernel cannot run ``stages`` stages of a bm x bn tile (shared-memory size aside): after the loop
+    the stages hold the CTA's fp32 partial tile."""
+    if stages < 2 or stages > MAX_STAGES:
         return f"must be in 2..{MAX_STAGES}"
-    if sa * tile_bytes(bm) + sb * tile_bytes(bn) < part_bytes(bm, bn):
-        return f"must hold the {part_bytes(bm, bn)} B partial tile"
+    if stages * stage_bytes(bm, bn) < part_bytes(bm, bn):
+        return f"must hold the {part_bytes(bm, bn)} B partial tile ({stage_bytes(bm, bn)} B a stage)"
     return None
 
 
@@ -107,9 +105,9 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctyp
     P, I = ctypes.c_void_p, ctypes.c_int
     lib.cluster_gemm_launch.argtypes = [P] * 9 + [I] * 13 + [ctypes.c_float, P, ctypes.c_char_p, I]
     lib.cluster_gemm_launch.restype = I
-    lib.cluster_gemm_smem_bytes.argtypes = [I, I]
+    lib.cluster_gemm_smem_bytes.argtypes = [I]
     lib.cluster_gemm_smem_bytes.restype = I
-    if (lib.cluster_gemm_smem_bytes(3, 5) != smem_bytes(3, 5, bm, bn, split)
+    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
             or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
         raise RuntimeError(f"cluster_gemm: {out} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
@@ -127,12 +125,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return t.data_ptr() if t is not None else None
 
 
-def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, sa=4,
-           sb=4, trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
+def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
+           trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
            ln_eps=1e-5) -> None:
     """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles; the
-    output tile is ``bm`` x ``bn``; ``sa`` and ``sb`` are the slots of the activation and the weight rings (the
-    first ``sb`` weight tiles, if ``n_pref`` > 0, are requested before the wait). With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
+    output tile is ``bm`` x ``bn``. With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
     ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm."""
     M, K = x.shape
     N = weight.shape[0]
@@ -151,7 +148,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
-        out.stride(0), per_split, sa, sb, trigger_k, n_pref, flags, ln_stats.shape[0] if ln_stats is not None else 0,
+        out.stride(0), per_split, stages, trigger_k, n_pref, flags, ln_stats.shape[0] if ln_stats is not None else 0,
         ln_eps, stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))

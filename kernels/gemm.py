@@ -134,21 +134,8 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
 
 
 def cluster_stages(c: GemmConfig) -> int:
-    """The CUDA kernel's activation ring in 64-wide K tiles: the bytes in flight of the Triton config."""
+    """The CUDA kernel's pipeline depth in 64-wide K tiles: the bytes in flight of the Triton config."""
     return c.num_stages * c.block_k // cluster_gemm.BLOCK
-
-
-def cluster_rings(c: GemmConfig, p: GemmProblem, limit: int) -> tuple[int, int]:
-    """The CUDA kernel's rings (activation slots, weight slots), in 64-wide K tiles. The weight ring holds the
-    tiles that prefetch_ratio requests before the wait (all of a split's at 1.0), at least as many as the
-    activation ring, and as many as the shared memory (``limit`` bytes) allows."""
-    bm, bn = cluster_tile(c, p)
-    sa = cluster_stages(c)
-    per64 = triton.cdiv(triton.cdiv(p.k, c.block_k), c.split_k) * c.block_k // cluster_gemm.BLOCK
-    sb = max(sa, min(prefetch_count(per64, c.prefetch_ratio), cluster_gemm.MAX_STAGES))
-    while sb > sa and cluster_gemm.smem_bytes(sa, sb, bm, bn, c.split_k) > limit:
-        sb -= 1
-    return sa, sb
 
 
 def cluster_tile(c: GemmConfig, p: GemmProblem) -> tuple[int, int]:
@@ -173,13 +160,12 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
                 "block_k >= 64 and tma=1")
     if p.dtype_bytes != 2:
         return "cluster=1 needs 16-bit operands"
-    limit = smem_limit(device)
-    sa, sb = cluster_rings(c, p, limit)
-    why = cluster_gemm.rings_error(sa, sb, bm, bn)
-    if why is None and cluster_gemm.smem_bytes(sa, sb, bm, bn, c.split_k) > limit:
-        why = f"need {cluster_gemm.smem_bytes(sa, sb, bm, bn, c.split_k)} B of shared memory"
+    st = cluster_stages(c)
+    why = cluster_gemm.stages_error(st, bm, bn)
+    if why is None and cluster_gemm.smem_bytes(st, bm, bn) > smem_limit(device):
+        why = f"need {cluster_gemm.smem_bytes(st, bm, bn)} B of shared memory"
     if why:
-        return f"cluster=1: rings of {sa} and {sb} 64-wide K tiles (num_stages*block_k/64, prefetch) {why}"
+        return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
     if device is not None and device.capability != (9, 0):
         return f"cluster=1 needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return None
@@ -661,12 +647,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
         per64 = per_split * c.block_k // cluster_gemm.BLOCK
-        prob = GemmProblem(M, N, K, x.element_size())
-        bm, bn = cluster_tile(c, prob)
-        sa, sb = cluster_rings(c, prob, smem_limit(DeviceInfo.from_torch(x.device)))
+        bm, bn = cluster_tile(c, GemmProblem(M, N, K))
         cluster_gemm.launch(
             x, weight, out, bias=bias, residual=residual, stats_out=stats_out, trace=_trace, split=c.split_k,
-            per_split=per64, sa=sa, sb=sb, trigger_k=trigger_index(per64, c.overlap_ratio),
+            per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
             ln_stats=ln_stats, ln_colsum=ln_colsum if ln_stats is not None else None, ln_eps=ln_eps)
         return out

@@ -8,8 +8,7 @@ import torch
 
 from tuner.device import DeviceInfo
 from tuner.kernels._common import REL_TOLERANCE, rel_error
-from tuner.kernels.gemm import (GemmConfig, GemmProblem, check, cluster_rings, fold_layernorm, linear, linear_ref,
-                                stats_parts)
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fold_layernorm, linear, linear_ref, stats_parts
 
 from test_gemm import _inputs  # the GEMM tests' inputs (tests/ is on sys.path under pytest)
 
@@ -20,13 +19,13 @@ AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
 
 @pytest.mark.parametrize("cfg, problem, needle", [
     (replace(CL, cluster=2), GemmProblem(128, 256, 768), "cluster=2 must be 0"),
-    (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (1, 2, 4)"),
-    (replace(CL, split_k=3), GemmProblem(128, 256, 1536), "needs split_k in (1, 2, 4)"),
+    (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
+    (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
     (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
     (replace(CL, tma=0), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
     (CL, GemmProblem(128, 256, 768, 4), "16-bit operands"),
-    (replace(CL, num_stages=1), GemmProblem(128, 256, 768), "must be in 2..16"),
-    (replace(CL, block_k=128, num_stages=7), GemmProblem(128, 256, 4096), "B of shared memory"),
+    (replace(CL, num_stages=1), GemmProblem(128, 256, 768), "must be in 2..12"),
+    (replace(CL, block_k=128, num_stages=7), GemmProblem(128, 256, 4096), "must be in 2..12"),
 ])
 def test_check_rejects_cluster(cfg, problem, needle):
     assert needle in (check(cfg, problem, HOPPER) or "")
@@ -49,21 +48,6 @@ def test_check_cluster_tiles(bm, bn, warps, stages, ok):
     cfg = replace(CL, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, block_k=64)
     why = check(cfg, GemmProblem(256, 2304, 768), HOPPER)
     assert why is None if ok is None else ok in (why or ""), why
-
-
-@pytest.mark.parametrize("cfg, k, rings", [
-    (replace(CL, split_k=1, num_stages=2), 768, (2, 2)),                       # no prefetch: as many as A
-    (replace(CL, split_k=1, num_stages=2, prefetch_ratio=1.0), 768, (2, 12)),  # the whole weight slice
-    (replace(CL, split_k=1, num_stages=2, prefetch_ratio=0.5), 768, (2, 6)),
-    (replace(CL, split_k=4, num_stages=3, prefetch_ratio=1.0), 768, (3, 3)),   # 3 K tiles a split
-    (replace(CL, split_k=1, num_stages=4, prefetch_ratio=1.0), 4096, (4, 16)),  # at most 16 slots
-    (replace(CL, block_m=128, block_n=128, num_warps=8, split_k=2, num_stages=3, prefetch_ratio=1.0), 2048,
-     (3, 7)),                                                                 # as many as 227 KB hold
-])
-def test_cluster_rings(cfg, k, rings):
-    p = GemmProblem(128, 768, k)
-    assert check(cfg, p, HOPPER) is None
-    assert cluster_rings(cfg, p, HOPPER.smem_per_block_bytes) == rings
 
 
 def test_check_cluster_device():
@@ -89,9 +73,9 @@ gpu = pytest.mark.gpu
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("split", [1, 2, 4])
-@pytest.mark.parametrize("stages, knobs", [(2, (-1.0, -1.0)), (3, (0.0, 1.0)), (8, (0.5, 0.5)), (2, (0.0, 1.0))],
-                         ids=["2stages-off", "3stages-pdl", "8stages-half", "2stages-all-weights"])
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("stages, knobs", [(2, (-1.0, -1.0)), (3, (0.0, 1.0)), (8, (0.5, 0.5))],
+                         ids=["2stages-off", "3stages-pdl", "8stages-half"])
 @pytest.mark.parametrize("epilogue", ["plain", "bias-gelu-res-stats", "bias32"])
 def test_cluster_linear_odd_shapes(dtype, split, stages, knobs, epilogue):
     # Odd M (37: rows past M zero-filled by TMA, stores masked), odd N (250: a partial column tile, scalar stores),
@@ -220,7 +204,7 @@ def test_cluster_pdl_chain_in_a_graph():
     x = torch.randn(m, d, generator=g).to(dtype).cuda()
     bufs = [torch.empty(m, d, dtype=dtype, device="cuda") for _ in range(3)]
     cfgs = [replace(CL, block_k=bk, num_stages=s, split_k=sk, overlap_ratio=0.0, prefetch_ratio=1.0)
-            for bk, s, sk in ((64, 4, 4), (128, 2, 2), (64, 2, 1))]
+            for bk, s, sk in ((64, 4, 4), (128, 2, 2), (64, 2, 4))]
     ref = x.float()
     for w in ws:
         ref = ref @ w.float().T
