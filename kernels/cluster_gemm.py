@@ -75,6 +75,11 @@ def _cache_dir() -> Path:
 
 
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
+# cluster_gemm_launch's parameters (tests/test_cluster_gemm.py checks them against the C signature): 9 pointers
+# (x, w, bias, res, out, stats_out, trace, ln_stats, ln_colsum), 13 ints (M, N, K, 4 strides, per_split, stages,
+# trigger_k, n_pref, flags, ln_parts), ln_eps, the stream, the error buffer and its length.
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctypes.CDLL:
@@ -102,8 +107,8 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctyp
             raise RuntimeError(f"cluster_gemm: nvcc failed: {last}")
         os.replace(tmp, out)  # atomic: concurrent builders (the tuner's workers) never load a partial file
     lib = ctypes.CDLL(str(out))
-    P, I = ctypes.c_void_p, ctypes.c_int
-    lib.cluster_gemm_launch.argtypes = [P] * 9 + [I] * 13 + [ctypes.c_float, P, ctypes.c_char_p, I]
+    lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
+    I = ctypes.c_int
     lib.cluster_gemm_launch.restype = I
     lib.cluster_gemm_smem_bytes.argtypes = [I]
     lib.cluster_gemm_smem_bytes.restype = I
