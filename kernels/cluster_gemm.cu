@@ -53,6 +53,9 @@ enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
+  // bits 8-11: 1 + the most weight tiles loaded into shared memory before griddepcontrol.wait (0: every stage's);
+  // the rest of the prefetch goes to L2 only
+  EARLY_SHIFT = 8,
 };
 
 struct Params {
@@ -324,6 +327,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     if (tid == CONSUMERS) {
       const bool racy = (p.flags & RACY) != 0;
       int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
+      const int cap = (p.flags >> EARLY_SHIFT) & 15;
+      if (cap > 0) early = min(early, cap - 1);
       if (racy && early == 0 && n_iters > 0) early = 1;
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);

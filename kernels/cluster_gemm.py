@@ -31,7 +31,10 @@ MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
-USE_PDL, RACY = 64, 128
+USE_PDL, RACY, EARLY_SHIFT = 64, 128, 8
+# The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
+# L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
+EARLY_TILES: int | None = None
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
@@ -145,6 +148,8 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
            | (LN_IN if ln_stats is not None else 0) | (act << 6))
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
+    if EARLY_TILES is not None:
+        flags |= (min(EARLY_TILES, 14) + 1) << EARLY_SHIFT
     if launch_enter_hook is not None:
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
