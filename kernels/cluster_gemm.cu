@@ -48,10 +48,7 @@ struct Tile {
 };
 
 // Epilogue (compile time; the activation in bits 6-7).
-// ATTN_IN: the A operand is causal attention computed in the prologue (below): the out-projection with the
-// attention before it, one kernel.
-enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, ATTN_IN = 32 };
-constexpr int ATT_STAGE = 40960;  // ATTN_IN: one head's Q tile (64 x 64) and K and V tiles (128 x 64), 16-bit
+enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16 };
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -64,7 +61,6 @@ enum Flags {
 struct Params {
   CUtensorMap a_map;  // x [M, K]: box {BK, BM}
   CUtensorMap b_map;  // w [N, K]: box {BK, BN}
-  CUtensorMap kv_map; // ATTN_IN: qkv [M, 3K]: box {64, 128} (a_map is qkv's Q part: box {64, 64})
   const void* bias;
   const void* res;
   void* out;
@@ -75,8 +71,6 @@ struct Params {
   const float* ln_colsum; // [N]: colsum of the folded weights
   float ln_eps;
   int ln_parts;
-  int seq;            // ATTN_IN: tokens a sequence (<= 128; a 64-row tile lies in one sequence)
-  float qk_scale;     // ATTN_IN: log2(e) / sqrt(head_dim)
   long long* trace;   // diagnostics: %globaltimer [programs, 4]
   int M, N, K;
   int res_stride, out_stride;
@@ -237,133 +231,6 @@ __device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db
   }
 }
 
-// ATTN_IN: P @ V with mma.sync m16n8k16 (P from registers, V fragments through ldmatrix.trans).
-template <bool BF16>
-__device__ __forceinline__ void mma_16x8x16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  if constexpr (BF16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// The byte address of 16-bit element (row, col) of a tile of 128-byte rows written by TMA with the 128-byte
-// swizzle (the 16-byte chunk index XOR the row's index mod 8; the tile 1024-byte aligned).
-__device__ __forceinline__ uint32_t swz(uint32_t tile, int row, int col) {
-  return tile + row * 128 + ((((col >> 3) ^ row) & 7) << 4) + (col & 7) * 2;
-}
-
-template <bool BF16>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (BF16) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-// ATTN_IN, one head: the warpgroup's 64 query rows against the sequence's first 128 keys (causal, keys past the
-// sequence masked). S = Q K^T by wgmma into registers, the softmax per row (a row's 128 scores lie in the 4 lanes
-// of a quad), O = P V by mma.sync, O / rowsum written as 16-bit into the Q tile's place (128-byte swizzled, as
-// the out-projection's A operand). `q_pos0`: the position in its sequence of the thread's first row (lane / 4).
-template <bool BF16>
-__device__ __forceinline__ void attention_head(uint32_t qt, int q_pos0, int seq, float scale, int warp, int lane) {
-  const uint32_t kt = qt + 8192, vt = qt + 24576;
-  float sc[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) sc[i] = 0.f;
-  fence_acc<64>(sc);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, 128>(sc, smem_desc(qt) + 2 * kk, smem_desc(kt) + 2 * kk);
-  wgmma_commit();
-  fence_acc<64>(sc);
-  wgmma_wait<0>();
-  fence_acc<64>(sc);
-  const int g = lane / 4, q2 = (lane % 4) * 2;
-  float mx[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = 8 * j + q2 + e;
-        const bool ok = key <= q_pos0 + 8 * h && key < seq;
-        const float v = ok ? sc[4 * j + 2 * h + e] * scale : -INFINITY;
-        sc[4 * j + 2 * h + e] = v;
-        mx[h] = fmaxf(mx[h], v);
-      }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pv = exp2f(sc[4 * j + 2 * h + e] - mx[h]);
-        sc[4 * j + 2 * h + e] = pv;
-        l[h] += pv;
-      }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-  }
-  // O = P V: this warp's 16 rows (warp w of the warpgroup: rows 16w..), 64 columns in 8 tiles of 8.
-  float o[8][4];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-  const int mat = lane / 8, r8 = lane % 8;
-#pragma unroll
-  for (int t = 0; t < 8; ++t) {  // keys 16t..16t+15
-    uint32_t a[4] = {pack2<BF16>(sc[8 * t + 0], sc[8 * t + 1]), pack2<BF16>(sc[8 * t + 2], sc[8 * t + 3]),
-                     pack2<BF16>(sc[8 * t + 4], sc[8 * t + 5]), pack2<BF16>(sc[8 * t + 6], sc[8 * t + 7])};
-    const int key = 16 * t + (mat & 1) * 8 + r8;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {  // columns 16u..16u+15
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, swz(vt, key, 16 * u + (mat >> 1) * 8));
-      mma_16x8x16<BF16>(o[2 * u], a, b[0], b[1]);
-      mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
-    }
-  }
-  // Every warp's S MMAs have read the Q tile before it is overwritten.
-  consumer_sync<128>();
-  const int r0 = (warp % 4) * 16 + g;
-  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) {
-    const uint32_t lo = pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0);
-    const uint32_t hi = pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1);
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, r0, 8 * v + q2)), "r"(lo) : "memory");
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, r0 + 8, 8 * v + q2)), "r"(hi) : "memory");
-  }
-  // The out-projection's wgmma reads the tile through the async proxy.
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  consumer_sync<128>();
-}
-
 template <bool BF16>
 struct Elem;
 template <>
@@ -406,10 +273,6 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   using BT = std::conditional_t<(EPI & BIAS_F32) != 0, float, T>;
   constexpr int ACT = (EPI >> 6) & 3;
   constexpr bool LN = (EPI & LN_IN) != 0;
-  constexpr bool ATT = (EPI & ATTN_IN) != 0;
-  static_assert(!ATT || (BM == 64 && BN == 64 && !LN), "ATTN_IN: 64x64 tiles, no LayerNorm");
-  constexpr int A_STAGE = ATT ? ATT_STAGE : TL::A_BYTES;  // one stage's A region
-  constexpr int STAGE_TX = A_STAGE + TL::B_BYTES;         // the bytes a stage's barrier waits for
   constexpr int CONSUMERS = TL::CONSUMERS, SROW = TL::SROW;
   constexpr int NACC = BN / 2;           // accumulator registers a thread (wgmma m64nBN, fp32)
   constexpr int R = BM / SC;             // rows of the tile this CTA reduces and stores
@@ -424,7 +287,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const int S = p.stages;
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + S * A_STAGE;
+  const uint32_t b_smem = base + S * TL::A_BYTES;
   const uint32_t recv = b_smem + S * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
   const uint32_t full = recv + TL::PART_BYTES;     // S mbarriers: the stage's bytes have landed
   const uint32_t empty = full + 8 * S;             // S mbarriers: the consumers are done with the stage
@@ -446,7 +309,6 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   if (tid == CONSUMERS) {
     prefetch_tensormap(&p.a_map);
     prefetch_tensormap(&p.b_map);
-    if constexpr (ATT) prefetch_tensormap(&p.kv_map);
     for (int s = 0; s < S; ++s) {
       mbar_init(full + 8 * s, 1);
       mbar_init(empty + 8 * s, CONSUMERS / 32);  // one arrival per consumer warp
@@ -469,7 +331,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       if (cap > 0) early = min(early, cap - 1);
       if (racy && early == 0 && n_iters > 0) early = 1;
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full + 8 * i, STAGE_TX);
+        mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
         tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
@@ -478,20 +340,14 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
       uint32_t phase = 0;  // of the stage's empty barrier, from the second round on
-      const int kv0 = ATT ? (m0 / p.seq) * p.seq : 0;  // ATTN_IN: the first row of the tile's sequence
       for (int i = 0; i < n_iters; ++i) {
         const uint32_t bar = full + 8 * s;
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          mbar_expect_tx(bar, STAGE_TX);
+          mbar_expect_tx(bar, TL::STAGE_BYTES);
           tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        // (ATTN_IN: the A load is head k_first + i's Q tile, then its K and V tiles)
-        if (!(racy && i == 0)) tma_load(a_smem + s * A_STAGE, &p.a_map, bar, (k_first + i) * BK, m0);
-        if constexpr (ATT) {
-          tma_load(a_smem + s * A_STAGE + 8192, &p.kv_map, bar, p.K + (k_first + i) * BK, kv0);
-          tma_load(a_smem + s * A_STAGE + 24576, &p.kv_map, bar, 2 * p.K + (k_first + i) * BK, kv0);
-        }
+        if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -542,10 +398,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
     mbar_wait(full + 8 * s, phase);
-    if constexpr (ATT)
-      attention_head<BF16>(a_smem + s * A_STAGE, m0 + warp * 16 + lane / 4 - (m0 / p.seq) * p.seq, p.seq,
-                           p.qk_scale, warp, lane);
-    const uint64_t da = smem_desc(a_smem + s * A_STAGE + wg * (64 * BK * 2));
+    const uint64_t da = smem_desc(a_smem + s * TL::A_BYTES + wg * (64 * BK * 2));
     const uint64_t db = smem_desc(b_smem + s * TL::B_BYTES);
     fence_acc<NACC>(acc);
     wgmma_fence();
@@ -749,26 +602,18 @@ extern "C" int cluster_gemm_variant() {
   return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20);
 }
 
-constexpr int CG_A_STAGE = (CG_EPI & ATTN_IN) != 0 ? ATT_STAGE : TV::A_BYTES;
-
 extern "C" int cluster_gemm_smem_bytes(int stages) {
-  return 1024 + stages * (CG_A_STAGE + TV::B_BYTES) + TV::PART_BYTES + 16 * stages + 8;
+  return 1024 + stages * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;
 }
 
 extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const void* res, void* out, float* stats_out,
                                    long long* trace, const float* ln_stats, const float* ln_colsum, int M, int N,
                                    int K, int x_stride, int w_stride, int res_stride, int out_stride, int per_split,
-                                   int stages, int trigger_k, int n_pref, int flags, int ln_parts, int seq,
-                                   float ln_eps, float qk_scale, void* stream, char* err, int errlen) {
+                                   int stages, int trigger_k, int n_pref, int flags, int ln_parts, float ln_eps,
+                                   void* stream, char* err, int errlen) {
   constexpr int SC = CG_SC, BM = CG_BM, BN = CG_BN;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + BM - 1) / BM;
-  constexpr bool ATT = (CG_EPI & ATTN_IN) != 0;
-  if (ATT && (seq < 1 || seq > 128 || (seq % 64 != 0 && M > seq) || per_split > stages)) {
-    snprintf(err, errlen, "attention prologue: seq=%d must be <= 128 with 64-row tiles inside one sequence, and "
-             "all %d heads of a split in its %d stages", seq, per_split, stages);
-    return 1;
-  }
-  if (stages < (ATT ? 1 : 2) || stages > MAX_STAGES || stages * (CG_A_STAGE + TV::B_BYTES) < TV::PART_BYTES) {
+  if (stages < 2 || stages > MAX_STAGES || stages * TV::STAGE_BYTES < TV::PART_BYTES) {
     // (the stages hold the fp32 partial after the loop)
     snprintf(err, errlen, "stages=%d must be in 2..%d and hold the %d B partial tile (%d B a stage)", stages,
              MAX_STAGES, TV::PART_BYTES, TV::STAGE_BYTES);
@@ -780,13 +625,9 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  // ATTN_IN: x is qkv [M, 3K]; a_map reads its Q part in 64x64 tiles, kv_map its K and V parts in 128-row tiles.
-  if (encode(&p.a_map, CG_BF16, x, M, ATT ? 3 * K : K, x_stride, BM, err, errlen) ||
-      encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen) ||
-      (ATT && encode(&p.kv_map, CG_BF16, x, M, 3 * K, x_stride, 128, err, errlen)))
+  if (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
+      encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
     return 1;
-  p.seq = seq;
-  p.qk_scale = qk_scale;
   p.bias = bias;
   p.res = res;
   p.out = out;

@@ -30,8 +30,7 @@ TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and 
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
-HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, ATTN_IN = 1, 2, 4, 8, 16, 32
-ATT_STAGE = 40960  # cluster_gemm.cu's ATT_STAGE: one head's Q (64 x 64), K and V (128 x 64) tiles
+HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
 USE_PDL, RACY, EARLY_SHIFT = 64, 128, 8
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
@@ -51,12 +50,10 @@ def part_bytes(bm: int = 64, bn: int = 64) -> int:
     return bm * (bn + 4) * 4
 
 
-def smem_bytes(stages: int, bm: int = 64, bn: int = 64, attn: bool = False) -> int:
+def smem_bytes(stages: int, bm: int = 64, bn: int = 64) -> int:
     """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): 1 KB for the swizzle
-    alignment, the stages (with the attention prologue, a stage holds a head's Q, K and V tiles and its weight
-    tile), the slabs pushed by the other CTAs (one partial tile), mbarriers."""
-    stage = (ATT_STAGE + bn * BLOCK * 2) if attn else stage_bytes(bm, bn)
-    return 1024 + stages * stage + part_bytes(bm, bn) + 16 * stages + 8
+    alignment, the stages, the slabs pushed by the other CTAs (one partial tile), mbarriers."""
+    return 1024 + stages * stage_bytes(bm, bn) + part_bytes(bm, bn) + 16 * stages + 8
 
 
 def stages_error(stages: int, bm: int = 64, bn: int = 64) -> str | None:
@@ -82,10 +79,10 @@ def _cache_dir() -> Path:
 
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 # cluster_gemm_launch's parameters (tests/test_cluster_gemm.py checks them against the C signature): 9 pointers
-# (x, w, bias, res, out, stats_out, trace, ln_stats, ln_colsum), 14 ints (M, N, K, 4 strides, per_split, stages,
-# trigger_k, n_pref, flags, ln_parts, seq), ln_eps, qk_scale, the stream, the error buffer and its length.
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 14
-                   + [ctypes.c_float, ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
+# (x, w, bias, res, out, stats_out, trace, ln_stats, ln_colsum), 13 ints (M, N, K, 4 strides, per_split, stages,
+# trigger_k, n_pref, flags, ln_parts), ln_eps, the stream, the error buffer and its length.
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctypes.CDLL:
@@ -118,7 +115,7 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctyp
     lib.cluster_gemm_launch.restype = I
     lib.cluster_gemm_smem_bytes.argtypes = [I]
     lib.cluster_gemm_smem_bytes.restype = I
-    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn, bool(epi & ATTN_IN))
+    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
             or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
         raise RuntimeError(f"cluster_gemm: {out} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
@@ -138,22 +135,18 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
            trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5, seq=0) -> None:
+           ln_eps=1e-5) -> None:
     """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles; the
     output tile is ``bm`` x ``bn``. With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
-    ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm.
-
-    With ``seq`` > 0, ``x`` is the attention's qkv ``[M, 3K]`` (heads of 64 columns) and the A operand is causal
-    attention over it, computed in the kernel's prologue (one K tile = one head; ``per_split`` heads a split, all
-    in flight: ``stages`` >= ``per_split``)."""
-    M = x.shape[0]
-    N, K = weight.shape
+    ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm."""
+    M, K = x.shape
+    N = weight.shape[0]
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("cluster_gemm: ln_stats and ln_colsum go together")
     epi = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
                                                     else 0)
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
-           | (LN_IN if ln_stats is not None else 0) | (ATTN_IN if seq > 0 else 0) | (act << 6))
+           | (LN_IN if ln_stats is not None else 0) | (act << 6))
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     if EARLY_TILES is not None:
         flags |= (min(EARLY_TILES, 14) + 1) << EARLY_SHIFT
@@ -166,6 +159,6 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
         out.stride(0), per_split, stages, trigger_k, n_pref, flags, ln_stats.shape[0] if ln_stats is not None else 0,
-        seq, ln_eps, 1.4426950408889634 / 8.0, stream, err, len(err))
+        ln_eps, stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))

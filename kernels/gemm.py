@@ -148,9 +148,8 @@ def cluster_tile(c: GemmConfig, p: GemmProblem) -> tuple[int, int]:
 def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> str | None:
     if c.cluster == 0:
         return None
-    if c.cluster not in (1, 2):
-        return (f"cluster={c.cluster} must be 0 (Triton kernels), 1 (split-K reduced in a cluster) or 2 (1, with "
-                "the attention before the out-projection computed in its prologue)")
+    if c.cluster != 1:
+        return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
     if c.split_k not in cluster_gemm.SPLITS:
         return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
     # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
@@ -161,20 +160,12 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
                 "block_k >= 64 and tma=1")
     if p.dtype_bytes != 2:
         return "cluster=1 needs 16-bit operands"
-    if c.cluster == 2:
-        # K = the model width, in heads of 64; every head of a split is in flight (one stage each).
-        if (bm, bn) != (64, 64) or p.k % (64 * c.split_k):
-            return "cluster=2 needs 64x64 tiles and K (the model width) in heads of 64, a whole number a split"
-        need = cluster_gemm.smem_bytes(p.k // 64 // c.split_k, attn=True)
-        if need > smem_limit(device):
-            return f"cluster=2: {p.k // 64 // c.split_k} heads a split need {need} B of shared memory"
-    else:
-        st = cluster_stages(c)
-        why = cluster_gemm.stages_error(st, bm, bn)
-        if why is None and cluster_gemm.smem_bytes(st, bm, bn) > smem_limit(device):
-            why = f"need {cluster_gemm.smem_bytes(st, bm, bn)} B of shared memory"
-        if why:
-            return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
+    st = cluster_stages(c)
+    why = cluster_gemm.stages_error(st, bm, bn)
+    if why is None and cluster_gemm.smem_bytes(st, bm, bn) > smem_limit(device):
+        why = f"need {cluster_gemm.smem_bytes(st, bm, bn)} B of shared memory"
+    if why:
+        return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
     if device is not None and device.capability != (9, 0):
         return f"cluster=1 needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return None
@@ -704,41 +695,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,
             SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )
-    return out
-
-
-def attention_out_error(config: GemmConfig, batch: int, seq: int, head_dim: int) -> str | None:
-    """Why the attention cannot run in the out-projection's prologue (``cluster=2``) for this attention shape."""
-    if head_dim != 64:
-        return f"cluster=2 needs heads of 64 columns, not {head_dim}"
-    if seq > 128 or (seq % 64 and batch > 1):
-        return f"cluster=2 needs a sequence of at most 128 tokens, 64-row tiles inside one sequence (seq={seq})"
-    return None
-
-
-def attention_out(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                  config: GemmConfig, seq: int, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                  stats_out: torch.Tensor | None = None, _racy_read_before_wait: bool = False) -> torch.Tensor:
-    """``causal_attention(qkv) @ weight.T + bias + residual`` in one CUDA kernel (``config.cluster == 2``, Hopper):
-    each program computes its split's heads of attention for its 64 rows in its prologue (cluster_gemm.cu,
-    ATTN_IN) and multiplies them by its weight tile; the splits reduce in their cluster. qkv ``[M, 3D]`` (heads
-    of 64 columns, Q then K then V), weight ``[N, D]``. Elsewhere the caller runs the attention kernel and
-    :func:`linear` instead (tuner/layer.py)."""
-    M = qkv.shape[0]
-    N, D = weight.shape
-    if qkv.shape[1] != 3 * D or qkv.dtype != weight.dtype or not cluster_gemm.usable(qkv):
-        raise ValueError(f"attention_out: qkv {tuple(qkv.shape)} must be [M, 3*{D}] of weight's dtype on Hopper")
-    why = check(config, GemmProblem(M, N, D, qkv.element_size()), DeviceInfo.from_torch(qkv.device))
-    if config.cluster != 2 or why:
-        raise ValueError(f"attention_out: invalid GemmConfig (cluster must be 2): {why}")
-    if out is None:
-        out = torch.empty((M, N), device=qkv.device, dtype=qkv.dtype)
-    c = effective_config(config, qkv)
-    heads = D // 64 // c.split_k  # a split's heads: its K tiles, all in flight
-    cluster_gemm.launch(
-        qkv, weight, out, bias=bias, residual=residual, stats_out=stats_out, split=c.split_k, per_split=heads,
-        stages=heads, trigger_k=trigger_index(heads, c.overlap_ratio), n_pref=prefetch_count(heads, c.prefetch_ratio),
-        racy=_racy_read_before_wait, seq=seq)
     return out
 
 

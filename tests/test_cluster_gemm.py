@@ -18,7 +18,7 @@ AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
 
 
 @pytest.mark.parametrize("cfg, problem, needle", [
-    (replace(CL, cluster=3), GemmProblem(128, 256, 768), "cluster=3 must be 0"),
+    (replace(CL, cluster=2), GemmProblem(128, 256, 768), "cluster=2 must be 0"),
     (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
     (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
     (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
@@ -63,7 +63,7 @@ def test_launch_argtypes_match_the_c_signature():
     for prm in params.split(","):
         typ = " ".join(prm.split()[:-1]).replace("const ", "").replace(" *", "*")
         want.append({"int": ctypes.c_int, "float": ctypes.c_float, "char*": ctypes.c_char_p}.get(typ, ctypes.c_void_p))
-    assert len(want) == 28 and all(t == ctypes.c_void_p for t in want[:9])
+    assert len(want) == 26 and all(t == ctypes.c_void_p for t in want[:9])
     assert cluster_gemm.LAUNCH_ARGTYPES == want
 
 
@@ -282,73 +282,3 @@ def test_cluster_racy_read_is_caught():
             wrong[racy] += rel_error(out, ref) > 1e-2
         del graph
     assert wrong[False] == 0 and wrong[True] > 0, wrong
-
-def test_check_attention_in_the_out_projection():
-    # cluster=2: the attention in the out-projection's prologue; its rules at the GEMM and at the layer level.
-    from tuner.bench import hand_picked_cluster
-    from tuner.kernels.gemm import attention_out_error
-    from tuner.layer import check_config
-    from tuner.shapes import resolve
-
-    c2 = replace(CL, cluster=2)
-    assert check(c2, GemmProblem(128, 768, 768), HOPPER) is None
-    assert "heads of 64" in check(replace(c2, split_k=4), GemmProblem(128, 768, 640), HOPPER)
-    assert "heads of 64" in check(replace(c2, block_n=128), GemmProblem(128, 768, 768), HOPPER)
-    assert attention_out_error(c2, 1, 128, 64) is None and attention_out_error(c2, 1, 100, 64) is None
-    assert "at most 128" in attention_out_error(c2, 1, 256, 64)
-    assert "at most 128" in attention_out_error(c2, 2, 32, 64)  # a 64-row tile would span two sequences
-    assert "heads of 64" in attention_out_error(c2, 1, 128, 32)
-    shape = resolve("bert-base")
-    cfg = hand_picked_cluster(shape)
-    assert check_config(replace(cfg, out=replace(cfg.out, cluster=2)), shape, 2, HOPPER) == {}
-    bad = check_config(replace(cfg, ffn2=replace(cfg.ffn2, cluster=2)), shape, 2, HOPPER)
-    assert "out-projection only" in bad["ffn2"]
-
-
-@gpu
-@pytest.mark.parametrize("batch, seq, heads, split, dtype", [
-    (1, 128, 12, 4, torch.float16),   # bert-base: 3 heads a split
-    (1, 32, 4, 4, torch.float16),     # tiny: one head a split, rows and keys past 32 zero-filled
-    (1, 100, 4, 2, torch.float16),    # a partial second row tile, keys past the sequence masked
-    (2, 64, 4, 2, torch.bfloat16),    # two sequences, one 64-row tile each
-    (1, 128, 16, 4, torch.float16),   # bert-large: 4 heads a split
-])
-def test_attention_out(batch, seq, heads, split, dtype):
-    # causal attention + out-projection + bias + residual (+ row sums) in one kernel, against the torch reference;
-    # outputs poisoned with NaN.
-    from tuner.kernels.attention import attention_ref
-    from tuner.kernels.gemm import attention_out
-
-    d = heads * 64
-    m = batch * seq
-    g = torch.Generator().manual_seed(seq + heads)
-    qkv = torch.randn(m, 3 * d, generator=g).to(dtype).cuda()
-    w = (torch.randn(d, d, generator=g) / d**0.5).to(dtype).cuda()
-    b = (0.1 * torch.randn(d, generator=g)).to(dtype).cuda()
-    r = torch.randn(m, d, generator=g).to(dtype).cuda()
-    cfg = replace(CL, split_k=split, cluster=2, overlap_ratio=0.0, prefetch_ratio=1.0)
-    out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-    stats = torch.full((stats_parts(cfg, d), m, 2), float("nan"), dtype=torch.float32, device="cuda")
-    attention_out(qkv, w, b, config=cfg, seq=seq, residual=r, out=out, stats_out=stats)
-    torch.cuda.synchronize()
-    a = attention_ref(qkv, batch=batch, seq=seq, heads=heads, head_dim=64).to(dtype).float()
-    ref = a @ w.float().T + b.float() + r.float()
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
-    torch.testing.assert_close(stats.sum(0)[:, 0], out.float().sum(1), rtol=1e-2, atol=5e-1)
-
-
-@gpu
-def test_attention_out_in_a_layer_graph():
-    # The bert-base stack with the attention in the out-projection's prologue: the layer's check against the torch
-    # reference, replayed in its CUDA graph, and one kernel fewer a layer.
-    from tuner.bench import hand_picked_cluster
-    from tuner.layer import DecoderStack
-    from tuner.shapes import resolve
-
-    shape = resolve("bert-base")
-    cfg = hand_picked_cluster(shape)
-    cfg = replace(cfg, out=replace(cfg.out, cluster=2))
-    st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16)
-    st.capture()
-    for seed in (1, 2):
-        assert st.check(seed) < st.tolerance()

@@ -10,7 +10,7 @@ preallocated buffers with no torch op between them, so that a CUDA graph capture
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from tuner.config import GEMMS, DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels import attention as attn_k
-from tuner.kernels import cluster_gemm
 from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
@@ -50,13 +49,6 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                                                     dtype_bytes), device)
     if why:
         bad["attn"] = why
-    for name in ("qkv", "ffn1", "ffn2"):
-        if getattr(cfg, name).cluster == 2:
-            bad[name] = "cluster=2 (the attention in the GEMM's prologue) is for the out-projection only"
-    if cfg.out.cluster == 2 and "out" not in bad:
-        why = gemm_k.attention_out_error(cfg.out, shape.batch, shape.seq, shape.head_dim)
-        if why:
-            bad["out"] = why
     return bad
 
 
@@ -66,6 +58,7 @@ def layer_problem(shape: DecoderShape, dtype_bytes: int = 2) -> fused_k.LayerPro
 
 def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
     """Shrink tiles that exceed the shape (tiny layers have 32 rows and 32 keys)."""
+    from dataclasses import replace
 
     fitted = {n: gemm_k.fit(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
     cap = tile_cap(shape.seq)
@@ -77,6 +70,7 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                   device: DeviceInfo | None = None) -> DecoderConfig:
     """fit_config, then each GEMM moved to its nearest config within shared memory and registers
     (gemm_k.repair): what the search measures for a sampled combination of tiles."""
+    from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
     return replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
@@ -213,18 +207,6 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ln2 = dict(ln_colsum=u, ln_eps=LN_EPS)
         if cfg.norm2.fuse == 2:
             ln2["ln_stats"] = out_kw["stats_out"] = b.h_stats
-    # cluster=2 on Hopper: the attention runs in the out-projection's prologue (one kernel for both; a racy
-    # variant of either reads the Q tile before the wait). Elsewhere both kernels run, the out-projection as
-    # cluster=1.
-    attn_in_out = cfg.out.cluster == 2 and cluster_gemm.usable(x)
-    out_cfg = cfg.out if cfg.out.cluster != 2 or attn_in_out else replace(cfg.out, cluster=1)
-    if attn_in_out:
-        out_launch = lambda: gemm_k.attention_out(b.qkv, w.w_out, w.b_out, config=out_cfg, seq=shape.seq,  # noqa: E731
-                                                  residual=x, out=b.h, **out_kw,
-                                                  _racy_read_before_wait=r("out") or r("attn"))
-    else:
-        out_launch = lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=out_cfg, residual=x, out=b.h,  # noqa: E731
-                                           workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)
     launches = [
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
@@ -234,7 +216,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
-        ("out", out_launch),
+        ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
+                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
@@ -243,7 +226,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
-    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse} | ({"attn"} if attn_in_out else set())
+    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     return [(n, f) for n, f in launches if n not in skip]
 
 
