@@ -134,6 +134,13 @@ def test_cluster_linear_few_rows(m, block_m):
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < 1e-2
 
 
+def _ln_params(k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A LayerNorm's weight and bias ([k], near 1 and 0) on the GPU."""
+    g = torch.Generator().manual_seed(seed)
+    return ((1 + 0.1 * torch.randn(k, generator=g)).to(dtype).cuda(),
+            (0.1 * torch.randn(k, generator=g)).to(dtype).cuda())
+
+
 def _row_sums(x: torch.Tensor, parts: int) -> torch.Tensor:
     """[parts, M, 2] fp32: the sums of x and x^2 over `parts` column blocks (what a producer's stats_out holds)."""
     xf = x.float()
@@ -157,9 +164,7 @@ def test_cluster_linear_tiles(tile, split, epilogue):
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
     stats = None
     if epilogue == "layernorm":
-        g = torch.Generator().manual_seed(bm + bn + split)
-        lw = (1 + 0.1 * torch.randn(k, generator=g)).half().cuda()
-        lb = (0.1 * torch.randn(k, generator=g)).half().cuda()
+        lw, lb = _ln_params(k, torch.float16, bm + bn + split)
         x = x * 3 + 0.5  # rows with a mean and a variance to remove
         wf, bf, u = fold_layernorm(w, b, lw, lb)
         linear(x, wf, bf, config=cfg, out=out, ln_colsum=u, ln_stats=_row_sums(x, 13))
@@ -184,9 +189,7 @@ def test_cluster_linear_layernorm_bf16_few_rows():
     # bf16, 32 rows on the 64-row kernel, LayerNorm from 32 parts (the most a launch reads).
     m, k, n = 32, 768, 256
     x, w, b, _ = _inputs(m, n, k, torch.bfloat16, "cuda", seed=11)
-    g = torch.Generator().manual_seed(12)
-    lw = (1 + 0.1 * torch.randn(k, generator=g)).bfloat16().cuda()
-    lb = (0.1 * torch.randn(k, generator=g)).bfloat16().cuda()
+    lw, lb = _ln_params(k, torch.bfloat16, 12)
     wf, bf, u = fold_layernorm(w, b, lw, lb)
     cfg = replace(CL, block_m=32, split_k=2, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
     out = linear(x, wf, bf, config=cfg, ln_colsum=u, ln_stats=_row_sums(x, 32), activation="gelu")
@@ -200,9 +203,7 @@ def test_cluster_linear_with_layernorm_runs_the_triton_kernels():
     # Triton GEMM and its reduction run the config.
     m, k, n = 64, 256, 128
     x, w, b, _ = _inputs(m, n, k, torch.float16, "cuda", seed=5)
-    g = torch.Generator().manual_seed(6)
-    lw = (1 + 0.1 * torch.randn(k, generator=g)).half().cuda()
-    lb = (0.1 * torch.randn(k, generator=g)).half().cuda()
+    lw, lb = _ln_params(k, torch.float16, 6)
     wf, bf, u = fold_layernorm(w, b, lw, lb)
     out = linear(x, wf, bf, config=replace(CL, split_k=2), ln_colsum=u)
     torch.cuda.synchronize()
