@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
 
@@ -35,9 +34,6 @@ from ._common import (KnobConfig, effective_config, launch_mode, pdl_trigger, pd
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
 _LOG2E = 1.4426950408889634
-# Q, K and V tiles loaded with the tensor memory accelerator (host-built descriptors over qkv) instead of
-# pointer loads from every thread, where the head dim is a power of two and the rows 16-byte aligned.
-_USE_TMA = False
 
 
 @dataclass(frozen=True)
@@ -113,14 +109,11 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
 
 @triton.jit
 def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
-               kv_desc, kv_row0, k_col, v_col,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-               USE_PDL: tl.constexpr, UPCAST: tl.constexpr, USE_TMA: tl.constexpr):
+               USE_PDL: tl.constexpr, UPCAST: tl.constexpr):
     """softmax(q k^T) v for one tile of query rows over its first ``n_blocks`` KV blocks (online softmax),
     issuing the PDL trigger once ``trigger_j`` blocks are done (0: the caller triggers). Shared by this kernel
-    and the fused layer kernel. USE_TMA: K and V tiles from ``kv_desc`` (rows ``kv_row0 + ...``, columns
-    ``k_col`` and ``v_col``); keys past the sequence are masked in the scores, so what TMA reads there (the
-    next sequence's rows, or zeros) never counts."""
+    and the fused layer kernel."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_nb = tl.arange(0, BLOCK_N)
     mask_d = offs_d < head_dim
@@ -131,15 +124,11 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
     for j in range(0, n_blocks):
         offs_n = j * BLOCK_N + offs_nb
         mask_n = offs_n < seq
-        if USE_TMA:
-            kt = kv_desc.load([kv_row0 + j * BLOCK_N, k_col]).T
-            v = kv_desc.load([kv_row0 + j * BLOCK_N, v_col])
-        else:
-            # K loaded transposed, [BLOCK_D, BLOCK_N]; padding rows/cols read as 0.
-            kt = tl.load(k_base + offs_n[None, :] * stride_qt + offs_d[:, None] * stride_qc,
-                         mask=mask_n[None, :] & mask_d[:, None], other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_qt + offs_d[None, :] * stride_qc,
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        # K loaded transposed, [BLOCK_D, BLOCK_N]; padding rows/cols read as 0.
+        kt = tl.load(k_base + offs_n[None, :] * stride_qt + offs_d[:, None] * stride_qc,
+                     mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_qt + offs_d[None, :] * stride_qc,
+                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         if UPCAST:
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
@@ -164,8 +153,6 @@ def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, q
 def _attn_fwd_kernel(
     # pointers
     qkv_ptr, out_ptr,
-    # USE_TMA: descriptors over qkv, [BLOCK_M, BLOCK_D] and [BLOCK_N, BLOCK_D] tiles (else qkv_ptr again, unused)
-    q_desc, kv_desc,
     # sizes
     seq, heads, head_dim, D,
     # strides
@@ -174,7 +161,7 @@ def _attn_fwd_kernel(
     qk_scale, overlap,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr, USE_TMA: tl.constexpr,
+    USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -209,26 +196,18 @@ def _attn_fwd_kernel(
     pdl_trigger(0, trigger_j, USE_PDL)
     q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qc
     q_mask = mask_m[:, None] & mask_d[None, :]
-    q_row = (b * seq + pid_m * BLOCK_M).to(tl.int32)
     if RACY_READ_BEFORE_WAIT:
         # Test-only defect: reads this program's Q tile before gdc_wait. The correctness gate must catch it.
-        if USE_TMA:
-            q = q_desc.load([q_row, h * head_dim])
-        else:
-            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
         pdl_wait(USE_PDL)
     else:
         pdl_wait(USE_PDL)
-        if USE_TMA:
-            q = q_desc.load([q_row, h * head_dim])
-        else:
-            q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
 
     acc = _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
-                     kv_desc, (b * seq).to(tl.int32), D + h * head_dim, 2 * D + h * head_dim,
-                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, USE_PDL, UPCAST, USE_TMA)
+                     BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, USE_PDL, UPCAST)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_oc,
              acc.to(out_ptr.dtype.element_ty), mask=q_mask)
 
@@ -261,22 +240,14 @@ def attention(qkv: torch.Tensor, *, batch: int, seq: int, heads: int, head_dim: 
     c = effective_config(config, qkv)
     use_pdl = c.overlap_ratio >= 0
     grid = (triton.cdiv(seq, c.block_m), batch * heads)
-    use_tma = (_USE_TMA and block_d(head_dim) == head_dim and qkv.stride(1) == 1
-               and (qkv.stride(0) * qkv.element_size()) % 16 == 0 and qkv.data_ptr() % 16 == 0)
-    if use_tma:
-        shape, strides = [batch * seq, 3 * D], [qkv.stride(0), 1]
-        q_desc = TensorDescriptor(qkv, shape, strides, [c.block_m, head_dim])
-        kv_desc = TensorDescriptor(qkv, shape, strides, [c.block_n, head_dim])
-    else:
-        q_desc = kv_desc = qkv
     _attn_fwd_kernel[grid](
-        qkv, out, q_desc, kv_desc,
+        qkv, out,
         seq, heads, head_dim, D,
         qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),
         float(sm_scale) * _LOG2E, float(max(c.overlap_ratio, 0.0)),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_D=block_d(head_dim), CAUSAL=bool(causal),
         USE_PDL=use_pdl, UPCAST=mode.upcast_bf16 and qkv.dtype == torch.bfloat16,
-        RACY_READ_BEFORE_WAIT=_racy_read_before_wait, USE_TMA=use_tma,
+        RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     return out

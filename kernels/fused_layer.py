@@ -336,7 +336,7 @@ def _attn_phase(pid, qkv_ptr, out_ptr, n_batch, seq, heads, head_dim, D, qk_scal
             q = q.to(tl.float32)
         n_blocks = tl.cdiv(tl.minimum(seq, (qb + 1) * BLOCK_M), BLOCK_N)
         acc = _attn_rows(q, base + D, base + 2 * D, offs_m, seq, head_dim, 3 * D, 1, qk_scale, n_blocks, -1,
-                         base, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_D, True, False, UPCAST, False)
+                         BLOCK_M, BLOCK_N, BLOCK_D, True, False, UPCAST)
         tl.store(out_ptr + (row0 + offs_m[:, None]) * D + h * head_dim + offs_d[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
