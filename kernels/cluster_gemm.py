@@ -31,7 +31,10 @@ MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
-USE_PDL, RACY, EARLY_SHIFT = 64, 128, 8
+USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD = 64, 128, 8, 4096
+# One CTA to an SM: the launch pads its shared memory past half an SM (cluster_gemm.cu). False: A/B only (switch
+# cg_spread=0 of scripts/timeline.py).
+SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
 EARLY_TILES: int | None = None
@@ -148,6 +151,8 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
            | (LN_IN if ln_stats is not None else 0) | (act << 6))
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
+    if not SPREAD:
+        flags |= NO_SPREAD
     if EARLY_TILES is not None:
         flags |= (min(EARLY_TILES, 14) + 1) << EARLY_SHIFT
     if launch_enter_hook is not None:
