@@ -32,8 +32,8 @@ MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum part
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
 USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD = 64, 128, 8, 4096
-# One CTA to an SM: the launch pads its shared memory past half an SM (cluster_gemm.cu). False: A/B only (switch
-# cg_spread=0 of scripts/timeline.py).
+# One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
+# (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
 SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
