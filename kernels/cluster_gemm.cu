@@ -653,8 +653,8 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN>;
   // One CTA to an SM where the grid could double up: a footprint under half an SM lets two CTAs of this kernel
   // share one and halve each other's bandwidth (H200, bert-base: the out-projection's 96 CTAs at 66 KB added
-  // 3.86 us to the layer, padded 2.94; perf notes 16.7). A grid of at most half the SMs is left as it is: there
-  // the small footprint lets the neighbouring kernels' CTAs share its SMs (tiny: 0.1-0.15 us better).
+  // 3.84-3.86 us to the layer, padded 2.94-2.95; perf notes 16.7). A grid of at most half the SMs cannot double
+  // up and is left as it is, so that the neighbouring kernels' CTAs may still share its SMs.
   static int spread = -1, sms = 0;
   if (spread < 0) {
     int dev = 0, per_sm = 0, reserved = 0;
