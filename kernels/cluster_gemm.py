@@ -114,10 +114,9 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctyp
         os.replace(tmp, out)  # atomic: concurrent builders (the tuner's workers) never load a partial file
     lib = ctypes.CDLL(str(out))
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
-    I = ctypes.c_int
-    lib.cluster_gemm_launch.restype = I
-    lib.cluster_gemm_smem_bytes.argtypes = [I]
-    lib.cluster_gemm_smem_bytes.restype = I
+    lib.cluster_gemm_launch.restype = ctypes.c_int
+    lib.cluster_gemm_smem_bytes.argtypes = [ctypes.c_int]
+    lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
             or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
         raise RuntimeError(f"cluster_gemm: {out} does not match cluster_gemm.py (shared-memory layout or variant)")

@@ -652,7 +652,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x, weight, out, bias=bias, residual=residual, stats_out=stats_out, trace=_trace, split=c.split_k,
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
-            ln_stats=ln_stats, ln_colsum=ln_colsum if ln_stats is not None else None, ln_eps=ln_eps)
+            ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps)  # (ln_colsum here comes with ln_stats)
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])

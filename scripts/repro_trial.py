@@ -6,7 +6,6 @@ For a trial that crashed or came out incorrect: does it again, and does it with 
 """
 
 import sys
-from dataclasses import replace
 
 import pandas as pd
 import torch
@@ -28,12 +27,7 @@ def main():
     row = pd.read_csv(f"{folder}/trials.csv").set_index("number").loc[number]
     params = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in row.items() if "." in k and v == v}
     dev = DeviceInfo.from_torch()
-    cfg = repair_config(to_config(params), shape, 2, dev)
-    for e in edits:
-        key, v = e.split("=")
-        k, f = key.split(".")
-        c = getattr(cfg, k)
-        cfg = replace(cfg, **{k: replace(c, **{f: type(getattr(c, f))(float(v) if "." in v else int(v))})})
+    cfg = repair_config(to_config(params), shape, 2, dev).edited(edits)
     print(f"{folder} trial {number} ({row['status']}: {row.get('reason', '')}) {' '.join(edits)}")
     for k, c in cfg.kernels():
         print(f"  {k}: {c}")

@@ -30,13 +30,7 @@ def variant(shape, name):
     """hp, hp-off, hp-fused-norms, a best.json, or BASE:kernel.field=value,... (e.g. hp:out.split_k=3)."""
     if ":" in name:
         base, edits = name.split(":", 1)
-        cfg = variant(shape, base)
-        for e in edits.split(","):
-            key, v = e.split("=")
-            k, f = key.split(".")
-            c = getattr(cfg, k)
-            cfg = replace(cfg, **{k: replace(c, **{f: type(getattr(c, f))(float(v) if "." in v else int(v))})})
-        return fit_config(cfg, shape)
+        return fit_config(variant(shape, base).edited(edits.split(",")), shape)
     hp = hand_picked(shape)
     if name == "hp":
         return hp

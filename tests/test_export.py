@@ -129,3 +129,17 @@ def test_missing_best_json(tmp_path, where):
     with pytest.raises(ConfigError, match="no best.json found") as e:
         load_config(path)
     assert str(path) in str(e.value)
+
+
+def test_edited_config():
+    # The diagnostics scripts' kernel.field=value variants: ints stay ints, a dotted value is a float, the rest
+    # of the config is untouched.
+    from dataclasses import replace
+
+    base = DecoderConfig()
+    cfg = base.edited(["out.split_k=4", "ffn2.prefetch_ratio=0.6", "attn.block_m=16"])
+    assert cfg.out.split_k == 4 and isinstance(cfg.out.split_k, int)
+    assert cfg.ffn2.prefetch_ratio == 0.6 and cfg.attn.block_m == 16
+    assert cfg == replace(base, out=replace(base.out, split_k=4), ffn2=replace(base.ffn2, prefetch_ratio=0.6),
+                          attn=replace(base.attn, block_m=16))
+    assert base.edited([]) == base

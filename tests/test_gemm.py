@@ -263,34 +263,20 @@ def test_tma_descriptor_prefetch_names_the_descriptors():
         assert ".param .align 64 .b8 _gemm_kernel_param_16[128]" in text
 
 
-_ONE_STAGE_SPLIT = r'''
-import torch
-from tuner.kernels.gemm import GemmConfig, linear, linear_ref
-from tuner.kernels._common import rel_error
-g = torch.Generator().manual_seed(3)
-x = torch.randn(128, 768, generator=g).half().cuda()
-w = (torch.randn(768, 768, generator=g) / 768**0.5).half().cuda()
-r = torch.randn(128, 768, generator=g).half().cuda()
-cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=1, split_k=3, tma=1, overlap_ratio=0.0,
-                 prefetch_ratio=0.0)
-s = torch.cuda.Stream()
-with torch.cuda.stream(s):
-    for _ in range(3):
-        out = linear(x, w, config=cfg, residual=r)
-torch.cuda.synchronize()
-print("rel_error", rel_error(out, linear_ref(x, w, residual=r)))
-'''
-
-
 @pytest.mark.gpu
 def test_one_stage_split_k_tma_with_pdl_runs():
     # Regression: with the TMA descriptors prefetched at kernel entry, one stage, split-K, TMA and PDL failed with
-    # an illegal instruction (the crashed trials of sessions 6-7). In a process of its own: a crash would poison
-    # this one's CUDA context.
+    # an illegal instruction (the crashed trials of sessions 6-7). scripts/crash_probe.py runs the config in a
+    # process of its own: a crash would poison this one's CUDA context.
     import subprocess
     import sys
+    from pathlib import Path
 
-    r = subprocess.run([sys.executable, "-c", _ONE_STAGE_SPLIT], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    err = float(r.stdout.split("rel_error")[-1])
-    assert err < 1e-2
+    probe = Path(__file__).resolve().parents[1] / "scripts" / "crash_probe.py"
+    spec = ("block_m=64,block_n=64,block_k=64,num_stages=1,split_k=3,tma=1,overlap_ratio=0.0,"
+            "prefetch_ratio=0.0")
+    r = subprocess.run([sys.executable, str(probe), "128", "768", "768", spec], capture_output=True, text=True,
+                       timeout=300)
+    line = r.stdout.strip().splitlines()[-1]
+    assert r.returncode == 0 and ": ok " in line, r.stdout[-2000:] + r.stderr[-2000:]
+    assert float(line.rsplit(" ", 1)[1]) < 1e-2

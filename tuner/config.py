@@ -55,6 +55,17 @@ class DecoderConfig:
             out[n] = replace(c, overlap_ratio=overlap_ratio, prefetch_ratio=p)
         return replace(self, **out)
 
+    def edited(self, edits) -> "DecoderConfig":
+        """This config with ``kernel.field=value`` edits (e.g. ``out.split_k=4``, ``ffn2.prefetch_ratio=0.6``):
+        the diagnostics scripts' variants. A value with a dot is a float, else an int."""
+        cfg = self
+        for e in edits:
+            key, v = e.split("=")
+            k, f = key.split(".")
+            c = getattr(cfg, k)
+            cfg = replace(cfg, **{k: replace(c, **{f: type(getattr(c, f))(float(v) if "." in v else int(v))})})
+        return cfg
+
     def to_dict(self) -> dict:
         return {"schema_version": SCHEMA_VERSION, "kernels": {n: c.to_dict() for n, c in self.kernels()}}
 
