@@ -17,21 +17,11 @@
 // Built at run time by kernels/cluster_gemm.py with nvcc (sm_90a), one library per variant (operand dtype, SC,
 // epilogue), and called through ctypes. The Triton GEMM (gemm.py) stays the reference and the CPU-tested path.
 
-#include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-#include <cudaTypedefs.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-
-#include <type_traits>
+#include "hopper.cuh"
 
 namespace {
 
 // The tile is BM x BN (BM 64 or 128: one consumer warpgroup per 64 rows; BN 64 or 128), K in 64-wide tiles.
-constexpr int BK = 64;
 constexpr int MAX_STAGES = 12;
 constexpr int MAX_LN_PARTS = 32;  // LN_IN: the producer's row-sum parts a launch may read
 
@@ -83,186 +73,6 @@ struct Params {
   int flags;
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void cluster_sync() {
-  // relaxed: what must be visible (the mbarrier inits) is ordered by fence.mbarrier_init before it.
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ uint32_t map_to_cta(uint32_t addr, uint32_t cta) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(cta));
-  return r;
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "CG_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra CG_WAIT;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1)
-               : "memory");
-}
-
-__device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-// `bytes` of this CTA's shared memory at `src` to `dst` in another CTA of the cluster (both shared::cluster
-// addresses from mapa for the destination), completing on the destination's mbarrier `bar`.
-__device__ __forceinline__ void bulk_push(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-      "r"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void gdc_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-__device__ __forceinline__ void gdc_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-
-__device__ __forceinline__ long long globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// The consumer warpgroups' own barrier (the producer warp does not take part).
-template <int N>
-__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(N) : "memory"); }
-
-// wgmma shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024 bytes apart.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-// Pins the accumulator registers across the asynchronous MMAs (CUTLASS's warpgroup_fence_operand).
-template <int N>
-__device__ __forceinline__ void fence_acc(float* d) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// The accumulator operands and the instruction of wgmma m64nNk16 (N/2 fp32 registers a thread).
-#define CG_ACC32(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-
-#define CG_ACC64(d) \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
-#define CG_WGMMA64(TYPE) \
-  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t" \
-  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-  "}, %32, %33, p, 1, 1, 0, 0;\n\t}"
-
-#define CG_WGMMA128(TYPE) \
-  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %66, 0;\n\t" \
-  "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
-  "}, %64, %65, p, 1, 1, 0, 0;\n\t}"
-
-template <bool BF16, int N>
-__device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db) {
-  static_assert(N == 64 || N == 128, "wgmma tile width: 64 or 128");
-  if constexpr (N == 64) {
-    if constexpr (BF16) {
-      asm volatile(CG_WGMMA64("bf16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
-    } else {
-      asm volatile(CG_WGMMA64("f16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
-    }
-  } else {
-    if constexpr (BF16) {
-      asm volatile(CG_WGMMA128("bf16") : CG_ACC64(d) : "l"(da), "l"(db), "r"(1));
-    } else {
-      asm volatile(CG_WGMMA128("f16") : CG_ACC64(d) : "l"(da), "l"(db), "r"(1));
-    }
-  }
-}
-
-template <bool BF16>
-struct Elem;
-template <>
-struct Elem<false> {
-  using T = __half;
-  __device__ static float f(T v) { return __half2float(v); }
-  __device__ static T one(float a) { return __float2half_rn(a); }
-};
-template <>
-struct Elem<true> {
-  using T = __nv_bfloat16;
-  __device__ static float f(T v) { return __bfloat162float(v); }
-  __device__ static T one(float a) { return __float2bfloat16_rn(a); }
-};
-
-template <int ACT>  // 0 none, 1 gelu (tanh form), 2 silu, 3 gelu with tanh.approx
-__device__ __forceinline__ float activate(float v) {
-  if constexpr (ACT == 1) {
-    float z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-    return v / (1.0f + __expf(-2.0f * z));
-  } else if constexpr (ACT == 2) {
-    return v / (1.0f + __expf(-v));
-  } else if constexpr (ACT == 3) {
-    float z = v * (0.7978845608028654f + 0.035677408136300125f * v * v);
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(z));
-    float h = 0.5f * v;
-    return h + h * t;
-  }
-  return v;
-}
 
 template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
@@ -540,41 +350,6 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
   }
-}
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  if (fn == nullptr) {
-    cudaDriverEntryPointQueryResult q;
-    void* f = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) ==
-            cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
-  }
-  return fn;
-}
-
-int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stride, int box_rows, char* err,
-           int errlen) {
-  auto fn = encode_fn();
-  if (fn == nullptr) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled is not available from the driver");
-    return 1;
-  }
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ptr, dims,
-                  strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
-             static_cast<int>(r), rows, cols, stride);
-    return 1;
-  }
-  return 0;
 }
 
 }  // namespace

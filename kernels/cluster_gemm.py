@@ -14,14 +14,11 @@ tuner's workers included.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
 SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
@@ -69,17 +66,6 @@ def stages_error(stages: int, bm: int = 64, bn: int = 64) -> str | None:
     return None
 
 
-def nvcc() -> str | None:
-    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
-        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-    return None
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("PDL_TUNE_CACHE", Path.home() / ".cache" / "pdl-tune"))
-
-
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 # cluster_gemm_launch's parameters (tests/test_cluster_gemm.py checks them against the C signature): 9 pointers
 # (x, w, bias, res, out, stats_out, trace, ln_stats, ln_colsum), 13 ints (M, N, K, 4 strides, per_split, stages,
@@ -94,32 +80,15 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctyp
     key = (bf16, split, epi, bm, bn)
     if key in _LIBS:
         return _LIBS[key]
-    compiler = nvcc()
-    if compiler is None:
-        raise RuntimeError("cluster_gemm: nvcc not found (PATH or $CUDA_HOME/bin); cluster=1 needs the CUDA toolkit")
-    tag = hashlib.sha256(SOURCE.read_bytes() + compiler.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"cluster_gemm-{tag}-{bf16}-{split}-{epi}-{bm}x{bn}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
-        os.close(fd)
-        cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", "-diag-suppress=177", f"-DCG_BF16={bf16}", f"-DCG_SC={split}", f"-DCG_EPI={epi}",
-               f"-DCG_BM={bm}", f"-DCG_BN={bn}", "-o", tmp, str(SOURCE)]
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        if r.returncode != 0:
-            os.unlink(tmp)
-            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise RuntimeError(f"cluster_gemm: nvcc failed: {last}")
-        os.replace(tmp, out)  # atomic: concurrent builders (the tuner's workers) never load a partial file
-    lib = ctypes.CDLL(str(out))
+    lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn},
+                      "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
     lib.cluster_gemm_smem_bytes.argtypes = [ctypes.c_int]
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
             or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
-        raise RuntimeError(f"cluster_gemm: {out} does not match cluster_gemm.py (shared-memory layout or variant)")
+        raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
 

@@ -42,6 +42,7 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
+from . import layer_cuda
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting, launch_mode,
                       pdl_trigger, pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
@@ -56,7 +57,10 @@ _LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class FusedLayerConfig(KnobConfig):
-    # 1: the layer runs as this one kernel and the seven per-kernel configs are not used.
+    # 1: the layer runs as this one kernel and the seven per-kernel configs are not used. 2: the same layer as one
+    # CUDA kernel with a readiness flag per tile instead of grid barriers (layer_cuda.py; Hopper; 64x64 tiles, so
+    # only programs, num_stages, out_split_k, ffn2_split_k and the ratios apply); elsewhere the Triton kernel runs
+    # its tiles.
     fuse: int = 0
     programs: int = 0  # persistent programs; 0: one per SM (capped at the SM count)
     num_warps: int = 4
@@ -130,10 +134,22 @@ def check(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | 
     The one validity rule: the search space, the evaluator and the tests all call this.
     """
     c, p = config, problem
-    if c.fuse not in (0, 1):
-        return f"fuse={c.fuse} must be 0 or 1"
+    if c.fuse not in (0, 1, 2):
+        return f"fuse={c.fuse} must be 0, 1 or 2"
     if p.tokens < 1 or p.seq < 1 or p.tokens % p.seq or p.d_model % p.heads:
         return f"problem tokens={p.tokens} seq={p.seq} d_model={p.d_model} heads={p.heads} is not a layer"
+    if c.fuse == 2:
+        why = (layer_cuda.problem_error(p.tokens, p.seq, p.d_model, p.heads, p.ffn)
+               or layer_cuda.config_error(c, p.tokens, p.d_model, p.ffn))
+        if why:
+            return why
+        sms = device.num_sms if device is not None else None
+        if c.programs < 0 or (sms is not None and c.programs > sms):
+            return f"programs={c.programs} must be in 0..{sms} (every CTA must be resident)"
+        if layer_cuda.smem_bytes(c.num_stages) > smem_limit(device):
+            return f"shared memory {layer_cuda.smem_bytes(c.num_stages)} B > {smem_limit(device)} B"
+        # The Triton kernel runs the same tiles where the CUDA one cannot (the interpreter, other GPUs).
+        return check(fit(layer_cuda.triton_equivalent(c), p), p, device)
     if not HEAD_DIM_MIN <= p.head_dim <= HEAD_DIM_MAX:
         return f"head_dim={p.head_dim} is not supported: it must be in {HEAD_DIM_MIN}..{HEAD_DIM_MAX}"
     if c.num_warps not in (2, 4, 8):
@@ -180,6 +196,14 @@ def fit(config: FusedLayerConfig, problem: LayerProblem) -> FusedLayerConfig:
     from dataclasses import replace
 
     c, p = config, problem
+    if c.fuse == 2:  # 64x64 tiles: only the splits (to divisors of the K tiles) and the ring depth move
+        nd, nf = p.d_model // 64, p.ffn // 64
+        div = lambda s, n: max([d for d in range(1, max(s, 1) + 1) if n > 0 and n % d == 0] or [1])  # noqa: E731
+        c = replace(c, out_split_k=div(c.out_split_k, nd), ffn2_split_k=div(c.ffn2_split_k, nf),
+                    num_stages=min(max(c.num_stages, 2), layer_cuda.MAX_STAGES))
+        while c.num_stages > 2 and layer_cuda.smem_bytes(c.num_stages) > smem_limit(None):
+            c = replace(c, num_stages=c.num_stages - 1)
+        return c
     cap = lambda v, dim: min(v, tile_cap(dim))  # noqa: E731
     kw = {"block_m": cap(c.block_m, p.tokens), "attn_block_m": cap(c.attn_block_m, p.seq),
           "attn_block_n": cap(c.attn_block_n, p.seq),
@@ -420,8 +444,21 @@ class LayerScratch:
         m, d, f = problem.tokens, problem.d_model, problem.ffn
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.qkv, self.attn, self.h, self.ffn1 = e(3 * d), e(d), e(d), e(f)
-        self.ws = torch.empty(max(1, workspace_numel(config, problem)), dtype=torch.float32, device=device)
-        self.sync = torch.zeros(sync_numel(config, problem), dtype=torch.int32, device=device)
+        # fuse 2 on Hopper: the CUDA kernel's tile flags and split-K sums (the kernel keeps the sums zero between
+        # launches, so they are no scratch to poison); elsewhere the Triton kernel's.
+        self.cuda = config.fuse == 2 and torch.device(device).type == "cuda" and not interpreting() and \
+            torch.cuda.get_device_capability(device) == (9, 0)
+        if self.cuda:
+            self.ws = torch.zeros(layer_cuda.workspace_numel(m, d), dtype=torch.float32, device=device)
+            self.sync = torch.zeros(layer_cuda.sync_ints(m, d, problem.heads, f), dtype=torch.int32, device=device)
+            return
+        tc = fit(layer_cuda.triton_equivalent(config), problem) if config.fuse == 2 else config
+        self.ws = torch.empty(max(1, workspace_numel(tc, problem)), dtype=torch.float32, device=device)
+        self.sync = torch.zeros(sync_numel(tc, problem), dtype=torch.int32, device=device)
+
+    def poisonable(self) -> list[torch.Tensor]:
+        """What a correctness check may fill with NaN before a launch (every launch writes it before reading)."""
+        return [] if self.cuda else [self.ws]
 
     def activations(self) -> list[torch.Tensor]:
         return [self.qkv, self.attn, self.h, self.ffn1]
@@ -436,11 +473,13 @@ def programs_for(config: FusedLayerConfig, x: torch.Tensor) -> int:
 
 def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, config: FusedLayerConfig,
                   scratch: LayerScratch, out: torch.Tensor, eps: float = 1e-5,
-                  _times: torch.Tensor | None = None) -> torch.Tensor:
+                  _times: torch.Tensor | None = None, _racy: str | None = None) -> torch.Tensor:
     """One pre-LN causal decoder layer of ``x`` ``[batch*seq, d_model]`` into ``out``, one launch.
 
     ``_times`` (diagnostics, GPU only): int64 ``[programs, N_STAMPS, 2]`` receiving each program's
-    (%globaltimer, %clock64) at the phase boundaries."""
+    (%globaltimer, %clock64) at the phase boundaries; for fuse 2 on Hopper ``[programs, 1 + layer_cuda.MAX_TRACE]``
+    (%globaltimer after the wait, then at the end of each task). ``_racy`` (fuse 2 on Hopper, test-only): a phase of
+    layer_cuda.PHASES whose tasks read their input without waiting for its flags."""
     M, D = x.shape
     F = w.w_ffn1.shape[0]
     p = LayerProblem(M, seq, D, heads, F, x.element_size())
@@ -453,6 +492,12 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
             raise ValueError(f"decoder_layer: {name} {tuple(t.shape)} {t.dtype} must be contiguous {shp} {x.dtype}")
     mode = launch_mode(x)
     c = effective_config(config, x)
+    if c.fuse == 2:
+        if scratch.cuda:
+            layer_cuda.launch(x, w, scratch, out, seq=seq, heads=heads, config=c, eps=eps,
+                              grid=programs_for(c, x), trace=_times, racy=_racy)
+            return out
+        c = fit(layer_cuda.triton_equivalent(c), p)
     use_pdl = c.overlap_ratio >= 0
     line = 128 // x.element_size()
 

@@ -77,7 +77,7 @@ def test_check_names_the_problem():
         "programs=200 must be in 0..132": replace(ok, programs=200),
         "ffn2_split_k=9 leaves a split without K tiles": replace(ok, block_k=64, ffn2_split_k=9, ffn2_block_n=64),
         "block_m=48 must be a power of two": replace(ok, block_m=48),
-        "fuse=2 must be 0 or 1": replace(ok, fuse=2),
+        "fuse=3 must be 0, 1 or 2": replace(ok, fuse=3),
         "num_warps=3": replace(ok, num_warps=3),
         "shared memory": replace(ok, block_m=128, block_k=128, qkv_block_n=128, num_stages=8),
         "overlap_ratio=1.5": replace(ok, overlap_ratio=1.5),

@@ -168,7 +168,7 @@ class LayerBuffers:
 
     def all(self):
         """Every buffer a launch writes (poisoned before a correctness check); not the sync counters."""
-        extra = [self.fused.ws] if self.fused is not None else []
+        extra = self.fused.poisonable() if self.fused is not None else []
         extra += [t for t in (self.h_stats, self.y_stats) if t is not None]
         return [self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y] + extra + [
             w for w in self.ws.values() if w is not None]
@@ -188,9 +188,10 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     shared memory then fails in Triton's launcher, as a real out-of-resources fault).
     """
     r = lambda k: racy == k  # noqa: E731
-    if cfg.fused:
+    if cfg.fused:  # racy: a phase of the CUDA layer kernel (fuse 2 on Hopper) that skips its flags
         return [("layer", lambda: fused_k.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads,
-                                                        config=cfg.layer, scratch=b.fused, out=b.y, eps=LN_EPS))]
+                                                        config=cfg.layer, scratch=b.fused, out=b.y, eps=LN_EPS,
+                                                        _racy=racy))]
     # A fused norm (NormConfig.fuse) launches no kernel: the next GEMM normalises x in its prologue.
     w_qkv, b_qkv, w_ffn1, b_ffn1 = w.w_qkv, w.b_qkv, w.w_ffn1, w.b_ffn1
     ln1 = ln2 = {}

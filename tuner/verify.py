@@ -43,16 +43,16 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
     launched = []
     # The CUDA kernel of cluster_gemm.cu is launched through ctypes, not Triton's launcher: its own hook names it
     # and whether it was launched with PDL.
-    from tuner.kernels import cluster_gemm
+    from tuner.kernels import cluster_gemm, layer_cuda
 
     old = triton.knobs.runtime.launch_enter_hook
     triton.knobs.runtime.launch_enter_hook = lambda md: launched.append(md.get()["function"])
-    cluster_gemm.launch_enter_hook = lambda name, pdl: launched.append((name, pdl))
+    cluster_gemm.launch_enter_hook = layer_cuda.launch_enter_hook = lambda name, pdl: launched.append((name, pdl))
     try:
         stack.run()
     finally:
         triton.knobs.runtime.launch_enter_hook = old
-        cluster_gemm.launch_enter_hook = None
+        cluster_gemm.launch_enter_hook = layer_cuda.launch_enter_hook = None
     torch.cuda.synchronize()
     census = collections.Counter()
     for f in launched:
@@ -77,6 +77,10 @@ def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, se
 def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int = 4, race_trials: int = 20,
                racy_kernels=("qkv", "attn", "out", "norm2", "ffn1", "ffn2")) -> dict:
     stack = DecoderStack(shape, cfg, n_layers=n_layers, dtype=dtype)
+    if cfg.layer.fuse == 2:  # the CUDA layer kernel's racy variants are its phases (layer_cuda.PHASES)
+        from tuner.kernels import layer_cuda
+
+        racy_kernels = tuple(k for k in layer_cuda.PHASES if stack.bufs[0].fused.cuda)
     out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
     out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
     return out

@@ -1,0 +1,54 @@
+"""Building the package's CUDA kernels (``*.cu`` with ``hopper.cuh``) with nvcc at run time, once per machine.
+
+Each variant is compiled into ``$PDL_TUNE_CACHE`` (default ``~/.cache/pdl-tune``) under a name that hashes the
+sources and the compiler, so an edited kernel is rebuilt and every process (the tuner's workers included) shares
+the build. The file is written under a temporary name and renamed, so a concurrent builder never loads a partial
+library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+HEADER = HERE / "hopper.cuh"
+
+
+def nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDL_TUNE_CACHE", Path.home() / ".cache" / "pdl-tune"))
+
+
+def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
+    """The shared library of ``source`` built for sm_90a with ``-Dname=value`` for each define (cached)."""
+    compiler = nvcc()
+    if compiler is None:
+        raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")
+    tag = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + compiler.encode()).hexdigest()[:16]
+    variant = "-".join(str(v) for v in defines.values())
+    out = cache_dir() / f"{source.stem}-{tag}-{variant}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+        os.close(fd)
+        cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
+               "-fPIC", "-diag-suppress=177", *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"{who}: nvcc failed: {last}")
+        os.replace(tmp, out)
+    return ctypes.CDLL(str(out))

@@ -1,0 +1,695 @@
+// The whole pre-LN decoder layer in one persistent CUDA kernel, with a readiness flag per tile instead of kernel
+// boundaries or grid barriers (docs/perf-notes.md, section 17):
+//
+//   a = x + out(attn(qkv(LN1(x))));   y = a + ffn2(gelu(ffn1(LN2(a))))
+//
+// The layer is a list of tasks in five phases: QKV tiles (LayerNorm 1 folded into the weights, its row sums taken
+// from the A tiles as they pass through shared memory), causal attention (one head, 64 query rows), out-projection
+// tiles (split-K), FFN1 tiles (LayerNorm 2 folded, GELU), FFN2 tiles (split-K). Every GEMM tile is 64 x 64, K in
+// 64-wide tiles. CTA c (one a SM, all resident) takes tasks c, c + grid, c + 2 grid, ... in order; a task depends
+// only on tasks before it in the list, so waiting cannot deadlock.
+//
+// A CTA: one consumer warpgroup (warps 0-3: wgmma, softmax, epilogues) and one producer warp (warp 4: polls the
+// flags and issues the TMA loads). The producer runs ahead through a ring of STAGES (A, B) stages that continues
+// from task to task: the weight (B) tiles of its next task are loaded as soon as a stage frees, before the task's
+// activations are ready; the activation (A) loads of those stages wait for the flags.
+//
+// Flags. Each 64 x 64 tile of qkv, attn, h and ffn1 has an int counter in `sync`; its writer stores the tile,
+// orders the stores before the async proxy's reads (fence.proxy.async) and adds 1 with release semantics. A reader
+// polls with relaxed loads, then fence.acq_rel and fence.proxy.async before its TMA loads. Counters are never
+// reset: in launch g (the per-CTA generation word, read after griddepcontrol.wait) a tile is ready at g + 1.
+// Split-K: each split adds its fp32 partial into the tile's workspace (red.add), then takes a ticket from the
+// tile's counter; the last split reads the sum, zeroes the workspace for the next launch and applies the epilogue.
+//
+// Built at run time by kernels/layer_cuda.py (one library per operand dtype) and called through ctypes. The Triton
+// layer kernel (fused_layer.py) is the CPU-tested path with the same math.
+
+#include "hopper.cuh"
+
+namespace {
+
+constexpr int TILE = 64;                       // rows and columns of every tile
+constexpr int TILE_BYTES = TILE * BK * 2;      // one 64 x 64 16-bit tile
+constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // A and B
+constexpr int ATT_BYTES = 5 * TILE_BYTES;      // attention: Q, K (2 x 64 rows), V (2 x 64 rows)
+constexpr int MAX_STAGES = 12;
+constexpr int CONSUMERS = 128;
+constexpr int THREADS = CONSUMERS + 32;
+constexpr int MAX_DEPS = 3;
+constexpr int GEN_SLOTS = 1024;                // sync[0 .. grid): the generation word of each CTA
+constexpr int MAX_TRACE = 8;                   // tasks a CTA stamps (diagnostics)
+
+enum Phase { P_QKV = 0, P_ATT = 1, P_OUT = 2, P_FFN1 = 3, P_FFN2 = 4 };
+enum Flags {
+  USE_PDL = 1,
+  // bits 4-6: 1 + a phase whose tasks load their activations without waiting for their flags (test-only defect)
+  RACY_SHIFT = 4,
+};
+
+struct Params {
+  CUtensorMap x_map, wqkv_map, qkv_map, attn_map, wout_map, h_map, w1_map, f1_map, w2_map;
+  const float* b_qkv;  // fp32, LayerNorm 1 folded (gemm.fold_layernorm)
+  const float* u_qkv;  // fp32 colsum of the folded weights
+  const void* b_out;   // 16-bit
+  const float* b_ffn1;
+  const float* u_ffn1;
+  const void* b_ffn2;
+  const void* x;       // the out-projection's residual
+  void* qkv;
+  void* attn;
+  void* h;
+  void* f1;
+  void* y;
+  float* ws;           // split-K sums: [out tiles, 64 * 64], then [ffn2 tiles, 64 * 64]; zero between launches
+  int* sync;           // generation words, then the tile flags and split tickets (offsets below)
+  long long* trace;    // diagnostics: [grid, 1 + MAX_TRACE] %globaltimer (after the wait, then each task's end)
+  int M, seq, D, heads, F;
+  int mt, nq, nd, nf;  // 64-row tiles; 64-column tiles of qkv, of d_model, of ffn
+  int s_out, s_ffn2;   // K splits
+  int end[5];          // cumulative task counts of the phases
+  int f_qkv, f_att, f_h, f_f1, c_out, c_ffn2;  // offsets in sync
+  int stages;
+  int trigger;         // launch_dependents when a CTA starts its trigger-th task (0: at the start; -1: never)
+  int pf_tasks;        // the CTA's next tasks whose weight tiles are prefetched into L2 at the start
+  float qk_scale;      // log2(e) / sqrt(head_dim)
+  float eps;
+  int flags;
+};
+
+struct Dep {
+  int base, count, stride;
+};
+
+struct Task {
+  int phase, m, n, split;
+  int a_col0, k_tiles;  // GEMM: the first K column and the K tiles of this split
+  const CUtensorMap* a;
+  const CUtensorMap* b;
+  Dep dep[MAX_DEPS];
+  int ndep;
+};
+
+__device__ __forceinline__ Task decode(const Params& p, int j) {
+  Task t;
+  t.ndep = 0;
+  t.split = 0;
+  t.a_col0 = 0;
+  if (j < p.end[P_QKV]) {
+    t.phase = P_QKV;
+    t.m = j / p.nq, t.n = j % p.nq;
+    t.a = &p.x_map, t.b = &p.wqkv_map, t.k_tiles = p.nd;
+  } else if (j < p.end[P_ATT]) {
+    j -= p.end[P_QKV];
+    t.phase = P_ATT;
+    // The last query tiles (the most keys) first.
+    t.m = p.mt - 1 - j / p.heads, t.n = j % p.heads;
+    const int kv0 = (t.m * TILE / p.seq) * p.seq / TILE;  // the first 64-row tile of the query tile's sequence
+    t.dep[0] = {p.f_qkv + t.m * p.nq + t.n, 1, 1};
+    t.dep[1] = {p.f_qkv + kv0 * p.nq + p.nd + t.n, t.m - kv0 + 1, p.nq};
+    t.dep[2] = {p.f_qkv + kv0 * p.nq + 2 * p.nd + t.n, t.m - kv0 + 1, p.nq};
+    t.ndep = 3;
+    t.split = kv0;  // (attention: the first key tile)
+    t.a = t.b = nullptr;
+    t.k_tiles = 0;
+  } else if (j < p.end[P_OUT]) {
+    j -= p.end[P_ATT];
+    t.phase = P_OUT;
+    t.split = j % p.s_out, j /= p.s_out;
+    t.m = j / p.nd, t.n = j % p.nd;
+    t.k_tiles = p.nd / p.s_out;
+    t.a_col0 = t.split * t.k_tiles * BK;
+    t.a = &p.attn_map, t.b = &p.wout_map;
+    t.dep[0] = {p.f_att + t.m * p.heads + t.split * t.k_tiles, t.k_tiles, 1};
+    t.ndep = 1;
+  } else if (j < p.end[P_FFN1]) {
+    j -= p.end[P_OUT];
+    t.phase = P_FFN1;
+    t.m = j / p.nf, t.n = j % p.nf;
+    t.k_tiles = p.nd;
+    t.a = &p.h_map, t.b = &p.w1_map;
+    t.dep[0] = {p.f_h + t.m * p.nd, p.nd, 1};
+    t.ndep = 1;
+  } else {
+    j -= p.end[P_FFN1];
+    t.phase = P_FFN2;
+    t.split = j % p.s_ffn2, j /= p.s_ffn2;
+    t.m = j / p.nd, t.n = j % p.nd;
+    t.k_tiles = p.nf / p.s_ffn2;
+    t.a_col0 = t.split * t.k_tiles * BK;
+    t.a = &p.f1_map, t.b = &p.w2_map;
+    t.dep[0] = {p.f_f1 + t.m * p.nf + t.split * t.k_tiles, t.k_tiles, 1};
+    t.ndep = 1;
+  }
+  return t;
+}
+
+// Producer warp: whether every flag the task depends on has reached `target` (one relaxed load a lane a round).
+__device__ __forceinline__ bool deps_ready(const Params& p, const Task& t, int target, int lane) {
+  bool ok = true;
+  int off = 0;
+  for (int d = 0; d < t.ndep; ++d) {
+    for (int e = lane - off; e < t.dep[d].count; e += 32)
+      if (e >= 0) ok &= ld_relaxed(p.sync + t.dep[d].base + e * t.dep[d].stride) >= target;
+    off = (off + t.dep[d].count) % 32;
+  }
+  return __all_sync(0xffffffffu, ok);
+}
+
+// After a successful poll: what the flags' writers stored is visible to this CTA's TMA loads.
+__device__ __forceinline__ void deps_acquire() {
+  fence_acq_rel_gpu();
+  __syncwarp();
+  fence_proxy_async_global();
+}
+
+// Layout of the dynamic shared memory (from a 1024-byte aligned base).
+struct Smem {
+  uint32_t a, b, att, ln, word, full, empty, att_full, att_empty;
+  __device__ Smem(uint32_t base, int S) {
+    a = base;
+    b = a + S * TILE_BYTES;
+    att = b + S * TILE_BYTES;
+    ln = att + ATT_BYTES;       // 64 float2: the tile's rows' (mean * rstd, rstd)
+    word = ln + TILE * 8;       // 16 bytes: the split-K ticket's verdict
+    full = word + 16;
+    empty = full + 8 * S;
+    att_full = empty + 8 * S;
+    att_empty = att_full + 8;
+  }
+};
+
+template <bool BF16>
+__device__ void producer(const Params& p, const Smem& sm, int lane) {
+  const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages;
+  const int racy = ((p.flags >> RACY_SHIFT) & 7) - 1;
+  const bool lead = lane == 0;
+  // Before the wait: the first task's weight tiles into the ring, the next tasks' into L2 (weights only: nothing
+  // the predecessor writes is touched).
+  int pre = 0;
+  bool pre_a = false;  // (racy QKV: the first task's activation tiles too, before the wait)
+  if (blockIdx.x < total) {
+    const Task t = decode(p, blockIdx.x);
+    if (t.phase != P_ATT) {
+      pre = min(S, t.k_tiles);
+      pre_a = racy == P_QKV && t.phase == P_QKV;
+      if (lead)
+        for (int i = 0; i < pre; ++i) {
+          mbar_expect_tx(sm.full + 8 * i, STAGE_BYTES);
+          tma_load(sm.b + i * TILE_BYTES, t.b, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.n * TILE);
+          if (pre_a) tma_load(sm.a + i * TILE_BYTES, t.a, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.m * TILE);
+        }
+    }
+  }
+  if (lead)
+    for (int q = 1; q <= p.pf_tasks; ++q) {
+      const int j = blockIdx.x + q * G;
+      if (j >= total) break;
+      const Task t = decode(p, j);
+      if (t.phase == P_ATT) continue;
+      for (int i = 0; i < t.k_tiles; ++i) tma_prefetch_l2(t.b, t.a_col0 + i * BK, t.n * TILE);
+    }
+  gdc_wait();
+  const int target = ld_relaxed(p.sync + blockIdx.x) + 1;
+  if (p.trigger == 0) gdc_launch();
+
+  int it = 0;      // the ring position: K tiles this CTA has loaded
+  int att_n = 0;   // attention tasks this CTA has loaded
+  for (int q = 0, j = blockIdx.x; j < total; ++q, j += G) {
+    if (q > 0 && q == p.trigger) gdc_launch();
+    const Task t = decode(p, j);
+    const bool skip = t.phase == racy;
+    if (t.phase == P_ATT) {
+      if (att_n > 0) mbar_wait(sm.att_empty, (att_n - 1) & 1);
+      if (!skip) {
+        while (!deps_ready(p, t, target, lane)) {
+        }
+        deps_acquire();
+      }
+      const int kv0 = t.split, nkt = t.m - kv0 + 1;
+      if (lead) {
+        mbar_expect_tx(sm.att_full, TILE_BYTES * (1 + 2 * nkt));
+        tma_load(sm.att, &p.qkv_map, sm.att_full, t.n * TILE, t.m * TILE);
+        for (int k = 0; k < nkt; ++k) {
+          tma_load(sm.att + (1 + k) * TILE_BYTES, &p.qkv_map, sm.att_full, (p.nd + t.n) * TILE, (kv0 + k) * TILE);
+          tma_load(sm.att + (3 + k) * TILE_BYTES, &p.qkv_map, sm.att_full, (2 * p.nd + t.n) * TILE,
+                   (kv0 + k) * TILE);
+        }
+      }
+      ++att_n;
+      continue;
+    }
+    // GEMM: B of each stage as soon as the stage is free; A once the flags are up. The stages [it - pend, it) have
+    // their B issued and their A deferred; they are flushed before the producer could block on a stage the
+    // consumers free only after consuming a deferred one.
+    const int it0 = it, kt0 = t.a_col0 / BK;
+    bool ready = skip || t.ndep == 0;
+    int pend = 0;
+    auto flush = [&]() {
+      if (lead)
+        for (int u = it - pend; u < it; ++u)
+          tma_load(sm.a + (u % S) * TILE_BYTES, t.a, sm.full + 8 * (u % S), (kt0 + u - it0) * BK, t.m * TILE);
+      pend = 0;
+    };
+    auto wait_deps = [&]() {
+      while (!deps_ready(p, t, target, lane)) {
+      }
+      deps_acquire();
+      ready = true;
+    };
+    for (int i = 0; i < t.k_tiles; ++i, ++it) {
+      const int s = it % S, r = it / S;
+      if (it >= pre) {
+        if (r >= 1) {
+          if (pend > 0 && !mbar_test(sm.empty + 8 * s, (r - 1) & 1)) {
+            wait_deps();
+            flush();
+          }
+          mbar_wait(sm.empty + 8 * s, (r - 1) & 1);
+        }
+        if (lead) {
+          mbar_expect_tx(sm.full + 8 * s, STAGE_BYTES);
+          tma_load(sm.b + s * TILE_BYTES, t.b, sm.full + 8 * s, (kt0 + i) * BK, t.n * TILE);
+        }
+      }
+      if (!ready && deps_ready(p, t, target, lane)) {
+        deps_acquire();
+        ready = true;
+      }
+      if (ready) {
+        flush();
+        if (lead && !(pre_a && it < pre))
+          tma_load(sm.a + s * TILE_BYTES, t.a, sm.full + 8 * s, (kt0 + i) * BK, t.m * TILE);
+      } else {
+        ++pend;
+      }
+    }
+    if (pend > 0) {
+      wait_deps();
+      flush();
+    }
+  }
+}
+
+// One head's causal attention for 64 query rows (the 128-byte swizzled tiles at `att`: Q, then up to two 64-row K
+// tiles, then the V tiles): S = Q K^T by wgmma m64n128 into registers, the softmax per row (a row's scores lie in
+// the 4 lanes of a quad), O = P V by mma.sync over the loaded key tiles, O / rowsum stored to `out` (row stride D).
+// `q_pos0`: the position in its sequence of the thread's first row; `nkt`: the loaded key tiles.
+template <bool BF16>
+__device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq, int nkt, float scale, int warp,
+                                               int lane, typename Elem<BF16>::T* out, int row0, int M, int D) {
+  const uint32_t qt = att, kt = att + TILE_BYTES, vt = att + 3 * TILE_BYTES;
+  float sc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) sc[i] = 0.f;
+  fence_acc<64>(sc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, 128>(sc, smem_desc(qt) + 2 * kk, smem_desc(kt) + 2 * kk);
+  wgmma_commit();
+  fence_acc<64>(sc);
+  wgmma_wait<0>();
+  fence_acc<64>(sc);
+  const int g = lane / 4, q2 = (lane % 4) * 2;
+  const int n_keys = min(seq, 64 * nkt);
+  float mx[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = 8 * j + q2 + e;
+        const bool ok = key <= q_pos0 + 8 * h && key < n_keys;
+        const float v = ok ? sc[4 * j + 2 * h + e] * scale : -INFINITY;
+        sc[4 * j + 2 * h + e] = v;
+        mx[h] = fmaxf(mx[h], v);
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = exp2f(sc[4 * j + 2 * h + e] - mx[h]);
+        sc[4 * j + 2 * h + e] = pv;
+        l[h] += pv;
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  // O = P V: this warp's 16 rows, 64 columns in 8 tiles of 8; only the loaded key tiles (the rest of the K and V
+  // space holds stale bytes, whose scores were masked above).
+  float o[8][4];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
+  const int mat = lane / 8, r8 = lane % 8;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {  // keys 16t..16t+15
+    if (t >= 4 * nkt) break;
+    uint32_t a[4] = {pack2<BF16>(sc[8 * t + 0], sc[8 * t + 1]), pack2<BF16>(sc[8 * t + 2], sc[8 * t + 3]),
+                     pack2<BF16>(sc[8 * t + 4], sc[8 * t + 5]), pack2<BF16>(sc[8 * t + 6], sc[8 * t + 7])};
+    const int key = 16 * t + (mat & 1) * 8 + r8;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {  // columns 16u..16u+15
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, swz(vt, key, 16 * u + (mat >> 1) * 8));
+      mma_16x8x16<BF16>(o[2 * u], a, b[0], b[1]);
+      mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
+    }
+  }
+  const int r0 = row0 + (warp % 4) * 16 + g;
+  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    if (r0 < M)
+      *reinterpret_cast<uint32_t*>(out + static_cast<long long>(r0) * D + 8 * v + q2) =
+          pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0);
+    if (r0 + 8 < M)
+      *reinterpret_cast<uint32_t*>(out + static_cast<long long>(r0 + 8) * D + 8 * v + q2) =
+          pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1);
+  }
+}
+
+template <bool BF16>
+__device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem_raw, uint32_t raw) {
+  using E = Elem<BF16>;
+  using T = typename E::T;
+  const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages;
+  const int warp = tid / 32, lane = tid % 32;
+  float2* const ln_row = reinterpret_cast<float2*>(smem_raw + (sm.ln - raw));
+  int* const word = reinterpret_cast<int*>(smem_raw + (sm.word - raw));
+  long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * (1 + MAX_TRACE) : nullptr;
+  gdc_wait();
+  const int gen = ld_relaxed(p.sync + blockIdx.x);
+  if (trace != nullptr && tid == 0) trace[0] = globaltimer();
+  if (p.trigger == 0) gdc_launch();
+
+  int it = 0, att_n = 0;
+  for (int q = 0, j = blockIdx.x; j < total; ++q, j += G) {
+    if (q > 0 && q == p.trigger) gdc_launch();
+    const Task t = decode(p, j);
+    int* flag = nullptr;  // the tile's readiness counter, raised after the stores
+    if (t.phase == P_ATT) {
+      mbar_wait(sm.att_full, att_n & 1);
+      const int kv0 = t.split, m0 = t.m * TILE;
+      const int q_pos0 = m0 - kv0 * TILE + warp * 16 + lane / 4;  // (a 64-row tile lies in one sequence)
+      attention_tile<BF16>(sm.att, q_pos0, p.seq, t.m - kv0 + 1,
+                           p.qk_scale, warp, lane, static_cast<T*>(p.attn) + t.n * TILE, m0, p.M, p.D);
+      ++att_n;
+      consumer_sync<CONSUMERS>();  // every warp has read the tiles
+      if (tid == 0) mbar_arrive(sm.att_empty);
+      flag = p.sync + p.f_att + t.m * p.heads + t.n;
+    } else {
+      const bool ln = t.phase == P_QKV || t.phase == P_FFN1;
+      if (t.phase == P_FFN2 && tid == 0) {
+        // FFN2's residual h comes from another CTA of this launch: acquire its tile's flag (long up by now; the
+        // barrier before the epilogue passes the acquisition on to the other threads).
+        while (ld_acquire(p.sync + p.f_h + t.m * p.nd + t.n) < gen + 1) {
+        }
+      }
+      float acc[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+      float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
+      int prev = 0;
+      for (int i = 0; i < t.k_tiles; ++i, ++it) {
+        const int s = it % S;
+        mbar_wait(sm.full + 8 * s, (it / S) & 1);
+        const uint32_t as = sm.a + s * TILE_BYTES;
+        const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
+        fence_acc<32>(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+        wgmma_commit();
+        fence_acc<32>(acc);
+        if (ln) {
+          // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row).
+          const uint8_t* rp = smem_raw + (as - raw) + (tid / 2) * 128 + (tid % 2) * 64;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const uint4 v = *reinterpret_cast<const uint4*>(rp + 16 * c);
+            const T* e8 = reinterpret_cast<const T*>(&v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              const float f = E::f(e8[e]);
+              s1 += f;
+              s2 += f * f;
+            }
+          }
+        }
+        wgmma_wait<1>();
+        if (i >= 1) {
+          __syncwarp();
+          if (lane == 0) mbar_arrive(sm.empty + 8 * prev);
+        }
+        prev = s;
+      }
+      wgmma_wait<0>();
+      __syncwarp();
+      if (lane == 0) mbar_arrive(sm.empty + 8 * prev);
+
+      const int m0 = t.m * TILE, n0 = t.n * TILE;
+      const int ra = warp * 16 + lane / 4, cq = (lane % 4) * 2;  // fragment rows ra, ra + 8; columns 8j + cq
+      if (t.phase == P_OUT || t.phase == P_FFN2) {
+        const int tile = t.phase == P_OUT ? t.m * p.nd + t.n : p.mt * p.nd + t.m * p.nd + t.n;
+        float* w = p.ws + static_cast<long long>(tile) * (TILE * TILE);
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            red_add_v2(w + (ra + 8 * h) * TILE + 8 * jj + cq, acc[4 * jj + 2 * h], acc[4 * jj + 2 * h + 1]);
+        const int splits = t.phase == P_OUT ? p.s_out : p.s_ffn2;
+        consumer_sync<CONSUMERS>();
+        if (tid == 0) {
+          int* ticket = p.sync + (t.phase == P_OUT ? p.c_out : p.c_ffn2) + t.m * p.nd + t.n;
+          word[0] = atom_acq_rel_add(ticket, 1) == (gen + 1) * splits - 1;
+        }
+        consumer_sync<CONSUMERS>();
+        if (word[0] == 0) {
+          if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + q] = globaltimer();
+          continue;  // another split finishes the tile
+        }
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float2* src = reinterpret_cast<float2*>(w + (ra + 8 * h) * TILE + 8 * jj + cq);
+            const float2 v = __ldcg(src);
+            __stcg(src, make_float2(0.f, 0.f));
+            acc[4 * jj + 2 * h] = v.x, acc[4 * jj + 2 * h + 1] = v.y;
+          }
+      }
+      float mr[2] = {0.f, 0.f}, rs[2] = {1.f, 1.f};
+      if (ln) {
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+        const float mean = s1 / p.D;
+        const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.eps);
+        if (tid % 2 == 0) ln_row[tid / 2] = make_float2(mean * rstd, rstd);
+        consumer_sync<CONSUMERS>();
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float2 v = ln_row[ra + 8 * h];
+          mr[h] = v.x, rs[h] = v.y;
+        }
+      }
+      // The epilogue: (LayerNorm) + bias (+ GELU) (+ residual), stored 16-bit.
+      const int N = t.phase == P_QKV ? 3 * p.D : t.phase == P_FFN1 ? p.F : p.D;
+      T* out = static_cast<T*>(t.phase == P_QKV ? p.qkv : t.phase == P_OUT ? p.h : t.phase == P_FFN1 ? p.f1 : p.y);
+      const T* res = static_cast<const T*>(t.phase == P_OUT ? p.x : p.h);
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int c = n0 + 8 * jj + cq;
+        float b0, b1, u0 = 0.f, u1 = 0.f;
+        if (t.phase == P_QKV || t.phase == P_FFN1) {
+          const float* bp = t.phase == P_QKV ? p.b_qkv : p.b_ffn1;
+          const float* up = t.phase == P_QKV ? p.u_qkv : p.u_ffn1;
+          b0 = bp[c], b1 = bp[c + 1], u0 = up[c], u1 = up[c + 1];
+        } else {
+          const T* bp = static_cast<const T*>(t.phase == P_OUT ? p.b_out : p.b_ffn2);
+          b0 = E::f(bp[c]), b1 = E::f(bp[c + 1]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = m0 + ra + 8 * h;
+          float v0 = acc[4 * jj + 2 * h], v1 = acc[4 * jj + 2 * h + 1];
+          if (ln) {
+            v0 = rs[h] * v0 - mr[h] * u0;
+            v1 = rs[h] * v1 - mr[h] * u1;
+          }
+          v0 += b0, v1 += b1;
+          if (t.phase == P_FFN1) v0 = activate<1>(v0), v1 = activate<1>(v1);
+          if (row < p.M) {
+            if (t.phase == P_OUT || t.phase == P_FFN2) {
+              // (written by another CTA in this launch for FFN2: read through L2)
+              const uint32_t rv = __ldcg(reinterpret_cast<const unsigned int*>(res + static_cast<long long>(row) * p.D + c));
+              const T* r2 = reinterpret_cast<const T*>(&rv);
+              v0 += E::f(r2[0]), v1 += E::f(r2[1]);
+            }
+            *reinterpret_cast<uint32_t*>(out + static_cast<long long>(row) * N + c) = pack2<BF16>(v0, v1);
+          }
+        }
+      }
+      if (t.phase == P_QKV) flag = p.sync + p.f_qkv + t.m * p.nq + t.n;
+      if (t.phase == P_OUT) flag = p.sync + p.f_h + t.m * p.nd + t.n;
+      if (t.phase == P_FFN1) flag = p.sync + p.f_f1 + t.m * p.nf + t.n;
+    }
+    if (flag != nullptr) {
+      fence_proxy_async_global();  // the readers load this tile with TMA
+      consumer_sync<CONSUMERS>();
+      if (tid == 0) red_release_add(flag, 1);
+    } else {
+      consumer_sync<CONSUMERS>();  // (ln_row and word are reused by the next task)
+    }
+    if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + q] = globaltimer();
+  }
+  consumer_sync<CONSUMERS>();
+  if (tid == 0) p.sync[blockIdx.x] = gen + 1;
+}
+
+template <bool BF16>
+__global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant__ Params p) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const Smem sm((raw + 1023u) & ~1023u, p.stages);
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    for (int i = 0; i < p.stages; ++i) {
+      mbar_init(sm.full + 8 * i, 1);
+      mbar_init(sm.empty + 8 * i, CONSUMERS / 32);
+    }
+    mbar_init(sm.att_full, 1);
+    mbar_init(sm.att_empty, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  if (tid >= CONSUMERS) {
+    if (tid == CONSUMERS) {
+      prefetch_tensormap(&p.x_map), prefetch_tensormap(&p.wqkv_map), prefetch_tensormap(&p.qkv_map);
+      prefetch_tensormap(&p.attn_map), prefetch_tensormap(&p.wout_map), prefetch_tensormap(&p.h_map);
+      prefetch_tensormap(&p.w1_map), prefetch_tensormap(&p.f1_map), prefetch_tensormap(&p.w2_map);
+    }
+    __syncwarp();
+    producer<BF16>(p, sm, tid - CONSUMERS);
+  } else {
+    consumer<BF16>(p, sm, tid, smem_raw, raw);
+  }
+}
+
+}  // namespace
+
+#ifndef LK_BF16
+#define LK_BF16 0
+#endif
+
+extern "C" int layer_variant() { return LK_BF16; }
+
+extern "C" int layer_smem_bytes(int stages) {
+  return 1024 + stages * STAGE_BYTES + ATT_BYTES + TILE * 8 + 16 + 16 * stages + 16;
+}
+
+// The sync ints a launch of this shape needs (generation words, then flags and tickets).
+extern "C" int layer_sync_ints(int M, int D, int heads, int F) {
+  const int mt = (M + TILE - 1) / TILE, nd = D / TILE, nf = F / TILE;
+  return GEN_SLOTS + mt * (3 * nd + heads + nd + nf + 2 * nd);
+}
+
+extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, void* f1, void* w_qkv,
+                            const float* b_qkv, const float* u_qkv, void* w_out, const void* b_out, void* w_ffn1,
+                            const float* b_ffn1, const float* u_ffn1, void* w_ffn2, const void* b_ffn2, float* ws,
+                            int* sync, long long* trace, int M, int seq, int D, int heads, int F, int s_out,
+                            int s_ffn2, int stages, int grid, int trigger, int pf_tasks, int flags, float eps,
+                            void* stream, char* err, int errlen) {
+  constexpr bool BF = LK_BF16 != 0;
+  if (D % TILE != 0 || F % TILE != 0 || D / heads != 64 || seq > 128 || (M != seq && seq % TILE != 0)) {
+    snprintf(err, errlen, "layer kernel: needs d_model and ffn multiples of 64, head dim 64, seq <= 128 and "
+                          "64-row tiles within one sequence (M %d, seq %d, D %d, heads %d, F %d)", M, seq, D, heads, F);
+    return 1;
+  }
+  const int mt = (M + TILE - 1) / TILE, nd = D / TILE, nf = F / TILE;
+  if (s_out < 1 || nd % s_out != 0 || s_ffn2 < 1 || nf % s_ffn2 != 0) {
+    snprintf(err, errlen, "layer kernel: splits %d and %d must divide %d and %d K tiles", s_out, s_ffn2, nd, nf);
+    return 1;
+  }
+  if (stages < 2 || stages > MAX_STAGES || grid < 1 || grid > GEN_SLOTS) {
+    snprintf(err, errlen, "layer kernel: stages %d must be in 2..%d, grid %d in 1..%d", stages, MAX_STAGES, grid,
+             GEN_SLOTS);
+    return 1;
+  }
+  Params p;
+  memset(&p, 0, sizeof(p));
+  if (encode(&p.x_map, BF, x, M, D, D, TILE, err, errlen) ||
+      encode(&p.wqkv_map, BF, w_qkv, 3 * D, D, D, TILE, err, errlen) ||
+      encode(&p.qkv_map, BF, qkv, M, 3 * D, 3 * D, TILE, err, errlen) ||
+      encode(&p.attn_map, BF, attn, M, D, D, TILE, err, errlen) ||
+      encode(&p.wout_map, BF, w_out, D, D, D, TILE, err, errlen) ||
+      encode(&p.h_map, BF, h, M, D, D, TILE, err, errlen) ||
+      encode(&p.w1_map, BF, w_ffn1, F, D, D, TILE, err, errlen) ||
+      encode(&p.f1_map, BF, f1, M, F, F, TILE, err, errlen) ||
+      encode(&p.w2_map, BF, w_ffn2, D, F, F, TILE, err, errlen))
+    return 1;
+  p.b_qkv = b_qkv, p.u_qkv = u_qkv, p.b_out = b_out, p.b_ffn1 = b_ffn1, p.u_ffn1 = u_ffn1, p.b_ffn2 = b_ffn2;
+  p.x = x, p.qkv = qkv, p.attn = attn, p.h = h, p.f1 = f1, p.y = y;
+  p.ws = ws, p.sync = sync, p.trace = trace;
+  p.M = M, p.seq = seq, p.D = D, p.heads = heads, p.F = F;
+  p.mt = mt, p.nq = 3 * nd, p.nd = nd, p.nf = nf;
+  p.s_out = s_out, p.s_ffn2 = s_ffn2;
+  p.end[P_QKV] = mt * 3 * nd;
+  p.end[P_ATT] = p.end[P_QKV] + mt * heads;
+  p.end[P_OUT] = p.end[P_ATT] + mt * nd * s_out;
+  p.end[P_FFN1] = p.end[P_OUT] + mt * nf;
+  p.end[P_FFN2] = p.end[P_FFN1] + mt * nd * s_ffn2;
+  p.f_qkv = GEN_SLOTS;
+  p.f_att = p.f_qkv + mt * 3 * nd;
+  p.f_h = p.f_att + mt * heads;
+  p.f_f1 = p.f_h + mt * nd;
+  p.c_out = p.f_f1 + mt * nf;
+  p.c_ffn2 = p.c_out + mt * nd;
+  p.stages = stages;
+  p.trigger = trigger;
+  p.pf_tasks = pf_tasks;
+  p.qk_scale = 1.4426950408889634f / sqrtf(64.f);
+  p.eps = eps;
+  p.flags = flags;
+  grid = min(grid, p.end[P_FFN2]);
+
+  auto kernel = layer_kernel<BF>;
+  const int smem = layer_smem_bytes(stages);
+  static int configured = 0;
+  if (configured < smem) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) {
+      snprintf(err, errlen, "cudaFuncSetAttribute(%d B shared memory): %s", smem, cudaGetErrorString(e));
+      return 1;
+    }
+    configured = smem;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid, 1, 1);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attrs[1];
+  int n = 0;
+  if (flags & USE_PDL) {
+    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "layer kernel launch (grid %d, %d B shared memory): %s", grid, smem, cudaGetErrorString(e));
+    return 1;
+  }
+  return 0;
+}
