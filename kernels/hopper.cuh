@@ -256,12 +256,14 @@ template <>
 struct Elem<false> {
   using T = __half;
   __device__ static float f(T v) { return __half2float(v); }
+  __device__ static float2 f2(uint32_t v) { return __half22float2(*reinterpret_cast<const __half2*>(&v)); }
   __device__ static T one(float a) { return __float2half_rn(a); }
 };
 template <>
 struct Elem<true> {
   using T = __nv_bfloat16;
   __device__ static float f(T v) { return __bfloat162float(v); }
+  __device__ static float2 f2(uint32_t v) { return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v)); }
   __device__ static T one(float a) { return __float2bfloat16_rn(a); }
 };
 

@@ -31,9 +31,11 @@ SOURCE = Path(__file__).with_name("layer_kernel.cu")
 TILE = 64
 MAX_STAGES = 12  # layer_kernel.cu's MAX_STAGES
 GEN_SLOTS = 1024  # layer_kernel.cu's GEN_SLOTS: the most CTAs
-MAX_TRACE = 8  # layer_kernel.cu's MAX_TRACE: tasks a CTA stamps
+MAX_TRACE = 8  # layer_kernel.cu's MAX_TRACE: tasks a CTA stamps (trace: int64 [grid, 1 + 2 MAX_TRACE])
 PHASES = ("qkv", "attn", "out", "ffn1", "ffn2")
-USE_PDL, RACY_SHIFT = 1, 4
+USE_PDL, RACY_SHIFT, NO_LN_SUMS = 1, 4, 256
+# Extra launch flags for A/B diagnostics (scripts/layer_probe.py's diag=N); 0 in every real run.
+DIAG_FLAGS = 0
 # layer_launch's parameters (tests/test_layer_cuda.py checks them against the C signature): 19 pointers (x, y, qkv,
 # attn, h, f1, w_qkv, b_qkv, u_qkv, w_out, b_out, w_ffn1, b_ffn1, u_ffn1, w_ffn2, b_ffn2, ws, sync, trace), 13 ints
 # (M, seq, D, heads, F, s_out, s_ffn2, stages, grid, trigger, pf_tasks, flags), eps, the stream, the error buffer and
@@ -139,6 +141,7 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
         trigger = -1 if c.overlap_ratio < 0 else per_cta  # (at its last task's end: the exit)
     pf = 0 if c.prefetch_ratio < 0 else int(round(min(c.prefetch_ratio, 1.0) * per_cta))
     flags = (USE_PDL if c.overlap_ratio >= 0 else 0) | ((PHASES.index(racy) + 1) << RACY_SHIFT if racy else 0)
+    flags |= DIAG_FLAGS
     if launch_enter_hook is not None:
         launch_enter_hook("layer_kernel", c.overlap_ratio >= 0)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731

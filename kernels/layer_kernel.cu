@@ -44,6 +44,7 @@ enum Flags {
   USE_PDL = 1,
   // bits 4-6: 1 + a phase whose tasks load their activations without waiting for their flags (test-only defect)
   RACY_SHIFT = 4,
+  NO_LN_SUMS = 256,  // A/B only (wrong results): the LayerNorm row sums are not gathered
 };
 
 struct Params {
@@ -62,7 +63,8 @@ struct Params {
   void* y;
   float* ws;           // split-K sums: [out tiles, 64 * 64], then [ffn2 tiles, 64 * 64]; zero between launches
   int* sync;           // generation words, then the tile flags and split tickets (offsets below)
-  long long* trace;    // diagnostics: [grid, 1 + MAX_TRACE] %globaltimer (after the wait, then each task's end)
+  long long* trace;    // diagnostics: [grid, 1 + 2 MAX_TRACE] %globaltimer: after the wait, then per task the
+                       // first input's arrival and the end
   int M, seq, D, heads, F;
   int mt, nq, nd, nf;  // 64-row tiles; 64-column tiles of qkv, of d_model, of ffn
   int s_out, s_ffn2;   // K splits
@@ -385,7 +387,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
   const int warp = tid / 32, lane = tid % 32;
   float2* const ln_row = reinterpret_cast<float2*>(smem_raw + (sm.ln - raw));
   int* const word = reinterpret_cast<int*>(smem_raw + (sm.word - raw));
-  long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * (1 + MAX_TRACE) : nullptr;
+  long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * (1 + 2 * MAX_TRACE) : nullptr;
   gdc_wait();
   const int gen = ld_relaxed(p.sync + blockIdx.x);
   if (trace != nullptr && tid == 0) trace[0] = globaltimer();
@@ -398,6 +400,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
     int* flag = nullptr;  // the tile's readiness counter, raised after the stores
     if (t.phase == P_ATT) {
       mbar_wait(sm.att_full, att_n & 1);
+      if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
       const int kv0 = t.split, m0 = t.m * TILE;
       const int q_pos0 = m0 - kv0 * TILE + warp * 16 + lane / 4;  // (a 64-row tile lies in one sequence)
       attention_tile<BF16>(sm.att, q_pos0, p.seq, t.m - kv0 + 1,
@@ -408,6 +411,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       flag = p.sync + p.f_att + t.m * p.heads + t.n;
     } else {
       const bool ln = t.phase == P_QKV || t.phase == P_FFN1;
+      const bool ln_sums = ln && (p.flags & NO_LN_SUMS) == 0;
       if (t.phase == P_FFN2 && tid == 0) {
         // FFN2's residual h comes from another CTA of this launch: acquire its tile's flag (long up by now; the
         // barrier before the epilogue passes the acquisition on to the other threads).
@@ -422,6 +426,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       for (int i = 0; i < t.k_tiles; ++i, ++it) {
         const int s = it % S;
         mbar_wait(sm.full + 8 * s, (it / S) & 1);
+        if (i == 0 && trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
         const uint32_t as = sm.a + s * TILE_BYTES;
         const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
         fence_acc<32>(acc);
@@ -430,18 +435,21 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
         wgmma_commit();
         fence_acc<32>(acc);
-        if (ln) {
-          // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row).
-          const uint8_t* rp = smem_raw + (as - raw) + (tid / 2) * 128 + (tid % 2) * 64;
+        if (ln_sums) {
+          // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row); the
+          // chunks are read in a rotated order so that the 16 rows of a warp hit different banks.
+          const uint32_t rp = as + (tid / 2) * 128 + (tid % 2) * 64;
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            const uint4 v = *reinterpret_cast<const uint4*>(rp + 16 * c);
-            const T* e8 = reinterpret_cast<const T*>(&v);
+            uint32_t v[4];
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                         : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+                         : "r"(rp + 16 * ((c + tid / 2) & 3)));
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              const float f = E::f(e8[e]);
-              s1 += f;
-              s2 += f * f;
+            for (int e = 0; e < 4; ++e) {
+              const float2 f = E::f2(v[e]);
+              s1 += f.x + f.y;
+              s2 += f.x * f.x + f.y * f.y;
             }
           }
         }
@@ -474,7 +482,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         }
         consumer_sync<CONSUMERS>();
         if (word[0] == 0) {
-          if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + q] = globaltimer();
+          if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[2 + 2 * q] = globaltimer();
           continue;  // another split finishes the tile
         }
 #pragma unroll
@@ -549,7 +557,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
     } else {
       consumer_sync<CONSUMERS>();  // (ln_row and word are reused by the next task)
     }
-    if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + q] = globaltimer();
+    if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[2 + 2 * q] = globaltimer();
   }
   consumer_sync<CONSUMERS>();
   if (tid == 0) p.sync[blockIdx.x] = gen + 1;

@@ -1,8 +1,10 @@
 """The CUDA layer kernel (FusedLayerConfig.fuse = 2) against a per-kernel config, in one process.
 
-usage: python3 scripts/layer_probe.py SHAPE BEST_JSON [VARIANT ...] [--trace] [--compile]
+usage: python3 scripts/layer_probe.py SHAPE BEST_JSON [VARIANT ...] [--trace] [--compile] [--hot]
 VARIANT: comma-separated layer.field=value edits on top of the default fuse-2 config, e.g.
     num_stages=8,out_split_k=4,ffn2_split_k=4,overlap_ratio=-1.0,prefetch_ratio=1.0
+and diag=N: extra launch flags for A/B (layer_cuda.DIAG_FLAGS; such a variant is timed even if it fails the check).
+--hot: every layer the same weights (they stay in L2).
 For each: a cold stack in one CUDA graph (as the tuner times it), the correctness check on 3 replays in a row
 (fresh inputs, buffers poisoned), then all candidates timed interleaved (A B C A B C ...). --trace: for the first
 fuse-2 variant, every CTA's %globaltimer after its wait and at the end of each task, for a middle layer: when each
@@ -28,11 +30,14 @@ BASE = FusedLayerConfig(fuse=2, num_stages=10, out_split_k=4, ffn2_split_k=4, ov
                         prefetch_ratio=1.0)
 
 
-def fused(shape, edits: str) -> DecoderConfig:
-    cfg = DecoderConfig(layer=BASE)
-    if edits:
-        cfg = cfg.edited([f"layer.{e}" for e in edits.split(",")])
-    return fit_config(cfg, shape)
+def fused(shape, edits: str) -> tuple[DecoderConfig, int]:
+    cfg, diag = DecoderConfig(layer=BASE), 0
+    for e in filter(None, edits.split(",")):
+        if e.startswith("diag="):
+            diag = int(e.split("=")[1])
+        else:
+            cfg = cfg.edited([f"layer.{e}"])
+    return fit_config(cfg, shape), diag
 
 
 def phase_ends(shape, cfg, stack, layer: int):
@@ -46,15 +51,17 @@ def phase_ends(shape, cfg, stack, layer: int):
     tr = stack.traces[layer].cpu()
     t0 = int(tr[:grid, 0].min())
     out = {ph: [] for ph in layer_cuda.PHASES}
+    arr = {ph: [] for ph in layer_cuda.PHASES}
     bounds = [sum(counts[:i + 1]) for i in range(5)]
     for j in range(total):
         cta, q = j % grid, j // grid
         if q >= layer_cuda.MAX_TRACE:
             continue
         ph = layer_cuda.PHASES[next(i for i, b in enumerate(bounds) if j < b)]
-        out[ph].append((int(tr[cta, 1 + q]) - t0) / 1e3)
+        arr[ph].append((int(tr[cta, 1 + 2 * q]) - t0) / 1e3)
+        out[ph].append((int(tr[cta, 2 + 2 * q]) - t0) / 1e3)
     waits = [(int(v) - t0) / 1e3 for v in tr[:grid, 0]]
-    return waits, out
+    return waits, arr, out
 
 
 def main():
@@ -63,22 +70,27 @@ def main():
     shape = resolve(args[0])
     dev = DeviceInfo.from_torch()
     n = stack_depth(shape, 2, dev.l2_bytes)
-    weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
-    cands = {"best.json": load_config(args[1], shape=shape)}
+    hot = "--hot" in sys.argv
+    weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
+    cands = {"best.json": (load_config(args[1], shape=shape), 0)}
     for v in args[2:] or [""]:
         cands[f"fuse2 {v or 'base'}"] = fused(shape, v)
     stacks, names = [], []
-    for name, cfg in cands.items():
+    for name, (cfg, diag) in cands.items():
         bad = check_config(cfg, shape, 2, dev)
         if bad:
             print(f"{name}: invalid {bad}")
             continue
         st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
-        st.capture()
+        layer_cuda.DIAG_FLAGS = diag
+        try:
+            st.capture()
+        finally:
+            layer_cuda.DIAG_FLAGS = 0
         errs = [st.check(seed=s) for s in range(3)]
         ok = all(e < st.tolerance() for e in errs)
         print(f"{name}: rel err {' '.join(f'{e:.2e}' for e in errs)} {'ok' if ok else 'FAILED'}", flush=True)
-        if ok:
+        if ok or diag:
             stacks.append(st)
             names.append(name)
     if "--compile" in sys.argv:
@@ -92,41 +104,41 @@ def main():
     for name, t in zip(names, res):
         print(f"{shape.label} {name}: {t.median_us:.2f} us/layer (spread {t.spread_us:.2f})", flush=True)
     if trace:
-        name = next((nm for nm in names if nm.startswith("fuse2")), None)
-        if name is None:
-            return
-        cfg = cands[name]
-        st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
-        grid = dev.num_sms
-        st.traces = [torch.zeros((grid, 1 + layer_cuda.MAX_TRACE), dtype=torch.int64, device="cuda")
-                     for _ in range(n)]
-        from tuner.kernels import fused_layer as fk
+        for name in (nm for nm in names if nm.startswith("fuse2")):
+            show_trace(shape, name, *cands[name], weights, n, dev)
 
-        orig = fk.decoder_layer
-        seen = {}
 
-        def traced(x, w, **kw):
-            key = id(kw["scratch"])
-            i = seen.setdefault(key, len(seen))
-            return orig(x, w, _times=st.traces[i], **kw)
+def show_trace(shape, name, cfg, diag, weights, n, dev):
+    from tuner.kernels import fused_layer as fk
 
-        fk.decoder_layer = traced
-        try:
-            st.capture()
-            for _ in range(3):
-                st.replay()
-            torch.cuda.synchronize()
-        finally:
-            fk.decoder_layer = orig
-        mid = n // 2
-        waits, ends = phase_ends(shape, cfg, st, mid)
-        print(f"{shape.label} {name} trace, layer {mid}: waits passed {min(waits):.2f} / "
-              f"{statistics.median(waits):.2f} / {max(waits):.2f} us")
-        for ph, v in ends.items():
-            if v:
-                print(f"  {ph:5s} tasks end: {min(v):6.2f} / {statistics.median(v):6.2f} / {max(v):6.2f} us "
-                      f"({len(v)} tasks)")
+    st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
+    st.traces = [torch.zeros((dev.num_sms, 1 + 2 * layer_cuda.MAX_TRACE), dtype=torch.int64, device="cuda")
+                 for _ in range(n)]
+    orig = fk.decoder_layer
+    seen = {}
 
+    def traced(x, w, **kw):
+        i = seen.setdefault(id(kw["scratch"]), len(seen))
+        return orig(x, w, _times=st.traces[i], **kw)
+
+    fk.decoder_layer = traced
+    layer_cuda.DIAG_FLAGS = diag
+    try:
+        st.capture()
+        for _ in range(3):
+            st.replay()
+        torch.cuda.synchronize()
+    finally:
+        fk.decoder_layer = orig
+        layer_cuda.DIAG_FLAGS = 0
+    mid = n // 2
+    waits, arrivals, ends = phase_ends(shape, cfg, st, mid)
+    f = lambda v: f"{min(v):6.2f} / {statistics.median(v):6.2f} / {max(v):6.2f}"  # noqa: E731
+    print(f"{shape.label} {name} trace, layer {mid} of {n} (us from its first CTA's wait; min / median / max): "
+          f"waits passed {f(waits)}")
+    for ph, v in ends.items():
+        if v:
+            print(f"  {ph:5s} first input {f(arrivals[ph])}, end {f(v)} ({len(v)} tasks)")
 
 if __name__ == "__main__":
     main()
