@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("layer_kernel.cu")
 TILE = 64
 MAX_STAGES = 12  # layer_kernel.cu's MAX_STAGES
 GEN_SLOTS = 1024  # layer_kernel.cu's GEN_SLOTS: the most CTAs
+FLAG_STRIDE = 32  # layer_kernel.cu's FLAG_STRIDE: ints from one flag to the next (a 128-byte line each)
 MAX_TRACE = 8  # layer_kernel.cu's MAX_TRACE: tasks a CTA stamps (trace: int64 [grid, 1 + 2 MAX_TRACE])
 PHASES = ("qkv", "attn", "out", "ffn1", "ffn2")
 USE_PDL, RACY_SHIFT, NO_LN_SUMS = 1, 4, 256
@@ -57,7 +58,7 @@ def smem_bytes(stages: int) -> int:
 def sync_ints(tokens: int, d_model: int, heads: int, ffn: int) -> int:
     """int32 counters a layer needs (layer_kernel.cu's layer_sync_ints)."""
     mt, nd, nf = math.ceil(tokens / TILE), d_model // TILE, ffn // TILE
-    return GEN_SLOTS + mt * (3 * nd + heads + nd + nf + 2 * nd)
+    return GEN_SLOTS + mt * (3 * nd + heads + nd + nf + 2 * nd) * FLAG_STRIDE
 
 
 def workspace_numel(tokens: int, d_model: int) -> int:

@@ -37,6 +37,10 @@ constexpr int CONSUMERS = 128;
 constexpr int THREADS = CONSUMERS + 32;
 constexpr int MAX_DEPS = 3;
 constexpr int GEN_SLOTS = 1024;                // sync[0 .. grid): the generation word of each CTA
+// Each flag and ticket has a 128-byte line of its own: the CTAs that poll one flag then load one L2 slice lightly
+// instead of all of them hammering the slice that holds a line of many flags, which slowed every load the SMs made
+// through that slice (bert-base: 0.75 us a K tile with packed flags).
+constexpr int FLAG_STRIDE = 32;
 constexpr int MAX_TRACE = 8;                   // tasks a CTA stamps (diagnostics)
 
 enum Phase { P_QKV = 0, P_ATT = 1, P_OUT = 2, P_FFN1 = 3, P_FFN2 = 4 };
@@ -45,6 +49,7 @@ enum Flags {
   // bits 4-6: 1 + a phase whose tasks load their activations without waiting for their flags (test-only defect)
   RACY_SHIFT = 4,
   NO_LN_SUMS = 256,  // A/B only (wrong results): the LayerNorm row sums are not gathered
+  POLL_SLEEP = 512,  // A/B only: 100 ns between two polls of the flags
 };
 
 struct Params {
@@ -77,6 +82,11 @@ struct Params {
   float eps;
   int flags;
 };
+
+// A flag's or ticket's int (logical index i >= GEN_SLOTS) in sync.
+__device__ __forceinline__ int* slot(const Params& p, int i) {
+  return p.sync + GEN_SLOTS + (i - GEN_SLOTS) * FLAG_STRIDE;
+}
 
 struct Dep {
   int base, count, stride;
@@ -151,7 +161,7 @@ __device__ __forceinline__ bool deps_ready(const Params& p, const Task& t, int t
   int off = 0;
   for (int d = 0; d < t.ndep; ++d) {
     for (int e = lane - off; e < t.dep[d].count; e += 32)
-      if (e >= 0) ok &= ld_relaxed(p.sync + t.dep[d].base + e * t.dep[d].stride) >= target;
+      if (e >= 0) ok &= ld_relaxed(slot(p, t.dep[d].base + e * t.dep[d].stride)) >= target;
     off = (off + t.dep[d].count) % 32;
   }
   return __all_sync(0xffffffffu, ok);
@@ -224,6 +234,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       if (att_n > 0) mbar_wait(sm.att_empty, (att_n - 1) & 1);
       if (!skip) {
         while (!deps_ready(p, t, target, lane)) {
+          if (p.flags & POLL_SLEEP) __nanosleep(100);
         }
         deps_acquire();
       }
@@ -254,6 +265,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
     };
     auto wait_deps = [&]() {
       while (!deps_ready(p, t, target, lane)) {
+        if (p.flags & POLL_SLEEP) __nanosleep(100);
       }
       deps_acquire();
       ready = true;
@@ -408,14 +420,14 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       ++att_n;
       consumer_sync<CONSUMERS>();  // every warp has read the tiles
       if (tid == 0) mbar_arrive(sm.att_empty);
-      flag = p.sync + p.f_att + t.m * p.heads + t.n;
+      flag = slot(p, p.f_att + t.m * p.heads + t.n);
     } else {
       const bool ln = t.phase == P_QKV || t.phase == P_FFN1;
       const bool ln_sums = ln && (p.flags & NO_LN_SUMS) == 0;
       if (t.phase == P_FFN2 && tid == 0) {
         // FFN2's residual h comes from another CTA of this launch: acquire its tile's flag (long up by now; the
         // barrier before the epilogue passes the acquisition on to the other threads).
-        while (ld_acquire(p.sync + p.f_h + t.m * p.nd + t.n) < gen + 1) {
+        while (ld_acquire(slot(p, p.f_h + t.m * p.nd + t.n)) < gen + 1) {
         }
       }
       float acc[32];
@@ -477,7 +489,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         const int splits = t.phase == P_OUT ? p.s_out : p.s_ffn2;
         consumer_sync<CONSUMERS>();
         if (tid == 0) {
-          int* ticket = p.sync + (t.phase == P_OUT ? p.c_out : p.c_ffn2) + t.m * p.nd + t.n;
+          int* ticket = slot(p, (t.phase == P_OUT ? p.c_out : p.c_ffn2) + t.m * p.nd + t.n);
           word[0] = atom_acq_rel_add(ticket, 1) == (gen + 1) * splits - 1;
         }
         consumer_sync<CONSUMERS>();
@@ -546,9 +558,9 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           }
         }
       }
-      if (t.phase == P_QKV) flag = p.sync + p.f_qkv + t.m * p.nq + t.n;
-      if (t.phase == P_OUT) flag = p.sync + p.f_h + t.m * p.nd + t.n;
-      if (t.phase == P_FFN1) flag = p.sync + p.f_f1 + t.m * p.nf + t.n;
+      if (t.phase == P_QKV) flag = slot(p, p.f_qkv + t.m * p.nq + t.n);
+      if (t.phase == P_OUT) flag = slot(p, p.f_h + t.m * p.nd + t.n);
+      if (t.phase == P_FFN1) flag = slot(p, p.f_f1 + t.m * p.nf + t.n);
     }
     if (flag != nullptr) {
       fence_proxy_async_global();  // the readers load this tile with TMA
@@ -607,7 +619,7 @@ extern "C" int layer_smem_bytes(int stages) {
 // The sync ints a launch of this shape needs (generation words, then flags and tickets).
 extern "C" int layer_sync_ints(int M, int D, int heads, int F) {
   const int mt = (M + TILE - 1) / TILE, nd = D / TILE, nf = F / TILE;
-  return GEN_SLOTS + mt * (3 * nd + heads + nd + nf + 2 * nd);
+  return GEN_SLOTS + mt * (3 * nd + heads + nd + nf + 2 * nd) * FLAG_STRIDE;
 }
 
 extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, void* f1, void* w_qkv,
