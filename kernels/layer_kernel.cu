@@ -50,6 +50,7 @@ enum Flags {
   RACY_SHIFT = 4,
   NO_LN_SUMS = 256,  // A/B only (wrong results): the LayerNorm row sums are not gathered
   POLL_SLEEP = 512,  // A/B only: 100 ns between two polls of the flags
+  NO_A = 1024,       // A/B only (wrong results): the GEMM tasks load no activation tiles
 };
 
 struct Params {
@@ -195,6 +196,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages;
   const int racy = ((p.flags >> RACY_SHIFT) & 7) - 1;
   const bool lead = lane == 0;
+  const bool no_a = (p.flags & NO_A) != 0;
   // Before the wait: the first task's weight tiles into the ring, the next tasks' into L2 (weights only: nothing
   // the predecessor writes is touched).
   int pre = 0;
@@ -206,7 +208,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       pre_a = racy == P_QKV && t.phase == P_QKV;
       if (lead)
         for (int i = 0; i < pre; ++i) {
-          mbar_expect_tx(sm.full + 8 * i, STAGE_BYTES);
+          mbar_expect_tx(sm.full + 8 * i, no_a ? TILE_BYTES : STAGE_BYTES);
           tma_load(sm.b + i * TILE_BYTES, t.b, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.n * TILE);
           if (pre_a) tma_load(sm.a + i * TILE_BYTES, t.a, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.m * TILE);
         }
@@ -258,7 +260,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
     bool ready = skip || t.ndep == 0;
     int pend = 0;
     auto flush = [&]() {
-      if (lead)
+      if (lead && !no_a)
         for (int u = it - pend; u < it; ++u)
           tma_load(sm.a + (u % S) * TILE_BYTES, t.a, sm.full + 8 * (u % S), (kt0 + u - it0) * BK, t.m * TILE);
       pend = 0;
@@ -281,7 +283,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
           mbar_wait(sm.empty + 8 * s, (r - 1) & 1);
         }
         if (lead) {
-          mbar_expect_tx(sm.full + 8 * s, STAGE_BYTES);
+          mbar_expect_tx(sm.full + 8 * s, no_a ? TILE_BYTES : STAGE_BYTES);
           tma_load(sm.b + s * TILE_BYTES, t.b, sm.full + 8 * s, (kt0 + i) * BK, t.n * TILE);
         }
       }
@@ -291,7 +293,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       }
       if (ready) {
         flush();
-        if (lead && !(pre_a && it < pre))
+        if (lead && !(pre_a && it < pre) && !no_a)
           tma_load(sm.a + s * TILE_BYTES, t.a, sm.full + 8 * s, (kt0 + i) * BK, t.m * TILE);
       } else {
         ++pend;
