@@ -477,8 +477,7 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
     """One pre-LN causal decoder layer of ``x`` ``[batch*seq, d_model]`` into ``out``, one launch.
 
     ``_times`` (diagnostics, GPU only): int64 ``[programs, N_STAMPS, 2]`` receiving each program's
-    (%globaltimer, %clock64) at the phase boundaries; for fuse 2 on Hopper ``[programs, 1 + 2 * layer_cuda.MAX_TRACE]``
-    (%globaltimer after the wait, then per task when its first input arrived and when it ended). ``_racy`` (fuse 2 on Hopper, test-only): a phase of
+    (%globaltimer, %clock64) at the phase boundaries; for fuse 2 on Hopper ``[programs, layer_cuda.TRACE_ROW]`` (layer_kernel.cu's trace layout). ``_racy`` (fuse 2 on Hopper, test-only): a phase of
     layer_cuda.PHASES whose tasks read their input without waiting for its flags."""
     M, D = x.shape
     F = w.w_ffn1.shape[0]

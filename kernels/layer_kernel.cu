@@ -42,6 +42,9 @@ constexpr int GEN_SLOTS = 1024;                // sync[0 .. grid): the generatio
 // through that slice (bert-base: 0.75 us a K tile with packed flags).
 constexpr int FLAG_STRIDE = 32;
 constexpr int MAX_TRACE = 8;                   // tasks a CTA stamps (diagnostics)
+// trace row of a CTA: [0] after the wait, [1 + 2q, 2 + 2q] task q's first input and end, then for the CTA's first
+// task (up to 16 K tiles) each stage's arrival (consumer), each B and each A load's issue (producer)
+constexpr int TRACE_ROW = 64, TR_FULL = 17, TR_B = 33, TR_A = 49;
 
 enum Phase { P_QKV = 0, P_ATT = 1, P_OUT = 2, P_FFN1 = 3, P_FFN2 = 4 };
 enum Flags {
@@ -197,6 +200,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   const int racy = ((p.flags >> RACY_SHIFT) & 7) - 1;
   const bool lead = lane == 0;
   const bool no_a = (p.flags & NO_A) != 0;
+  long long* const trace = p.trace != nullptr && lead ? p.trace + blockIdx.x * TRACE_ROW : nullptr;
   // Before the wait: the first task's weight tiles into the ring, the next tasks' into L2 (weights only: nothing
   // the predecessor writes is touched).
   int pre = 0;
@@ -210,6 +214,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
         for (int i = 0; i < pre; ++i) {
           mbar_expect_tx(sm.full + 8 * i, no_a ? TILE_BYTES : STAGE_BYTES);
           tma_load(sm.b + i * TILE_BYTES, t.b, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.n * TILE);
+          if (trace != nullptr && i < 16) trace[TR_B + i] = globaltimer();
           if (pre_a) tma_load(sm.a + i * TILE_BYTES, t.a, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.m * TILE);
         }
     }
@@ -261,8 +266,10 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
     int pend = 0;
     auto flush = [&]() {
       if (lead && !no_a)
-        for (int u = it - pend; u < it; ++u)
+        for (int u = it - pend; u < it; ++u) {
           tma_load(sm.a + (u % S) * TILE_BYTES, t.a, sm.full + 8 * (u % S), (kt0 + u - it0) * BK, t.m * TILE);
+          if (trace != nullptr && q == 0 && u - it0 < 16) trace[TR_A + u - it0] = globaltimer();
+        }
       pend = 0;
     };
     auto wait_deps = [&]() {
@@ -285,6 +292,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
         if (lead) {
           mbar_expect_tx(sm.full + 8 * s, no_a ? TILE_BYTES : STAGE_BYTES);
           tma_load(sm.b + s * TILE_BYTES, t.b, sm.full + 8 * s, (kt0 + i) * BK, t.n * TILE);
+          if (trace != nullptr && q == 0 && i < 16) trace[TR_B + i] = globaltimer();
         }
       }
       if (!ready && deps_ready(p, t, target, lane)) {
@@ -295,6 +303,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
         flush();
         if (lead && !(pre_a && it < pre) && !no_a)
           tma_load(sm.a + s * TILE_BYTES, t.a, sm.full + 8 * s, (kt0 + i) * BK, t.m * TILE);
+        if (trace != nullptr && q == 0 && i < 16) trace[TR_A + i] = globaltimer();
       } else {
         ++pend;
       }
@@ -401,7 +410,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
   const int warp = tid / 32, lane = tid % 32;
   float2* const ln_row = reinterpret_cast<float2*>(smem_raw + (sm.ln - raw));
   int* const word = reinterpret_cast<int*>(smem_raw + (sm.word - raw));
-  long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * (1 + 2 * MAX_TRACE) : nullptr;
+  long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * TRACE_ROW : nullptr;
   gdc_wait();
   const int gen = ld_relaxed(p.sync + blockIdx.x);
   if (trace != nullptr && tid == 0) trace[0] = globaltimer();
@@ -440,7 +449,10 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       for (int i = 0; i < t.k_tiles; ++i, ++it) {
         const int s = it % S;
         mbar_wait(sm.full + 8 * s, (it / S) & 1);
-        if (i == 0 && trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
+        if (trace != nullptr && tid == 0) {
+          if (i == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
+          if (q == 0 && i < 16) trace[TR_FULL + i] = globaltimer();
+        }
         const uint32_t as = sm.a + s * TILE_BYTES;
         const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
         fence_acc<32>(acc);

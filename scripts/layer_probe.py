@@ -112,7 +112,7 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
     from tuner.kernels import fused_layer as fk
 
     st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
-    st.traces = [torch.zeros((dev.num_sms, 1 + 2 * layer_cuda.MAX_TRACE), dtype=torch.int64, device="cuda")
+    st.traces = [torch.zeros((dev.num_sms, layer_cuda.TRACE_ROW), dtype=torch.int64, device="cuda")
                  for _ in range(n)]
     orig = fk.decoder_layer
     seen = {}
@@ -139,6 +139,14 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
     for ph, v in ends.items():
         if v:
             print(f"  {ph:5s} first input {f(arrivals[ph])}, end {f(v)} ({len(v)} tasks)")
+    tr = st.traces[mid].cpu()
+    t0 = int(tr[:, 0][tr[:, 0] > 0].min())
+    L = layer_cuda
+    for cta in (0, 40, 100):
+        row = lambda a: " ".join(f"{(int(v) - t0) / 1e3:5.2f}" if int(v) else "  -  " for v in tr[cta, a:a + 12])  # noqa
+        print(f"  CTA {cta} first task, K tiles 0-11: B issued  {row(L.TR_B)}")
+        print(f"  CTA {cta} first task, K tiles 0-11: A issued  {row(L.TR_A)}")
+        print(f"  CTA {cta} first task, K tiles 0-11: arrived   {row(L.TR_FULL)}")
 
 if __name__ == "__main__":
     main()
