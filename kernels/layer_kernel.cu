@@ -441,9 +441,11 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         while (ld_acquire(slot(p, p.f_h + t.m * p.nd + t.n)) < gen + 1) {
         }
       }
-      float acc[32];
+      // Two accumulators, the K16 steps alternating between them: two independent wgmma chains (one chain of
+      // m64n64k16 is latency-bound, bert-base: ~0.4 us a 64-wide K tile).
+      float acc[32], acc2[32];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+      for (int i = 0; i < 32; ++i) acc[i] = acc2[i] = 0.f;
       float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
       int prev = 0;
       for (int i = 0; i < t.k_tiles; ++i, ++it) {
@@ -456,11 +458,16 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         const uint32_t as = sm.a + s * TILE_BYTES;
         const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
         fence_acc<32>(acc);
+        fence_acc<32>(acc2);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+        for (int kk = 0; kk < BK / 16; kk += 2) {
+          wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+          wgmma_64xNx16<BF16, 64>(acc2, da + 2 * kk + 2, db + 2 * kk + 2);
+        }
         wgmma_commit();
         fence_acc<32>(acc);
+        fence_acc<32>(acc2);
         if (ln_sums) {
           // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row); the
           // chunks are read in a rotated order so that the 16 rows of a warp hit different banks.
@@ -487,8 +494,12 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         prev = s;
       }
       wgmma_wait<0>();
+      fence_acc<32>(acc);
+      fence_acc<32>(acc2);
       __syncwarp();
       if (lane == 0) mbar_arrive(sm.empty + 8 * prev);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] += acc2[i];
 
       const int m0 = t.m * TILE, n0 = t.n * TILE;
       const int ra = warp * 16 + lane / 4, cq = (lane % 4) * 2;  // fragment rows ra, ra + 8; columns 8j + cq
@@ -539,6 +550,19 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       const int N = t.phase == P_QKV ? 3 * p.D : t.phase == P_FFN1 ? p.F : p.D;
       T* out = static_cast<T*>(t.phase == P_QKV ? p.qkv : t.phase == P_OUT ? p.h : t.phase == P_FFN1 ? p.f1 : p.y);
       const T* res = static_cast<const T*>(t.phase == P_OUT ? p.x : p.h);
+      // The residual's 16 pairs, all in flight at once (written by another CTA in this launch for FFN2: read
+      // through L2).
+      uint32_t rv[8][2];
+      if (t.phase == P_OUT || t.phase == P_FFN2) {
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int row = min(m0 + ra + 8 * h, p.M - 1);
+            rv[jj][h] = __ldcg(reinterpret_cast<const unsigned int*>(res + static_cast<long long>(row) * p.D + n0 +
+                                                                      8 * jj + cq));
+          }
+      }
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int c = n0 + 8 * jj + cq;
@@ -563,10 +587,8 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           if (t.phase == P_FFN1) v0 = activate<1>(v0), v1 = activate<1>(v1);
           if (row < p.M) {
             if (t.phase == P_OUT || t.phase == P_FFN2) {
-              // (written by another CTA in this launch for FFN2: read through L2)
-              const uint32_t rv = __ldcg(reinterpret_cast<const unsigned int*>(res + static_cast<long long>(row) * p.D + c));
-              const T* r2 = reinterpret_cast<const T*>(&rv);
-              v0 += E::f(r2[0]), v1 += E::f(r2[1]);
+              const float2 r2 = E::f2(rv[jj][h]);
+              v0 += r2.x, v1 += r2.y;
             }
             *reinterpret_cast<uint32_t*>(out + static_cast<long long>(row) * N + c) = pack2<BF16>(v0, v1);
           }
