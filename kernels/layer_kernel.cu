@@ -54,6 +54,7 @@ enum Flags {
   NO_LN_SUMS = 256,  // A/B only (wrong results): the LayerNorm row sums are not gathered
   POLL_SLEEP = 512,  // A/B only: 100 ns between two polls of the flags
   NO_A = 1024,       // A/B only (wrong results): the GEMM tasks load no activation tiles
+  NO_MMA = 2048,     // A/B only (wrong results): the GEMM tasks' consumers only wait for and release the stages
 };
 
 struct Params {
@@ -448,6 +449,18 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       for (int i = 0; i < 32; ++i) acc[i] = acc2[i] = 0.f;
       float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
       int prev = 0;
+      if (p.flags & NO_MMA) {
+        for (int i = 0; i < t.k_tiles; ++i, ++it) {
+          const int s = it % S;
+          mbar_wait(sm.full + 8 * s, (it / S) & 1);
+          if (trace != nullptr && tid == 0) {
+            if (i == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
+            if (q == 0 && i < 16) trace[TR_FULL + i] = globaltimer();
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(sm.empty + 8 * s);
+        }
+      } else
       for (int i = 0; i < t.k_tiles; ++i, ++it) {
         const int s = it % S;
         mbar_wait(sm.full + 8 * s, (it / S) & 1);
@@ -497,7 +510,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       fence_acc<32>(acc);
       fence_acc<32>(acc2);
       __syncwarp();
-      if (lane == 0) mbar_arrive(sm.empty + 8 * prev);
+      if (lane == 0 && (p.flags & NO_MMA) == 0) mbar_arrive(sm.empty + 8 * prev);
 #pragma unroll
       for (int i = 0; i < 32; ++i) acc[i] += acc2[i];
 
