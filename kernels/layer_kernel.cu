@@ -442,11 +442,29 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         while (ld_acquire(slot(p, p.f_h + t.m * p.nd + t.n)) < gen + 1) {
         }
       }
-      // Two accumulators, the K16 steps alternating between them: two independent wgmma chains (one chain of
-      // m64n64k16 is latency-bound, bert-base: ~0.4 us a 64-wide K tile).
-      float acc[32], acc2[32];
+      float acc[32];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] = acc2[i] = 0.f;
+      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+      // The epilogue's bias (and LayerNorm colsum) for this thread's 16 columns, loaded now: in flight during the K
+      // loop, and never behind the epilogue's stores (a load after a store to possibly the same memory waits for
+      // it: loaded inside the store loop they cost a round trip each, ~5 us a tile).
+      const int m0 = t.m * TILE, n0 = t.n * TILE;
+      const int ra = warp * 16 + lane / 4, cq = (lane % 4) * 2;  // fragment rows ra, ra + 8; columns 8j + cq
+      float bias[8][2], colsum[8][2];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int c = n0 + 8 * jj + cq;
+        if (ln) {
+          const float* bp = t.phase == P_QKV ? p.b_qkv : p.b_ffn1;
+          const float* up = t.phase == P_QKV ? p.u_qkv : p.u_ffn1;
+          const float2 b2 = *reinterpret_cast<const float2*>(bp + c), u2 = *reinterpret_cast<const float2*>(up + c);
+          bias[jj][0] = b2.x, bias[jj][1] = b2.y, colsum[jj][0] = u2.x, colsum[jj][1] = u2.y;
+        } else {
+          const T* bp = static_cast<const T*>(t.phase == P_OUT ? p.b_out : p.b_ffn2);
+          const float2 b2 = E::f2(*reinterpret_cast<const uint32_t*>(bp + c));
+          bias[jj][0] = b2.x, bias[jj][1] = b2.y, colsum[jj][0] = colsum[jj][1] = 0.f;
+        }
+      }
       float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
       int prev = 0;
       if (p.flags & NO_MMA) {
@@ -471,16 +489,11 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         const uint32_t as = sm.a + s * TILE_BYTES;
         const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
         fence_acc<32>(acc);
-        fence_acc<32>(acc2);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; kk += 2) {
-          wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
-          wgmma_64xNx16<BF16, 64>(acc2, da + 2 * kk + 2, db + 2 * kk + 2);
-        }
+        for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
         wgmma_commit();
         fence_acc<32>(acc);
-        fence_acc<32>(acc2);
         if (ln_sums) {
           // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row); the
           // chunks are read in a rotated order so that the 16 rows of a warp hit different banks.
@@ -508,14 +521,9 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       }
       wgmma_wait<0>();
       fence_acc<32>(acc);
-      fence_acc<32>(acc2);
       __syncwarp();
       if (lane == 0 && (p.flags & NO_MMA) == 0) mbar_arrive(sm.empty + 8 * prev);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] += acc2[i];
 
-      const int m0 = t.m * TILE, n0 = t.n * TILE;
-      const int ra = warp * 16 + lane / 4, cq = (lane % 4) * 2;  // fragment rows ra, ra + 8; columns 8j + cq
       if (t.phase == P_OUT || t.phase == P_FFN2) {
         const int tile = t.phase == P_OUT ? t.m * p.nd + t.n : p.mt * p.nd + t.m * p.nd + t.n;
         float* w = p.ws + static_cast<long long>(tile) * (TILE * TILE);
@@ -579,15 +587,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
 #pragma unroll
       for (int jj = 0; jj < 8; ++jj) {
         const int c = n0 + 8 * jj + cq;
-        float b0, b1, u0 = 0.f, u1 = 0.f;
-        if (t.phase == P_QKV || t.phase == P_FFN1) {
-          const float* bp = t.phase == P_QKV ? p.b_qkv : p.b_ffn1;
-          const float* up = t.phase == P_QKV ? p.u_qkv : p.u_ffn1;
-          b0 = bp[c], b1 = bp[c + 1], u0 = up[c], u1 = up[c + 1];
-        } else {
-          const T* bp = static_cast<const T*>(t.phase == P_OUT ? p.b_out : p.b_ffn2);
-          b0 = E::f(bp[c]), b1 = E::f(bp[c + 1]);
-        }
+        const float b0 = bias[jj][0], b1 = bias[jj][1], u0 = colsum[jj][0], u1 = colsum[jj][1];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = m0 + ra + 8 * h;
