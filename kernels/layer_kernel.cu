@@ -55,6 +55,7 @@ enum Flags {
   POLL_SLEEP = 512,  // A/B only: 100 ns between two polls of the flags
   NO_A = 1024,       // A/B only (wrong results): the GEMM tasks load no activation tiles
   NO_MMA = 2048,     // A/B only (wrong results): the GEMM tasks' consumers only wait for and release the stages
+  NO_WFENCE = 4096,  // A/B only: the writers of a tile skip fence.proxy.async before raising its flag
 };
 
 struct Params {
@@ -612,7 +613,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       if (t.phase == P_FFN1) flag = slot(p, p.f_f1 + t.m * p.nf + t.n);
     }
     if (flag != nullptr) {
-      fence_proxy_async_global();  // the readers load this tile with TMA
+      if ((p.flags & NO_WFENCE) == 0) fence_proxy_async_global();  // the readers load this tile with TMA
       consumer_sync<CONSUMERS>();
       if (tid == 0) red_release_add(flag, 1);
     } else {
