@@ -47,7 +47,7 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 19 + [ctypes.c_int] * 12
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's census).
 launch_enter_hook = None
 
-_LIBS: dict[int, ctypes.CDLL] = {}
+_LIBS: dict[tuple[int, int], ctypes.CDLL] = {}
 
 
 def smem_bytes(stages: int) -> int:
@@ -105,19 +105,24 @@ def usable(x: torch.Tensor) -> bool:
     return hopper(x)
 
 
+# A/B only: the MMAs as m64n128k16 reading past each B tile (wrong results; the time of wider MMAs).
+WGMMA_N = 64
+
+
 def library(bf16: int) -> ctypes.CDLL:
-    if bf16 in _LIBS:
-        return _LIBS[bf16]
-    lib = _nvcc.build(SOURCE, {"LK_BF16": bf16}, "layer_kernel")
+    key = (bf16, WGMMA_N)
+    if key in _LIBS:
+        return _LIBS[key]
+    lib = _nvcc.build(SOURCE, {"LK_BF16": bf16, "LK_WGMMA_N": WGMMA_N}, "layer_kernel")
     lib.layer_launch.argtypes = LAUNCH_ARGTYPES
     lib.layer_launch.restype = ctypes.c_int
     for fn, n in (("layer_smem_bytes", 1), ("layer_sync_ints", 4)):
         getattr(lib, fn).argtypes = [ctypes.c_int] * n
         getattr(lib, fn).restype = ctypes.c_int
-    if (lib.layer_variant() != bf16 or lib.layer_smem_bytes(4) != smem_bytes(4)
+    if (lib.layer_variant() != bf16 | (0 if WGMMA_N == 64 else 2) or lib.layer_smem_bytes(4) != smem_bytes(4)
             or lib.layer_sync_ints(128, 768, 12, 3072) != sync_ints(128, 768, 12, 3072)):
         raise RuntimeError(f"layer_kernel: {lib._name} does not match layer_cuda.py (layout or variant)")
-    _LIBS[bf16] = lib
+    _LIBS[key] = lib
     return lib
 
 

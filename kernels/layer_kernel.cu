@@ -29,6 +29,10 @@
 namespace {
 
 constexpr int TILE = 64;                       // rows and columns of every tile
+#ifndef LK_WGMMA_N
+#define LK_WGMMA_N 64
+#endif
+constexpr int WGMMA_N = LK_WGMMA_N;
 constexpr int TILE_BYTES = TILE * BK * 2;      // one 64 x 64 16-bit tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // A and B
 constexpr int ATT_BYTES = 5 * TILE_BYTES;      // attention: Q, K (2 x 64 rows), V (2 x 64 rows)
@@ -443,9 +447,9 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         while (ld_acquire(slot(p, p.f_h + t.m * p.nd + t.n)) < gen + 1) {
         }
       }
-      float acc[32];
+      float acc[WGMMA_N / 2];  // (WGMMA_N 128: an A/B build whose MMAs read past the B tile; wrong results)
 #pragma unroll
-      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+      for (int i = 0; i < WGMMA_N / 2; ++i) acc[i] = 0.f;
       // The epilogue's bias (and LayerNorm colsum) for this thread's 16 columns, loaded now: in flight during the K
       // loop, and never behind the epilogue's stores (a load after a store to possibly the same memory waits for
       // it: loaded inside the store loop they cost a round trip each, ~5 us a tile).
@@ -489,12 +493,12 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         }
         const uint32_t as = sm.a + s * TILE_BYTES;
         const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
-        fence_acc<32>(acc);
+        fence_acc<WGMMA_N / 2>(acc);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+        for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, WGMMA_N>(acc, da + 2 * kk, db + 2 * kk);
         wgmma_commit();
-        fence_acc<32>(acc);
+        fence_acc<WGMMA_N / 2>(acc);
         if (ln_sums) {
           // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row); the
           // chunks are read in a rotated order so that the 16 rows of a warp hit different banks.
@@ -521,7 +525,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         prev = s;
       }
       wgmma_wait<0>();
-      fence_acc<32>(acc);
+      fence_acc<WGMMA_N / 2>(acc);
       __syncwarp();
       if (lane == 0 && (p.flags & NO_MMA) == 0) mbar_arrive(sm.empty + 8 * prev);
 
@@ -660,7 +664,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
 #define LK_BF16 0
 #endif
 
-extern "C" int layer_variant() { return LK_BF16; }
+extern "C" int layer_variant() { return LK_BF16 | (LK_WGMMA_N == 64 ? 0 : 2); }
 
 extern "C" int layer_smem_bytes(int stages) {
   return 1024 + stages * STAGE_BYTES + ATT_BYTES + TILE * 8 + 16 + 16 * stages + 16;

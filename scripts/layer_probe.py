@@ -35,6 +35,8 @@ def fused(shape, edits: str) -> tuple[DecoderConfig, int]:
     for e in filter(None, edits.split(",")):
         if e.startswith("diag="):
             diag = int(e.split("=")[1])
+        elif e.startswith("wgmma_n="):  # A/B build: layer_cuda.WGMMA_N (diag bit 1 << 20 carries it)
+            diag |= int(e.split("=")[1]) << 20
         else:
             cfg = cfg.edited([f"layer.{e}"])
     return fit_config(cfg, shape), diag
@@ -82,11 +84,11 @@ def main():
             print(f"{name}: invalid {bad}")
             continue
         st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
-        layer_cuda.DIAG_FLAGS = diag
+        layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = diag & 0xFFFFF, (diag >> 20) or 64
         try:
             st.capture()
         finally:
-            layer_cuda.DIAG_FLAGS = 0
+            layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = 0, 64
         errs = [st.check(seed=s) for s in range(3)]
         ok = all(e < st.tolerance() for e in errs)
         print(f"{name}: rel err {' '.join(f'{e:.2e}' for e in errs)} {'ok' if ok else 'FAILED'}", flush=True)
@@ -122,7 +124,7 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
         return orig(x, w, _times=st.traces[i], **kw)
 
     fk.decoder_layer = traced
-    layer_cuda.DIAG_FLAGS = diag
+    layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = diag & 0xFFFFF, (diag >> 20) or 64
     try:
         st.capture()
         for _ in range(3):
@@ -130,7 +132,7 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
         torch.cuda.synchronize()
     finally:
         fk.decoder_layer = orig
-        layer_cuda.DIAG_FLAGS = 0
+        layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = 0, 64
     mid = n // 2
     waits, arrivals, ends = phase_ends(shape, cfg, st, mid)
     f = lambda v: f"{min(v):6.2f} / {statistics.median(v):6.2f} / {max(v):6.2f}"  # noqa: E731

@@ -251,7 +251,7 @@ def _int(v) -> str:
 def fused_layer(kernels: dict) -> dict | None:
     """The one-kernel layer's config when it is switched on (it then replaces the seven kernels)."""
     c = kernels.get("layer")
-    return c if isinstance(c, dict) and _num(c.get("fuse")) == 1 else None
+    return c if isinstance(c, dict) and _num(c.get("fuse")) in (1, 2) else None
 
 
 def gemm_op(kernels: dict, g: str) -> str:
@@ -263,8 +263,13 @@ def gemm_op(kernels: dict, g: str) -> str:
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
     '/tma' where the tiles are loaded by TMA);
-    a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'."""
+    a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
+    'layer cuda 64x64x64/10s out sk4; ffn2 sk4'."""
     f = fused_layer(kernels)
+    if f is not None and _num(f.get("fuse")) == 2:  # the CUDA layer kernel: 64x64 tiles, a ring of stages
+        progs = _int(f.get("programs"))
+        return (f"layer cuda 64x64x64/{_int(f.get('num_stages'))}s out sk{_int(f.get('out_split_k'))}; "
+                f"ffn2 sk{_int(f.get('ffn2_split_k'))}" + ("" if progs == "0" else f"; {progs} CTAs"))
     if f is not None:
         progs = _int(f.get("programs"))
         return (f"layer {_int(f.get('block_m'))}x*x{_int(f.get('block_k'))}/{_int(f.get('num_warps'))}w"

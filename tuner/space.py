@@ -32,7 +32,7 @@ PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels). A file that leaves one out gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows.
-SWITCH_VALUES = {"norm": (0, 1, 2)}
+SWITCH_VALUES = {"norm": (0, 1, 2), "layer": (0, 1, 2)}
 
 
 class SpaceError(ValueError):
