@@ -1,0 +1,56 @@
+// Microbenchmark: cycles per wgmma m64nNk16 (fp16, operands from 128-byte swizzled shared memory) issued by one
+// warpgroup, as the GEMM loops of cluster_gemm.cu and layer_kernel.cu issue them: per "stage" 4 MMAs (K = 64) into
+// one accumulator, commit, then wait until at most WAIT groups are pending. Built and run by scripts/wgmma_bench.py.
+#include "../kernels/hopper.cuh"
+
+namespace {
+
+template <int N, int WAIT, int MMAS>
+__global__ void __launch_bounds__(128, 1) bench(long long* cycles, float* sink, int iters) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t a = base, b = base + 64 * 128;  // a 64 x 64 A tile, then an N x 64 B tile (zeros: not read back)
+  float acc[N / 2];
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) acc[i] = 0.f;
+  __syncthreads();
+  const long long t0 = clock64();
+  for (int it = 0; it < iters; ++it) {
+    fence_acc<N / 2>(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < MMAS; ++kk) wgmma_64xNx16<false, N>(acc, smem_desc(a) + 2 * (kk % 4), smem_desc(b) + 2 * (kk % 4));
+    wgmma_commit();
+    fence_acc<N / 2>(acc);
+    wgmma_wait<WAIT>();
+  }
+  wgmma_wait<0>();
+  fence_acc<N / 2>(acc);
+  const long long t1 = clock64();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N / 2; ++i) s += acc[i];
+  if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
+  sink[blockIdx.x * 128 + threadIdx.x] = s;
+}
+
+template <int N, int WAIT, int MMAS>
+int run(long long* cycles, float* sink, int iters, int ctas) {
+  auto k = bench<N, WAIT, MMAS>;
+  const int smem = 1024 + 64 * 128 + N * 128;
+  cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  k<<<ctas, 128, smem>>>(cycles, sink, iters);
+  return cudaDeviceSynchronize() != cudaSuccess;
+}
+
+}  // namespace
+
+// variant: N (64, 128) x WAIT (0, 1) x MMAs a commit group (4 or 8)
+extern "C" int wgmma_bench(int n, int wait, int mmas, long long* cycles, float* sink, int iters, int ctas) {
+#define CASE(NN, WW, MM) \
+  if (n == NN && wait == WW && mmas == MM) return run<NN, WW, MM>(cycles, sink, iters, ctas);
+  CASE(64, 0, 4) CASE(64, 1, 4) CASE(128, 0, 4) CASE(128, 1, 4)
+  CASE(64, 1, 8) CASE(64, 0, 8)
+#undef CASE
+  return 2;
+}

@@ -1,0 +1,31 @@
+"""Cycles per wgmma m64nNk16 issued the way our GEMM loops issue them (scripts/wgmma_bench.cu), on 1 CTA and on one
+CTA an SM. usage: python3 scripts/wgmma_bench.py"""
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from tuner.kernels import _nvcc
+
+
+def main():
+    lib = _nvcc.build(Path(__file__).with_name("wgmma_bench.cu"), {"WB": 1}, "wgmma_bench")
+    lib.wgmma_bench.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    clock_ghz = torch.cuda.clock_rate() / 1e3 if hasattr(torch.cuda, "clock_rate") else None
+    iters = 2000
+    for ctas in (1, sms):
+        for n, wait, mmas in ((64, 1, 4), (64, 0, 4), (64, 1, 8), (128, 1, 4), (128, 0, 4)):
+            cyc = torch.zeros(ctas, dtype=torch.int64, device="cuda")
+            sink = torch.zeros(ctas * 128, dtype=torch.float32, device="cuda")
+            assert lib.wgmma_bench(n, wait, mmas, cyc.data_ptr(), sink.data_ptr(), 10, ctas) == 0
+            assert lib.wgmma_bench(n, wait, mmas, cyc.data_ptr(), sink.data_ptr(), iters, ctas) == 0
+            per = cyc.float().median().item() / (iters * mmas)
+            macs = 64 * n * 16 / per
+            print(f"ctas {ctas:3d}  m64n{n}k16  wait<{wait}>  {mmas} a group: {per:6.1f} cycles a wgmma, "
+                  f"{macs:6.0f} MAC/cycle/SM" + (f" (clock {clock_ghz} GHz)" if clock_ghz else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
