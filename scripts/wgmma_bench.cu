@@ -54,3 +54,47 @@ extern "C" int wgmma_bench(int n, int wait, int mmas, long long* cycles, float* 
 #undef CASE
   return 2;
 }
+
+// TMA: one CTA issues `boxes` loads of a box_rows x 64 16-bit box (128-byte swizzle) into a ring of `slots` buffers,
+// alternating between `maps` descriptors (1 or 2), each load completing on its slot's mbarrier; slot reuse waits for
+// the previous load into it. Cycles from the first issue to the last arrival.
+namespace {
+__global__ void __launch_bounds__(32, 1) tma_bench(const __grid_constant__ CUtensorMap m0,
+                                                  const __grid_constant__ CUtensorMap m1, int maps, int box_rows,
+                                                  int boxes, int slots, long long* cycles) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bytes = box_rows * 128;
+  const uint32_t bars = base + slots * bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) mbar_init(bars + 8 * s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    prefetch_tensormap(&m0);
+    prefetch_tensormap(&m1);
+  }
+  __syncwarp();
+  if (threadIdx.x != 0) return;
+  const long long t0 = clock64();
+  for (int i = 0; i < boxes; ++i) {
+    const int s = i % slots;
+    if (i >= slots) mbar_wait(bars + 8 * s, ((i / slots) - 1) & 1);
+    mbar_expect_tx(bars + 8 * s, bytes);
+    const CUtensorMap* m = (maps == 2 && (i & 1)) ? &m1 : &m0;
+    tma_load(base + s * bytes, m, bars + 8 * s, (i % 48) * 64, ((i / 48) % 16) * box_rows);
+  }
+  for (int i = max(0, boxes - slots); i < boxes; ++i) mbar_wait(bars + 8 * (i % slots), (i / slots) & 1);
+  cycles[0] = clock64() - t0;
+}
+}  // namespace
+
+extern "C" int tma_bench_run(void* t0, void* t1, int maps, int box_rows, int boxes, int slots, long long* cycles,
+                             char* err) {
+  CUtensorMap m0, m1;
+  if (encode(&m0, false, t0, 4096, 3072, 3072, box_rows, err, 256) ||
+      encode(&m1, false, t1, 4096, 3072, 3072, box_rows, err, 256))
+    return 1;
+  const int smem = 1024 + slots * box_rows * 128 + 8 * slots;
+  cudaFuncSetAttribute(tma_bench, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  tma_bench<<<1, 32, smem>>>(m0, m1, maps, box_rows, boxes, slots, cycles);
+  return cudaDeviceSynchronize() != cudaSuccess ? 2 : 0;
+}

@@ -27,5 +27,30 @@ def main():
                   f"{macs:6.0f} MAC/cycle/SM" + (f" (clock {clock_ghz} GHz)" if clock_ghz else ""), flush=True)
 
 
+
+
+def tma():
+    lib = _nvcc.build(Path(__file__).with_name("wgmma_bench.cu"), {"WB": 1}, "wgmma_bench")
+    lib.tma_bench_run.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4 + [ctypes.c_void_p, ctypes.c_char_p]
+    a = torch.randn(4096, 3072, device="cuda").half()
+    b = torch.randn(4096, 3072, device="cuda").half()
+    cyc = torch.zeros(1, dtype=torch.int64, device="cuda")
+    err = ctypes.create_string_buffer(256)
+    for box_rows in (64, 128, 256):
+        for maps in (1, 2):
+            for slots in (2, 4, 10):
+                if slots * box_rows * 128 > 200 * 1024:
+                    continue
+                boxes = 240
+                for _ in range(2):  # the second run: the tensors in L2 from the first
+                    assert lib.tma_bench_run(a.data_ptr(), b.data_ptr(), maps, box_rows, boxes, slots,
+                                             cyc.data_ptr(), err) == 0, err.value
+                c = cyc.item()
+                kb = boxes * box_rows * 128 / 1024
+                print(f"TMA 1 CTA: box {box_rows}x64, {maps} descriptor(s), {slots} slots: {c / boxes:7.1f} cycles a box, "
+                      f"{kb * 1024 / c:6.1f} B/cycle", flush=True)
+
+
 if __name__ == "__main__":
+    tma()
     main()
