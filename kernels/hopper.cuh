@@ -65,6 +65,22 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, u
       : "memory");
 }
 
+// 3-D tensor maps (encode3): coordinates {0, row, 64-wide column tile}; a box is `kt` consecutive 64 x 64 tiles.
+__device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row, int ctile) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::
+          "r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(0), "r"(row), "r"(ctile)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch_l2_3d(const CUtensorMap* map, int row, int ctile) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(0), "r"(row), "r"(ctile)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_prefetch_l2(const CUtensorMap* map, int c0, int c1) {
   asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];" ::"l"(
                    reinterpret_cast<uint64_t>(map)),
@@ -313,6 +329,32 @@ int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int strid
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
+             static_cast<int>(r), rows, cols, stride);
+    return 1;
+  }
+  return 0;
+}
+
+// A row-major [rows, cols] 16-bit matrix seen as [cols / 64][rows][64] (3-D), box {64, box_rows, kt}: one load brings
+// kt consecutive 64-wide column tiles of box_rows rows, each laid out (and 128-byte swizzled) as a 2-D 64-wide box
+// would be, one after another in shared memory.
+int encode3(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stride, int box_rows, int kt, char* err,
+            int errlen) {
+  auto fn = encode_fn();
+  if (fn == nullptr) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled is not available from the driver");
+    return 1;
+  }
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(BK), static_cast<cuuint64_t>(rows),
+                        static_cast<cuuint64_t>((cols + BK - 1) / BK)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(stride) * 2, static_cast<cuuint64_t>(BK) * 2};
+  cuuint32_t box[3] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows), static_cast<cuuint32_t>(kt)};
+  cuuint32_t estr[3] = {1, 1, 1};
+  CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, ptr, dims,
+                  strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    snprintf(err, errlen, "cuTensorMapEncodeTiled (3-D) failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
              static_cast<int>(r), rows, cols, stride);
     return 1;
   }

@@ -85,7 +85,8 @@ struct Params {
   int s_out, s_ffn2;   // K splits
   int end[5];          // cumulative task counts of the phases
   int f_qkv, f_att, f_h, f_f1, c_out, c_ffn2;  // offsets in sync
-  int stages;
+  int stages;          // ring slots, each a chunk of kt K tiles of A and of B
+  int kt;              // K tiles a chunk: one TMA box (3-D tensor maps) loads a chunk of an operand
   int trigger;         // launch_dependents when a CTA starts its trigger-th task (0: at the start; -1: never)
   int pf_tasks;        // the CTA's next tasks whose weight tiles are prefetched into L2 at the start
   float qk_scale;      // log2(e) / sqrt(head_dim)
@@ -187,10 +188,10 @@ __device__ __forceinline__ void deps_acquire() {
 // Layout of the dynamic shared memory (from a 1024-byte aligned base).
 struct Smem {
   uint32_t a, b, att, ln, word, full, empty, att_full, att_empty;
-  __device__ Smem(uint32_t base, int S) {
+  __device__ Smem(uint32_t base, int S, int kt) {
     a = base;
-    b = a + S * TILE_BYTES;
-    att = b + S * TILE_BYTES;
+    b = a + S * kt * TILE_BYTES;
+    att = b + S * kt * TILE_BYTES;
     ln = att + ATT_BYTES;       // 64 float2: the tile's rows' (mean * rstd, rstd)
     word = ln + TILE * 8;       // 16 bytes: the split-K ticket's verdict
     full = word + 16;
@@ -202,7 +203,8 @@ struct Smem {
 
 template <bool BF16>
 __device__ void producer(const Params& p, const Smem& sm, int lane) {
-  const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages;
+  const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages, KT = p.kt;
+  const int CH = KT * TILE_BYTES;  // bytes of one operand's chunk
   const int racy = ((p.flags >> RACY_SHIFT) & 7) - 1;
   const bool lead = lane == 0;
   const bool no_a = (p.flags & NO_A) != 0;
@@ -214,14 +216,14 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   if (blockIdx.x < total) {
     const Task t = decode(p, blockIdx.x);
     if (t.phase != P_ATT) {
-      pre = min(S, t.k_tiles);
+      pre = min(S, t.k_tiles / KT);
       pre_a = racy == P_QKV && t.phase == P_QKV;
       if (lead)
         for (int i = 0; i < pre; ++i) {
-          mbar_expect_tx(sm.full + 8 * i, no_a ? TILE_BYTES : STAGE_BYTES);
-          tma_load(sm.b + i * TILE_BYTES, t.b, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.n * TILE);
+          mbar_expect_tx(sm.full + 8 * i, no_a ? CH : 2 * CH);
+          tma_load3(sm.b + i * CH, t.b, sm.full + 8 * i, t.n * TILE, t.a_col0 / BK + i * KT);
           if (trace != nullptr && i < 16) trace[TR_B + i] = globaltimer();
-          if (pre_a) tma_load(sm.a + i * TILE_BYTES, t.a, sm.full + 8 * i, (t.a_col0 / BK + i) * BK, t.m * TILE);
+          if (pre_a) tma_load3(sm.a + i * CH, t.a, sm.full + 8 * i, t.m * TILE, t.a_col0 / BK + i * KT);
         }
     }
   }
@@ -231,7 +233,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       if (j >= total) break;
       const Task t = decode(p, j);
       if (t.phase == P_ATT) continue;
-      for (int i = 0; i < t.k_tiles; ++i) tma_prefetch_l2(t.b, t.a_col0 + i * BK, t.n * TILE);
+      for (int i = 0; i < t.k_tiles; i += KT) tma_prefetch_l2_3d(t.b, t.n * TILE, t.a_col0 / BK + i);
     }
   gdc_wait();
   const int target = ld_relaxed(p.sync + blockIdx.x) + 1;
@@ -273,7 +275,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
     auto flush = [&]() {
       if (lead && !no_a)
         for (int u = it - pend; u < it; ++u) {
-          tma_load(sm.a + (u % S) * TILE_BYTES, t.a, sm.full + 8 * (u % S), (kt0 + u - it0) * BK, t.m * TILE);
+          tma_load3(sm.a + (u % S) * CH, t.a, sm.full + 8 * (u % S), t.m * TILE, kt0 + (u - it0) * KT);
           if (trace != nullptr && q == 0 && u - it0 < 16) trace[TR_A + u - it0] = globaltimer();
         }
       pend = 0;
@@ -285,7 +287,8 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       deps_acquire();
       ready = true;
     };
-    for (int i = 0; i < t.k_tiles; ++i, ++it) {
+    const int n_ch = t.k_tiles / KT;
+    for (int i = 0; i < n_ch; ++i, ++it) {
       const int s = it % S, r = it / S;
       if (it >= pre) {
         if (r >= 1) {
@@ -296,8 +299,8 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
           mbar_wait(sm.empty + 8 * s, (r - 1) & 1);
         }
         if (lead) {
-          mbar_expect_tx(sm.full + 8 * s, no_a ? TILE_BYTES : STAGE_BYTES);
-          tma_load(sm.b + s * TILE_BYTES, t.b, sm.full + 8 * s, (kt0 + i) * BK, t.n * TILE);
+          mbar_expect_tx(sm.full + 8 * s, no_a ? CH : 2 * CH);
+          tma_load3(sm.b + s * CH, t.b, sm.full + 8 * s, t.n * TILE, kt0 + i * KT);
           if (trace != nullptr && q == 0 && i < 16) trace[TR_B + i] = globaltimer();
         }
       }
@@ -308,7 +311,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       if (ready) {
         flush();
         if (lead && !(pre_a && it < pre) && !no_a)
-          tma_load(sm.a + s * TILE_BYTES, t.a, sm.full + 8 * s, (kt0 + i) * BK, t.m * TILE);
+          tma_load3(sm.a + s * CH, t.a, sm.full + 8 * s, t.m * TILE, kt0 + i * KT);
         if (trace != nullptr && q == 0 && i < 16) trace[TR_A + i] = globaltimer();
       } else {
         ++pend;
@@ -408,11 +411,13 @@ __device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq
   }
 }
 
-template <bool BF16>
+template <bool BF16, int KT>  // KT: K tiles a chunk (p.kt), a compile-time count so that the MMAs of a chunk are
+                              // one straight run (a loop around wgmma makes ptxas serialise them)
 __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem_raw, uint32_t raw) {
   using E = Elem<BF16>;
   using T = typename E::T;
   const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages;
+  constexpr int CH = KT * TILE_BYTES;
   const int warp = tid / 32, lane = tid % 32;
   float2* const ln_row = reinterpret_cast<float2*>(smem_raw + (sm.ln - raw));
   int* const word = reinterpret_cast<int*>(smem_raw + (sm.word - raw));
@@ -473,7 +478,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
       int prev = 0;
       if (p.flags & NO_MMA) {
-        for (int i = 0; i < t.k_tiles; ++i, ++it) {
+        for (int i = 0; i < t.k_tiles / KT; ++i, ++it) {
           const int s = it % S;
           mbar_wait(sm.full + 8 * s, (it / S) & 1);
           if (trace != nullptr && tid == 0) {
@@ -484,25 +489,31 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           if (lane == 0) mbar_arrive(sm.empty + 8 * s);
         }
       } else
-      for (int i = 0; i < t.k_tiles; ++i, ++it) {
+      for (int i = 0; i < t.k_tiles / KT; ++i, ++it) {
         const int s = it % S;
         mbar_wait(sm.full + 8 * s, (it / S) & 1);
         if (trace != nullptr && tid == 0) {
           if (i == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
           if (q == 0 && i < 16) trace[TR_FULL + i] = globaltimer();
         }
-        const uint32_t as = sm.a + s * TILE_BYTES;
-        const uint64_t da = smem_desc(as), db = smem_desc(sm.b + s * TILE_BYTES);
+        // The chunk: KT 64-wide K tiles of A and of B, each a 128-byte swizzled 64 x 64 tile (8 KB).
+        const uint32_t as = sm.a + s * CH;
         fence_acc<WGMMA_N / 2>(acc);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, WGMMA_N>(acc, da + 2 * kk, db + 2 * kk);
+        for (int k = 0; k < KT; ++k) {
+          const uint64_t da = smem_desc(as + k * TILE_BYTES), db = smem_desc(sm.b + s * CH + k * TILE_BYTES);
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, WGMMA_N>(acc, da + 2 * kk, db + 2 * kk);
+        }
         wgmma_commit();
         fence_acc<WGMMA_N / 2>(acc);
         if (ln_sums) {
-          // Row tid / 2's 64 elements lie in its 128 bytes (the swizzle permutes 16-byte chunks within a row); the
-          // chunks are read in a rotated order so that the 16 rows of a warp hit different banks.
-          const uint32_t rp = as + (tid / 2) * 128 + (tid % 2) * 64;
+          // Row tid / 2's 64 elements of a tile lie in its 128 bytes (the swizzle permutes 16-byte chunks within a
+          // row); the chunks are read in a rotated order so that the 16 rows of a warp hit different banks.
+#pragma unroll
+          for (int k = 0; k < KT; ++k) {
+          const uint32_t rp = as + k * TILE_BYTES + (tid / 2) * 128 + (tid % 2) * 64;
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             uint32_t v[4];
@@ -515,6 +526,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
               s1 += f.x + f.y;
               s2 += f.x * f.x + f.y * f.y;
             }
+          }
           }
         }
         wgmma_wait<1>();
@@ -633,7 +645,7 @@ template <bool BF16>
 __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant__ Params p) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
-  const Smem sm((raw + 1023u) & ~1023u, p.stages);
+  const Smem sm((raw + 1023u) & ~1023u, p.stages, p.kt);
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int i = 0; i < p.stages; ++i) {
@@ -653,8 +665,14 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
     }
     __syncwarp();
     producer<BF16>(p, sm, tid - CONSUMERS);
+  } else if (p.kt == 4) {
+    consumer<BF16, 4>(p, sm, tid, smem_raw, raw);
+  } else if (p.kt == 3) {
+    consumer<BF16, 3>(p, sm, tid, smem_raw, raw);
+  } else if (p.kt == 2) {
+    consumer<BF16, 2>(p, sm, tid, smem_raw, raw);
   } else {
-    consumer<BF16>(p, sm, tid, smem_raw, raw);
+    consumer<BF16, 1>(p, sm, tid, smem_raw, raw);
   }
 }
 
@@ -663,6 +681,15 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
 #ifndef LK_BF16
 #define LK_BF16 0
 #endif
+
+// K tiles a chunk (one TMA box an operand): a box costs ~200 cycles of the SM's TMA unit besides its bytes (one CTA,
+// L2 hits: 64 B/cycle with 16 KB boxes, 107 with 32 KB; scripts/wgmma_bench.py), so the loads go in chunks of
+// several K tiles. The largest of 4, 3, 2, 1 dividing every task's K tiles and leaving two ring slots.
+extern "C" int chunk_tiles(int a, int b, int c, int stages) {
+  for (int kt = 4; kt > 1; --kt)
+    if (a % kt == 0 && b % kt == 0 && c % kt == 0 && stages / kt >= 2) return kt;
+  return 1;
+}
 
 extern "C" int layer_variant() { return LK_BF16 | (LK_WGMMA_N == 64 ? 0 : 2); }
 
@@ -698,17 +725,19 @@ extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, vo
              GEN_SLOTS);
     return 1;
   }
+  // K tiles a chunk: the largest of 4, 3, 2, 1 that divides every task's K tiles and leaves two ring slots.
+  const int kt = chunk_tiles(nd, nd / s_out, nf / s_ffn2, stages);
   Params p;
   memset(&p, 0, sizeof(p));
-  if (encode(&p.x_map, BF, x, M, D, D, TILE, err, errlen) ||
-      encode(&p.wqkv_map, BF, w_qkv, 3 * D, D, D, TILE, err, errlen) ||
+  if (encode3(&p.x_map, BF, x, M, D, D, TILE, kt, err, errlen) ||
+      encode3(&p.wqkv_map, BF, w_qkv, 3 * D, D, D, TILE, kt, err, errlen) ||
       encode(&p.qkv_map, BF, qkv, M, 3 * D, 3 * D, TILE, err, errlen) ||
-      encode(&p.attn_map, BF, attn, M, D, D, TILE, err, errlen) ||
-      encode(&p.wout_map, BF, w_out, D, D, D, TILE, err, errlen) ||
-      encode(&p.h_map, BF, h, M, D, D, TILE, err, errlen) ||
-      encode(&p.w1_map, BF, w_ffn1, F, D, D, TILE, err, errlen) ||
-      encode(&p.f1_map, BF, f1, M, F, F, TILE, err, errlen) ||
-      encode(&p.w2_map, BF, w_ffn2, D, F, F, TILE, err, errlen))
+      encode3(&p.attn_map, BF, attn, M, D, D, TILE, kt, err, errlen) ||
+      encode3(&p.wout_map, BF, w_out, D, D, D, TILE, kt, err, errlen) ||
+      encode3(&p.h_map, BF, h, M, D, D, TILE, kt, err, errlen) ||
+      encode3(&p.w1_map, BF, w_ffn1, F, D, D, TILE, kt, err, errlen) ||
+      encode3(&p.f1_map, BF, f1, M, F, F, TILE, kt, err, errlen) ||
+      encode3(&p.w2_map, BF, w_ffn2, D, F, F, TILE, kt, err, errlen))
     return 1;
   p.b_qkv = b_qkv, p.u_qkv = u_qkv, p.b_out = b_out, p.b_ffn1 = b_ffn1, p.u_ffn1 = u_ffn1, p.b_ffn2 = b_ffn2;
   p.x = x, p.qkv = qkv, p.attn = attn, p.h = h, p.f1 = f1, p.y = y;
@@ -727,7 +756,8 @@ extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, vo
   p.f_f1 = p.f_h + mt * nd;
   p.c_out = p.f_f1 + mt * nf;
   p.c_ffn2 = p.c_out + mt * nd;
-  p.stages = stages;
+  p.stages = stages / kt;
+  p.kt = kt;
   p.trigger = trigger;
   p.pf_tasks = pf_tasks;
   p.qk_scale = 1.4426950408889634f / sqrtf(64.f);
