@@ -49,6 +49,9 @@ constexpr int MAX_TRACE = 8;                   // tasks a CTA stamps (diagnostic
 // trace row of a CTA: [0] after the wait, [1 + 2q, 2 + 2q] task q's first input and end, then for the CTA's first
 // task (up to 16 K tiles) each stage's arrival (consumer), each B and each A load's issue (producer)
 constexpr int TRACE_ROW = 64, TR_FULL = 17, TR_B = 33, TR_A = 49;
+// (the first task's epilogue: TR_EPI + 0 loop done, + 1 row statistics shared, + 2 stores issued, + 3 fence passed,
+// + 4 barrier passed, + 5 flag raised; first task's chunks are at most 8, so these share the arrival row's end)
+constexpr int TR_EPI = TR_FULL + 8;
 
 enum Phase { P_QKV = 0, P_ATT = 1, P_OUT = 2, P_FFN1 = 3, P_FFN2 = 4 };
 enum Flags {
@@ -540,6 +543,8 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       fence_acc<WGMMA_N / 2>(acc);
       __syncwarp();
       if (lane == 0 && (p.flags & NO_MMA) == 0) mbar_arrive(sm.empty + 8 * prev);
+      const bool stamp = trace != nullptr && tid == 0 && q == 0;
+      if (stamp) trace[TR_EPI] = globaltimer();
 
       if (t.phase == P_OUT || t.phase == P_FFN2) {
         const int tile = t.phase == P_OUT ? t.m * p.nd + t.n : p.mt * p.nd + t.m * p.nd + t.n;
@@ -578,6 +583,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.eps);
         if (tid % 2 == 0) ln_row[tid / 2] = make_float2(mean * rstd, rstd);
         consumer_sync<CONSUMERS>();
+        if (stamp) trace[TR_EPI + 1] = globaltimer();
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float2 v = ln_row[ra + 8 * h];
@@ -624,14 +630,19 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           }
         }
       }
+      if (stamp) trace[TR_EPI + 2] = globaltimer();
       if (t.phase == P_QKV) flag = slot(p, p.f_qkv + t.m * p.nq + t.n);
       if (t.phase == P_OUT) flag = slot(p, p.f_h + t.m * p.nd + t.n);
       if (t.phase == P_FFN1) flag = slot(p, p.f_f1 + t.m * p.nf + t.n);
     }
     if (flag != nullptr) {
+      const bool stamp = trace != nullptr && tid == 0 && q == 0;
       if ((p.flags & NO_WFENCE) == 0) fence_proxy_async_global();  // the readers load this tile with TMA
+      if (stamp) trace[TR_EPI + 3] = globaltimer();
       consumer_sync<CONSUMERS>();
+      if (stamp) trace[TR_EPI + 4] = globaltimer();
       if (tid == 0) red_release_add(flag, 1);
+      if (stamp) trace[TR_EPI + 5] = globaltimer();
     } else {
       consumer_sync<CONSUMERS>();  // (ln_row and word are reused by the next task)
     }

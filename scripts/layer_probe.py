@@ -148,7 +148,9 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
         row = lambda a: " ".join(f"{(int(v) - t0) / 1e3:5.2f}" if int(v) else "  -  " for v in tr[cta, a:a + 12])  # noqa
         print(f"  CTA {cta} first task, K tiles 0-11: B issued  {row(L.TR_B)}")
         print(f"  CTA {cta} first task, K tiles 0-11: A issued  {row(L.TR_A)}")
-        print(f"  CTA {cta} first task, K tiles 0-11: arrived   {row(L.TR_FULL)}")
+        print(f"  CTA {cta} first task, chunks 0-7: arrived     {row(L.TR_FULL)[:48]}")
+        print(f"  CTA {cta} first task epilogue: loop done, stats, stores, fence, barrier, flag: "
+              f"{row(L.TR_EPI)[:36]}")
 
 if __name__ == "__main__":
     main()
