@@ -98,3 +98,31 @@ extern "C" int tma_bench_run(void* t0, void* t1, int maps, int box_rows, int box
   tma_bench<<<1, 32, smem>>>(m0, m1, maps, box_rows, boxes, slots, cycles);
   return cudaDeviceSynchronize() != cudaSuccess ? 2 : 0;
 }
+
+// Instruction fetch: `reps` passes over a straight run of 4096 FMAs (independent chains of 8; ~64 KB of code) by one
+// warpgroup. The first pass fetches the code cold, the later ones find it in the SM's instruction caches.
+namespace {
+__global__ void __launch_bounds__(128, 1) icache_bench(float* sink, long long* cycles, int reps) {
+  float r[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) r[i] = threadIdx.x * 0.001f + i;
+  long long t[4];
+  for (int rep = 0; rep < reps && rep < 4; ++rep) {
+    t[rep] = clock64();
+#pragma unroll
+    for (int i = 0; i < 4096; ++i) asm volatile("fma.rn.f32 %0, %0, 0f3F800001, 0f3A83126F;" : "+f"(r[i % 8]));
+  }
+  const long long end = clock64();
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s += r[i];
+  sink[threadIdx.x] = s;
+  if (threadIdx.x == 0)
+    for (int rep = 0; rep < reps && rep < 4; ++rep) cycles[rep] = (rep + 1 < reps ? t[rep + 1] : end) - t[rep];
+}
+}  // namespace
+
+extern "C" int icache_bench_run(float* sink, long long* cycles, int reps) {
+  icache_bench<<<1, 128>>>(sink, cycles, reps);
+  return cudaDeviceSynchronize() != cudaSuccess;
+}

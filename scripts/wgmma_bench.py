@@ -51,6 +51,18 @@ def tma():
                       f"{kb * 1024 / c:6.1f} B/cycle", flush=True)
 
 
+
+def icache():
+    lib = _nvcc.build(Path(__file__).with_name("wgmma_bench.cu"), {"WB": 1}, "wgmma_bench")
+    lib.icache_bench_run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    sink = torch.zeros(128, device="cuda")
+    cyc = torch.zeros(4, dtype=torch.int64, device="cuda")
+    for _ in range(3):
+        assert lib.icache_bench_run(sink.data_ptr(), cyc.data_ptr(), 4) == 0
+        print("straight run of 4096 FMAs (64 KB of code), 4 passes, cycles each:", cyc.tolist(), flush=True)
+
+
 if __name__ == "__main__":
+    icache()
     tma()
     main()
