@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -52,3 +53,12 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
             raise RuntimeError(f"{who}: nvcc failed: {last}")
         os.replace(tmp, out)
     return ctypes.CDLL(str(out))
+
+
+def c_argtypes(source: str, function: str) -> list:
+    """The ctypes types of an ``extern "C" int function(...)`` parameter list in ``source`` (int, float, char*;
+    any other type a pointer): what a launcher's declared argtypes must equal (a mismatch fails only on the GPU)."""
+    params = re.search(rf'extern "C" int {function}\((.*?)\)\s*\{{', source, re.S).group(1)
+    kinds = {"int": ctypes.c_int, "float": ctypes.c_float, "char*": ctypes.c_char_p}
+    return [kinds.get(" ".join(prm.split()[:-1]).replace("const ", "").replace(" *", "*"), ctypes.c_void_p)
+            for prm in params.split(",")]

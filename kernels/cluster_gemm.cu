@@ -442,14 +442,7 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   const bool pad = (flags & NO_SPREAD) == 0 && 2 * n_tiles * m_tiles * SC > sms;
   const int smem = pad ? max(cluster_gemm_smem_bytes(stages), spread) : cluster_gemm_smem_bytes(stages);
   static int configured = 0;
-  if (configured < smem) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) {
-      snprintf(err, errlen, "cudaFuncSetAttribute(%d B shared memory): %s", smem, cudaGetErrorString(e));
-      return 1;
-    }
-    configured = smem;
-  }
+  if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(n_tiles, m_tiles, SC);
   cfg.blockDim = dim3(TV::THREADS, 1, 1);

@@ -313,51 +313,58 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stride, int box_rows, char* err,
-           int errlen) {
+// A TMA descriptor of a 16-bit tensor (128-byte swizzle): dims and boxes innermost first, strides in bytes.
+int encode_nd(CUtensorMap* map, bool bf16, void* ptr, int rank, const cuuint64_t* dims, const cuuint64_t* strides,
+              const cuuint32_t* box, int rows, int cols, int stride, char* err, int errlen) {
   auto fn = encode_fn();
   if (fn == nullptr) {
     snprintf(err, errlen, "cuTensorMapEncodeTiled is not available from the driver");
     return 1;
   }
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, ptr, dims,
+  cuuint32_t estr[3] = {1, 1, 1};
+  CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, rank, ptr, dims,
                   strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
-             static_cast<int>(r), rows, cols, stride);
+    snprintf(err, errlen, "cuTensorMapEncodeTiled (%d-D) failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
+             rank, static_cast<int>(r), rows, cols, stride);
     return 1;
   }
   return 0;
 }
 
-// A row-major [rows, cols] 16-bit matrix seen as [cols / 64][rows][64] (3-D), box {64, box_rows, kt}: one load brings
-// kt consecutive 64-wide column tiles of box_rows rows, each laid out (and 128-byte swizzled) as a 2-D 64-wide box
-// would be, one after another in shared memory.
+// A row-major [rows, cols] 16-bit matrix, box {64 columns, box_rows rows}.
+int encode(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stride, int box_rows, char* err,
+           int errlen) {
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride) * 2};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows)};
+  return encode_nd(map, bf16, ptr, 2, dims, strides, box, rows, cols, stride, err, errlen);
+}
+
+// The same matrix seen as [cols / 64][rows][64] (3-D), box {64, box_rows, kt}: one load brings kt consecutive
+// 64-wide column tiles of box_rows rows, each laid out (and 128-byte swizzled) as a 2-D 64-wide box would be, one
+// after another in shared memory.
 int encode3(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stride, int box_rows, int kt, char* err,
             int errlen) {
-  auto fn = encode_fn();
-  if (fn == nullptr) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled is not available from the driver");
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(BK), static_cast<cuuint64_t>(rows),
+                              static_cast<cuuint64_t>((cols + BK - 1) / BK)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(stride) * 2, static_cast<cuuint64_t>(BK) * 2};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows),
+                             static_cast<cuuint32_t>(kt)};
+  return encode_nd(map, bf16, ptr, 3, dims, strides, box, rows, cols, stride, err, errlen);
+}
+
+// Raises a kernel's dynamic shared-memory limit to `smem` bytes once (`configured`: the kernel's current limit).
+template <typename K>
+int allow_smem(K kernel, int smem, int& configured, char* err, int errlen) {
+  if (configured >= smem) return 0;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "cudaFuncSetAttribute(%d B shared memory): %s", smem, cudaGetErrorString(e));
     return 1;
   }
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(BK), static_cast<cuuint64_t>(rows),
-                        static_cast<cuuint64_t>((cols + BK - 1) / BK)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(stride) * 2, static_cast<cuuint64_t>(BK) * 2};
-  cuuint32_t box[3] = {static_cast<cuuint32_t>(BK), static_cast<cuuint32_t>(box_rows), static_cast<cuuint32_t>(kt)};
-  cuuint32_t estr[3] = {1, 1, 1};
-  CUresult r = fn(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3, ptr, dims,
-                  strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    snprintf(err, errlen, "cuTensorMapEncodeTiled (3-D) failed (CUresult %d) for a [%d, %d] tensor, row stride %d",
-             static_cast<int>(r), rows, cols, stride);
-    return 1;
-  }
+  configured = smem;
   return 0;
 }
 

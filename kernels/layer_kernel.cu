@@ -115,6 +115,21 @@ struct Task {
   int ndep;
 };
 
+// A split-K GEMM task (out-projection, FFN2): item j of its phase is split j % splits of output tile j / splits; its
+// A columns are the split's K tiles, each made by one tile of the producer phase (flags from `flags`, a row of
+// k_total of them a 64-row tile).
+__device__ __forceinline__ void split_task(Task& t, const Params& p, int phase, int j, int splits, int k_total,
+                                           const CUtensorMap* a, const CUtensorMap* b, int flags) {
+  t.phase = phase;
+  t.split = j % splits, j /= splits;
+  t.m = j / p.nd, t.n = j % p.nd;
+  t.k_tiles = k_total / splits;
+  t.a_col0 = t.split * t.k_tiles * BK;
+  t.a = a, t.b = b;
+  t.dep[0] = {flags + t.m * k_total + t.split * t.k_tiles, t.k_tiles, 1};
+  t.ndep = 1;
+}
+
 __device__ __forceinline__ Task decode(const Params& p, int j) {
   Task t;
   t.ndep = 0;
@@ -138,15 +153,7 @@ __device__ __forceinline__ Task decode(const Params& p, int j) {
     t.a = t.b = nullptr;
     t.k_tiles = 0;
   } else if (j < p.end[P_OUT]) {
-    j -= p.end[P_ATT];
-    t.phase = P_OUT;
-    t.split = j % p.s_out, j /= p.s_out;
-    t.m = j / p.nd, t.n = j % p.nd;
-    t.k_tiles = p.nd / p.s_out;
-    t.a_col0 = t.split * t.k_tiles * BK;
-    t.a = &p.attn_map, t.b = &p.wout_map;
-    t.dep[0] = {p.f_att + t.m * p.heads + t.split * t.k_tiles, t.k_tiles, 1};
-    t.ndep = 1;
+    split_task(t, p, P_OUT, j - p.end[P_ATT], p.s_out, p.nd, &p.attn_map, &p.wout_map, p.f_att);
   } else if (j < p.end[P_FFN1]) {
     j -= p.end[P_OUT];
     t.phase = P_FFN1;
@@ -156,15 +163,7 @@ __device__ __forceinline__ Task decode(const Params& p, int j) {
     t.dep[0] = {p.f_h + t.m * p.nd, p.nd, 1};
     t.ndep = 1;
   } else {
-    j -= p.end[P_FFN1];
-    t.phase = P_FFN2;
-    t.split = j % p.s_ffn2, j /= p.s_ffn2;
-    t.m = j / p.nd, t.n = j % p.nd;
-    t.k_tiles = p.nf / p.s_ffn2;
-    t.a_col0 = t.split * t.k_tiles * BK;
-    t.a = &p.f1_map, t.b = &p.w2_map;
-    t.dep[0] = {p.f_f1 + t.m * p.nf + t.split * t.k_tiles, t.k_tiles, 1};
-    t.ndep = 1;
+    split_task(t, p, P_FFN2, j - p.end[P_FFN1], p.s_ffn2, p.nf, &p.f1_map, &p.w2_map, p.f_f1);
   }
   return t;
 }
@@ -779,14 +778,7 @@ extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, vo
   auto kernel = layer_kernel<BF>;
   const int smem = layer_smem_bytes(stages);
   static int configured = 0;
-  if (configured < smem) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    if (e != cudaSuccess) {
-      snprintf(err, errlen, "cudaFuncSetAttribute(%d B shared memory): %s", smem, cudaGetErrorString(e));
-      return 1;
-    }
-    configured = smem;
-  }
+  if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(grid, 1, 1);
   cfg.blockDim = dim3(THREADS, 1, 1);

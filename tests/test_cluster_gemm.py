@@ -53,16 +53,10 @@ def test_check_cluster_tiles(bm, bn, warps, stages, ok):
 def test_launch_argtypes_match_the_c_signature():
     # The ctypes declaration of cluster_gemm_launch against its C parameter list (a mismatch fails only on the GPU).
     import ctypes
-    import re
 
-    from tuner.kernels import cluster_gemm
+    from tuner.kernels import _nvcc, cluster_gemm
 
-    src = cluster_gemm.SOURCE.read_text()
-    params = re.search(r'extern "C" int cluster_gemm_launch\((.*?)\)\s*\{', src, re.S).group(1)
-    want = []
-    for prm in params.split(","):
-        typ = " ".join(prm.split()[:-1]).replace("const ", "").replace(" *", "*")
-        want.append({"int": ctypes.c_int, "float": ctypes.c_float, "char*": ctypes.c_char_p}.get(typ, ctypes.c_void_p))
+    want = _nvcc.c_argtypes(cluster_gemm.SOURCE.read_text(), "cluster_gemm_launch")
     assert len(want) == 26 and all(t == ctypes.c_void_p for t in want[:9])
     assert cluster_gemm.LAUNCH_ARGTYPES == want
 

@@ -8,7 +8,6 @@ test-only racy variants, which the correctness check must catch.
 """
 
 import ctypes
-import re
 from dataclasses import replace
 
 import pytest
@@ -18,9 +17,10 @@ from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels import _nvcc, layer_cuda
 from tuner.kernels import fused_layer as fk
-from tuner.kernels._common import rel_error
-from tuner.layer import DecoderStack, LayerWeights, check_config, fit_config, layer_problem, layer_ref
+from tuner.layer import DecoderStack, check_config, fit_config, layer_problem
 from tuner.shapes import DecoderShape, resolve
+
+from test_fused_layer import run_layer  # (tests/ is on sys.path under pytest)
 
 H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448)
 CUDA2 = fk.FusedLayerConfig(fuse=2, num_stages=8, out_split_k=4, ffn2_split_k=4)
@@ -28,12 +28,7 @@ SMALL = DecoderShape(1, 24, 128, 2, 192, name="small")  # head dim 64, seq 24: o
 
 
 def test_launch_argtypes_match_the_c_signature():
-    src = layer_cuda.SOURCE.read_text()
-    params = re.search(r'extern "C" int layer_launch\((.*?)\)\s*\{', src, re.S).group(1)
-    want = []
-    for prm in params.split(","):
-        typ = " ".join(prm.split()[:-1]).replace("const ", "").replace(" *", "*")
-        want.append({"int": ctypes.c_int, "float": ctypes.c_float, "char*": ctypes.c_char_p}.get(typ, ctypes.c_void_p))
+    want = _nvcc.c_argtypes(layer_cuda.SOURCE.read_text(), "layer_launch")
     assert len(want) == 35 and all(t == ctypes.c_void_p for t in want[:19])
     assert layer_cuda.LAUNCH_ARGTYPES == want
 
@@ -83,25 +78,12 @@ def test_fit_moves_splits_to_divisors():
     assert fk.check(fitted, layer_problem(resolve("bert-base")), H200) is None
 
 
-def _layer(shape, cfg, dtype, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = LayerWeights.random(shape, dtype, device, g)
-    x = torch.randn(shape.tokens, shape.d_model, generator=g).to(dtype).to(device)
-    p = layer_problem(shape, x.element_size())
-    cfg = fk.fit(cfg, p)
-    assert fk.check(cfg, p) is None, fk.check(cfg, p)
-    scratch = fk.LayerScratch(cfg, p, dtype, device)
-    out = torch.full_like(x, float("nan"))
-    fk.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads, config=cfg, scratch=scratch, out=out)
-    return out, layer_ref(shape, w, x), scratch
-
-
 def test_fuse2_runs_the_triton_kernel_off_hopper(device):
     if device == "cuda" and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("on Hopper the CUDA kernel runs: the GPU tests below")
-    out, ref, scratch = _layer(SMALL, replace(CUDA2, out_split_k=2, ffn2_split_k=3), torch.float16, device)
+    err, scratch = run_layer(SMALL, replace(CUDA2, out_split_k=2, ffn2_split_k=3), torch.float16, device)
     assert not scratch.cuda and scratch.poisonable() == [scratch.ws]
-    assert rel_error(out, ref) < 1e-2
+    assert err < 1e-2
 
 
 gpu = pytest.mark.gpu
@@ -125,9 +107,9 @@ def test_layer_kernel_matches_reference(shape, dtype):
     nd, nf = shape.d_model // 64, shape.ffn // 64
     cfg = replace(CUDA2, out_split_k=max(d for d in (1, 2, 3, 4) if nd % d == 0),
                   ffn2_split_k=max(d for d in (1, 2, 3, 4, 5, 6) if nf % d == 0))
-    out, ref, scratch = _layer(shape, cfg, dtype, "cuda")
+    err, scratch = run_layer(shape, cfg, dtype, "cuda")
     assert scratch.cuda
-    assert rel_error(out, ref) < (1e-2 if dtype == torch.float16 else 3e-2), rel_error(out, ref)
+    assert err < (1e-2 if dtype == torch.float16 else 3e-2), err
     assert int(scratch.ws.abs().sum()) == 0  # the last split of each tile zeroed its sums
 
 
@@ -139,8 +121,8 @@ def test_layer_kernel_matches_reference(shape, dtype):
                                   dict(num_stages=4, out_split_k=2, ffn2_split_k=16, programs=7)],
                          ids=["2-stages-no-split", "split-every-tile", "11-stages-40-ctas", "7-ctas"])
 def test_layer_kernel_splits_stages_and_grids(edit):
-    out, ref, _ = _layer(resolve("bert-base"), replace(CUDA2, **edit), torch.float16, "cuda")
-    assert rel_error(out, ref) < 1e-2, rel_error(out, ref)
+    err, _ = run_layer(resolve("bert-base"), replace(CUDA2, **edit), torch.float16, "cuda")
+    assert err < 1e-2, err
 
 
 @gpu
