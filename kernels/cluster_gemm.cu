@@ -455,11 +455,7 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   attrs[n].val.clusterDim.y = 1;
   attrs[n].val.clusterDim.z = SC;
   ++n;
-  if (flags & USE_PDL) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
+  if (flags & USE_PDL) add_pdl(attrs, n);
   cfg.attrs = attrs;
   cfg.numAttrs = n;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);

@@ -355,6 +355,14 @@ int encode3(CUtensorMap* map, bool bf16, void* ptr, int rows, int cols, int stri
   return encode_nd(map, bf16, ptr, 3, dims, strides, box, rows, cols, stride, err, errlen);
 }
 
+// Appends the PDL launch attribute (programmatic stream serialization: the launch may begin before its predecessor
+// ends; the kernel's griddepcontrol.wait waits for it).
+inline void add_pdl(cudaLaunchAttribute* attrs, int& n) {
+  attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[n].val.programmaticStreamSerializationAllowed = 1;
+  ++n;
+}
+
 // Raises a kernel's dynamic shared-memory limit to `smem` bytes once (`configured`: the kernel's current limit).
 template <typename K>
 int allow_smem(K kernel, int smem, int& configured, char* err, int errlen) {

@@ -786,11 +786,7 @@ extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, vo
   cfg.stream = static_cast<cudaStream_t>(stream);
   cudaLaunchAttribute attrs[1];
   int n = 0;
-  if (flags & USE_PDL) {
-    attrs[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n].val.programmaticStreamSerializationAllowed = 1;
-    ++n;
-  }
+  if (flags & USE_PDL) add_pdl(attrs, n);
   cfg.attrs = attrs;
   cfg.numAttrs = n;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
