@@ -448,6 +448,7 @@ class LayerScratch:
         # launches, so they are no scratch to poison); elsewhere the Triton kernel's.
         self.cuda = config.fuse == 2 and torch.device(device).type == "cuda" and not interpreting() and \
             torch.cuda.get_device_capability(device) == (9, 0)
+        self.maps: dict = {}  # fuse 2: the CUDA kernel's TMA descriptors on the device, per set of buffers
         if self.cuda:
             self.ws = torch.zeros(layer_cuda.workspace_numel(m, d), dtype=torch.float32, device=device)
             self.sync = torch.zeros(layer_cuda.sync_ints(m, d, problem.heads, f), dtype=torch.int32, device=device)

@@ -39,11 +39,15 @@ USE_PDL, RACY_SHIFT, NO_LN_SUMS = 1, 4, 256
 # Extra launch flags for A/B diagnostics (scripts/layer_probe.py's diag=N); 0 in every real run.
 DIAG_FLAGS = 0
 # layer_launch's parameters (tests/test_layer_cuda.py checks them against the C signature): 19 pointers (x, y, qkv,
-# attn, h, f1, w_qkv, b_qkv, u_qkv, w_out, b_out, w_ffn1, b_ffn1, u_ffn1, w_ffn2, b_ffn2, ws, sync, trace), 13 ints
-# (M, seq, D, heads, F, s_out, s_ffn2, stages, grid, trigger, pf_tasks, flags), eps, the stream, the error buffer and
-# its length.
+# attn, h, f1, w_qkv, b_qkv, u_qkv, w_out, b_out, w_ffn1, b_ffn1, u_ffn1, w_ffn2, b_ffn2, ws, sync, trace), 12 ints
+# (M, seq, D, heads, F, s_out, s_ffn2, stages, grid, trigger, pf_tasks, flags), eps, the TMA descriptors (device), the
+# stream, the error buffer and its length.
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 19 + [ctypes.c_int] * 12
-                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
+# layer_encode's: the host buffer, 9 pointers (x, qkv, attn, h, f1, w_qkv, w_out, w_ffn1, w_ffn2), M, D, F, kt, the
+# error buffer and its length.
+ENCODE_ARGTYPES = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 4 + [ctypes.c_char_p, ctypes.c_int]
+N_MAPS = 9  # layer_kernel.cu's N_MAPS (128 bytes each)
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's census).
 launch_enter_hook = None
 
@@ -116,7 +120,9 @@ def library(bf16: int) -> ctypes.CDLL:
     lib = _nvcc.build(SOURCE, {"LK_BF16": bf16, "LK_WGMMA_N": WGMMA_N}, "layer_kernel")
     lib.layer_launch.argtypes = LAUNCH_ARGTYPES
     lib.layer_launch.restype = ctypes.c_int
-    for fn, n in (("layer_smem_bytes", 1), ("layer_sync_ints", 4)):
+    lib.layer_encode.argtypes = ENCODE_ARGTYPES
+    lib.layer_encode.restype = ctypes.c_int
+    for fn, n in (("layer_smem_bytes", 1), ("layer_sync_ints", 4), ("chunk_tiles", 4)):
         getattr(lib, fn).argtypes = [ctypes.c_int] * n
         getattr(lib, fn).restype = ctypes.c_int
     if (lib.layer_variant() != bf16 | (0 if WGMMA_N == 64 else 2) or lib.layer_smem_bytes(4) != smem_bytes(4)
@@ -130,6 +136,26 @@ def tasks_per_cta(tokens: int, d_model: int, heads: int, ffn: int, s_out: int, s
     mt, nd, nf = math.ceil(tokens / TILE), d_model // TILE, ffn // TILE
     total = mt * (3 * nd + heads + nd * s_out + nf + nd * s_ffn2)
     return math.ceil(total / min(grid, total))
+
+
+def _descriptors(lib, x, w, scratch, F: int, kt: int) -> torch.Tensor:
+    """The layer's TMA descriptors on the device, encoded once per set of buffers (cached on the scratch)."""
+    ptrs = (x.data_ptr(), scratch.qkv.data_ptr(), scratch.attn.data_ptr(), scratch.h.data_ptr(),
+            scratch.ffn1.data_ptr(), w.w_qkv.data_ptr(), w.w_out.data_ptr(), w.w_ffn1.data_ptr(), w.w_ffn2.data_ptr())
+    key = ptrs + (kt,)
+    maps = scratch.maps.get(key)
+    if maps is None:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("layer kernel: these buffers were never launched outside a CUDA graph capture; launch "
+                               "the layer once before capturing it (its TMA descriptors are copied to the GPU then)")
+        err = ctypes.create_string_buffer(512)
+        host = ctypes.create_string_buffer(N_MAPS * 128)
+        M, D = x.shape
+        if lib.layer_encode(host, *ptrs, M, D, F, kt, err, len(err)) != 0:
+            raise RuntimeError(err.value.decode(errors="replace"))
+        maps = torch.frombuffer(bytearray(host.raw), dtype=torch.uint8).to(x.device)
+        scratch.maps[key] = maps
+    return maps
 
 
 def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid: int, trace=None,
@@ -155,10 +181,12 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     lib = library(int(x.dtype == torch.bfloat16))
+    maps = _descriptors(lib, x, w, scratch, F, lib.chunk_tiles(D // TILE, D // TILE // c.out_split_k,
+                                                               F // TILE // c.ffn2_split_k, c.num_stages))
     rc = lib.layer_launch(
         p(x), p(out), p(scratch.qkv), p(scratch.attn), p(scratch.h), p(scratch.ffn1), p(w.w_qkv), p(w.b_qkv),
         p(w.u_qkv), p(w.w_out), p(w.b_out), p(w.w_ffn1), p(w.b_ffn1), p(w.u_ffn1), p(w.w_ffn2), p(w.b_ffn2),
         p(scratch.ws), p(scratch.sync), p(trace), M, seq, D, heads, F, c.out_split_k, c.ffn2_split_k, c.num_stages,
-        grid, trigger, pf, flags, eps, stream, err, len(err))
+        grid, trigger, pf, flags, eps, maps.data_ptr(), stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))

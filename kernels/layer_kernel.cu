@@ -53,6 +53,7 @@ constexpr int TRACE_ROW = 64, TR_FULL = 17, TR_B = 33, TR_A = 49;
 // + 4 barrier passed, + 5 flag raised; first task's chunks are at most 8, so these share the arrival row's end)
 constexpr int TR_EPI = TR_FULL + 8;
 
+enum Map { X_MAP, WQKV_MAP, QKV_MAP, ATTN_MAP, WOUT_MAP, H_MAP, W1_MAP, F1_MAP, W2_MAP, N_MAPS };
 enum Phase { P_QKV = 0, P_ATT = 1, P_OUT = 2, P_FFN1 = 3, P_FFN2 = 4 };
 enum Flags {
   USE_PDL = 1,
@@ -66,7 +67,9 @@ enum Flags {
 };
 
 struct Params {
-  CUtensorMap x_map, wqkv_map, qkv_map, attn_map, wout_map, h_map, w1_map, f1_map, w2_map;
+  // The TMA descriptors, in global memory (layer_encode, once per set of buffers): kept out of the parameter block,
+  // which the epilogues read through the constant cache all the time.
+  const CUtensorMap* maps;
   const float* b_qkv;  // fp32, LayerNorm 1 folded (gemm.fold_layernorm)
   const float* u_qkv;  // fp32 colsum of the folded weights
   const void* b_out;   // 16-bit
@@ -138,7 +141,7 @@ __device__ __forceinline__ Task decode(const Params& p, int j) {
   if (j < p.end[P_QKV]) {
     t.phase = P_QKV;
     t.m = j / p.nq, t.n = j % p.nq;
-    t.a = &p.x_map, t.b = &p.wqkv_map, t.k_tiles = p.nd;
+    t.a = p.maps + X_MAP, t.b = p.maps + WQKV_MAP, t.k_tiles = p.nd;
   } else if (j < p.end[P_ATT]) {
     j -= p.end[P_QKV];
     t.phase = P_ATT;
@@ -153,17 +156,17 @@ __device__ __forceinline__ Task decode(const Params& p, int j) {
     t.a = t.b = nullptr;
     t.k_tiles = 0;
   } else if (j < p.end[P_OUT]) {
-    split_task(t, p, P_OUT, j - p.end[P_ATT], p.s_out, p.nd, &p.attn_map, &p.wout_map, p.f_att);
+    split_task(t, p, P_OUT, j - p.end[P_ATT], p.s_out, p.nd, p.maps + ATTN_MAP, p.maps + WOUT_MAP, p.f_att);
   } else if (j < p.end[P_FFN1]) {
     j -= p.end[P_OUT];
     t.phase = P_FFN1;
     t.m = j / p.nf, t.n = j % p.nf;
     t.k_tiles = p.nd;
-    t.a = &p.h_map, t.b = &p.w1_map;
+    t.a = p.maps + H_MAP, t.b = p.maps + W1_MAP;
     t.dep[0] = {p.f_h + t.m * p.nd, p.nd, 1};
     t.ndep = 1;
   } else {
-    split_task(t, p, P_FFN2, j - p.end[P_FFN1], p.s_ffn2, p.nf, &p.f1_map, &p.w2_map, p.f_f1);
+    split_task(t, p, P_FFN2, j - p.end[P_FFN1], p.s_ffn2, p.nf, p.maps + F1_MAP, p.maps + W2_MAP, p.f_f1);
   }
   return t;
 }
@@ -258,10 +261,10 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       const int kv0 = t.split, nkt = t.m - kv0 + 1;
       if (lead) {
         mbar_expect_tx(sm.att_full, TILE_BYTES * (1 + 2 * nkt));
-        tma_load(sm.att, &p.qkv_map, sm.att_full, t.n * TILE, t.m * TILE);
+        tma_load(sm.att, p.maps + QKV_MAP, sm.att_full, t.n * TILE, t.m * TILE);
         for (int k = 0; k < nkt; ++k) {
-          tma_load(sm.att + (1 + k) * TILE_BYTES, &p.qkv_map, sm.att_full, (p.nd + t.n) * TILE, (kv0 + k) * TILE);
-          tma_load(sm.att + (3 + k) * TILE_BYTES, &p.qkv_map, sm.att_full, (2 * p.nd + t.n) * TILE,
+          tma_load(sm.att + (1 + k) * TILE_BYTES, p.maps + QKV_MAP, sm.att_full, (p.nd + t.n) * TILE, (kv0 + k) * TILE);
+          tma_load(sm.att + (3 + k) * TILE_BYTES, p.maps + QKV_MAP, sm.att_full, (2 * p.nd + t.n) * TILE,
                    (kv0 + k) * TILE);
         }
       }
@@ -669,9 +672,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
   __syncthreads();
   if (tid >= CONSUMERS) {
     if (tid == CONSUMERS) {
-      prefetch_tensormap(&p.x_map), prefetch_tensormap(&p.wqkv_map), prefetch_tensormap(&p.qkv_map);
-      prefetch_tensormap(&p.attn_map), prefetch_tensormap(&p.wout_map), prefetch_tensormap(&p.h_map);
-      prefetch_tensormap(&p.w1_map), prefetch_tensormap(&p.f1_map), prefetch_tensormap(&p.w2_map);
+      for (int i = 0; i < N_MAPS; ++i) prefetch_tensormap(p.maps + i);
     }
     __syncwarp();
     producer<BF16>(p, sm, tid - CONSUMERS);
@@ -713,12 +714,33 @@ extern "C" int layer_sync_ints(int M, int D, int heads, int F) {
   return GEN_SLOTS + mt * (3 * nd + heads + nd + nf + 2 * nd) * FLAG_STRIDE;
 }
 
+// The layer's N_MAPS TMA descriptors (128 bytes each, in this order: x, w_qkv, qkv, attn, w_out, h, w_ffn1, ffn1,
+// w_ffn2) written to `out` (host memory) for chunks of `kt` K tiles; the caller copies them to the device once per
+// set of buffers and passes them to every launch.
+extern "C" int layer_encode(void* out, void* x, void* qkv, void* attn, void* h, void* f1, void* w_qkv, void* w_out,
+                            void* w_ffn1, void* w_ffn2, int M, int D, int F, int kt, char* err, int errlen) {
+  constexpr bool BF = LK_BF16 != 0;
+  CUtensorMap m[N_MAPS];
+  if (encode3(m + X_MAP, BF, x, M, D, D, TILE, kt, err, errlen) ||
+      encode3(m + WQKV_MAP, BF, w_qkv, 3 * D, D, D, TILE, kt, err, errlen) ||
+      encode(m + QKV_MAP, BF, qkv, M, 3 * D, 3 * D, TILE, err, errlen) ||
+      encode3(m + ATTN_MAP, BF, attn, M, D, D, TILE, kt, err, errlen) ||
+      encode3(m + WOUT_MAP, BF, w_out, D, D, D, TILE, kt, err, errlen) ||
+      encode3(m + H_MAP, BF, h, M, D, D, TILE, kt, err, errlen) ||
+      encode3(m + W1_MAP, BF, w_ffn1, F, D, D, TILE, kt, err, errlen) ||
+      encode3(m + F1_MAP, BF, f1, M, F, F, TILE, kt, err, errlen) ||
+      encode3(m + W2_MAP, BF, w_ffn2, D, F, F, TILE, kt, err, errlen))
+    return 1;
+  memcpy(out, m, sizeof(m));
+  return 0;
+}
+
 extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, void* f1, void* w_qkv,
                             const float* b_qkv, const float* u_qkv, void* w_out, const void* b_out, void* w_ffn1,
                             const float* b_ffn1, const float* u_ffn1, void* w_ffn2, const void* b_ffn2, float* ws,
                             int* sync, long long* trace, int M, int seq, int D, int heads, int F, int s_out,
                             int s_ffn2, int stages, int grid, int trigger, int pf_tasks, int flags, float eps,
-                            void* stream, char* err, int errlen) {
+                            const void* maps, void* stream, char* err, int errlen) {
   constexpr bool BF = LK_BF16 != 0;
   if (D % TILE != 0 || F % TILE != 0 || D / heads != 64 || seq > 128 || (M != seq && seq % TILE != 0)) {
     snprintf(err, errlen, "layer kernel: needs d_model and ffn multiples of 64, head dim 64, seq <= 128 and "
@@ -739,16 +761,7 @@ extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, vo
   const int kt = chunk_tiles(nd, nd / s_out, nf / s_ffn2, stages);
   Params p;
   memset(&p, 0, sizeof(p));
-  if (encode3(&p.x_map, BF, x, M, D, D, TILE, kt, err, errlen) ||
-      encode3(&p.wqkv_map, BF, w_qkv, 3 * D, D, D, TILE, kt, err, errlen) ||
-      encode(&p.qkv_map, BF, qkv, M, 3 * D, 3 * D, TILE, err, errlen) ||
-      encode3(&p.attn_map, BF, attn, M, D, D, TILE, kt, err, errlen) ||
-      encode3(&p.wout_map, BF, w_out, D, D, D, TILE, kt, err, errlen) ||
-      encode3(&p.h_map, BF, h, M, D, D, TILE, kt, err, errlen) ||
-      encode3(&p.w1_map, BF, w_ffn1, F, D, D, TILE, kt, err, errlen) ||
-      encode3(&p.f1_map, BF, f1, M, F, F, TILE, kt, err, errlen) ||
-      encode3(&p.w2_map, BF, w_ffn2, D, F, F, TILE, kt, err, errlen))
-    return 1;
+  p.maps = static_cast<const CUtensorMap*>(maps);
   p.b_qkv = b_qkv, p.u_qkv = u_qkv, p.b_out = b_out, p.b_ffn1 = b_ffn1, p.u_ffn1 = u_ffn1, p.b_ffn2 = b_ffn2;
   p.x = x, p.qkv = qkv, p.attn = attn, p.h = h, p.f1 = f1, p.y = y;
   p.ws = ws, p.sync = sync, p.trace = trace;

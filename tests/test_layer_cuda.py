@@ -29,8 +29,9 @@ SMALL = DecoderShape(1, 24, 128, 2, 192, name="small")  # head dim 64, seq 24: o
 
 def test_launch_argtypes_match_the_c_signature():
     want = _nvcc.c_argtypes(layer_cuda.SOURCE.read_text(), "layer_launch")
-    assert len(want) == 35 and all(t == ctypes.c_void_p for t in want[:19])
+    assert len(want) == 36 and all(t == ctypes.c_void_p for t in want[:19])
     assert layer_cuda.LAUNCH_ARGTYPES == want
+    assert layer_cuda.ENCODE_ARGTYPES == _nvcc.c_argtypes(layer_cuda.SOURCE.read_text(), "layer_encode")
 
 
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc")
