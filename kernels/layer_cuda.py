@@ -56,8 +56,10 @@ _LIBS: dict[tuple[int, int], ctypes.CDLL] = {}
 
 def smem_bytes(stages: int) -> int:
     """Dynamic shared memory (layer_kernel.cu's layer_smem_bytes): alignment, the ring of 64x64 A and B tiles, the
-    attention tiles (Q, two K, two V), the row statistics, the mbarriers."""
-    return 1024 + stages * 2 * TILE * TILE * 2 + 5 * TILE * TILE * 2 + TILE * 8 + 16 + 16 * stages + 16
+    attention tiles (Q, two K, two V), the epilogue's fp32 staging tile (rows of 68), the row statistics, the
+    mbarriers."""
+    return (1024 + stages * 2 * TILE * TILE * 2 + 5 * TILE * TILE * 2 + TILE * (TILE + 4) * 4 + TILE * 8 + 16
+            + 16 * stages + 16)
 
 
 def sync_ints(tokens: int, d_model: int, heads: int, ffn: int) -> int:

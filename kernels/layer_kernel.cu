@@ -36,6 +36,12 @@ constexpr int WGMMA_N = LK_WGMMA_N;
 constexpr int TILE_BYTES = TILE * BK * 2;      // one 64 x 64 16-bit tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // A and B
 constexpr int ATT_BYTES = 5 * TILE_BYTES;      // attention: Q, K (2 x 64 rows), V (2 x 64 rows)
+// Every epilogue goes through a 64 x 64 fp32 staging tile (rows padded to 68 floats): written in the MMA fragment
+// layout, read back by rows, so that each warp's global loads, stores and reductions cover whole 128-byte lines.
+// (Written straight from the fragments, a warp's 4-byte stores touch 8 lines an instruction: a GEMM tile's epilogue
+// took 2.75 us, its 16 stores a thread alone, on an otherwise idle GPU.)
+constexpr int SROW = TILE + 4;
+constexpr int STAGE_TILE_BYTES = TILE * SROW * 4;
 constexpr int MAX_STAGES = 12;
 constexpr int CONSUMERS = 128;
 constexpr int THREADS = CONSUMERS + 32;
@@ -192,12 +198,13 @@ __device__ __forceinline__ void deps_acquire() {
 
 // Layout of the dynamic shared memory (from a 1024-byte aligned base).
 struct Smem {
-  uint32_t a, b, att, ln, word, full, empty, att_full, att_empty;
+  uint32_t a, b, att, stage, ln, word, full, empty, att_full, att_empty;
   __device__ Smem(uint32_t base, int S, int kt) {
     a = base;
     b = a + S * kt * TILE_BYTES;
     att = b + S * kt * TILE_BYTES;
-    ln = att + ATT_BYTES;       // 64 float2: the tile's rows' (mean * rstd, rstd)
+    stage = att + ATT_BYTES;    // the epilogue's fp32 staging tile
+    ln = stage + STAGE_TILE_BYTES;  // 64 float2: the tile's rows' (mean * rstd, rstd)
     word = ln + TILE * 8;       // 16 bytes: the split-K ticket's verdict
     full = word + 16;
     empty = full + 8 * S;
@@ -335,7 +342,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
 // `q_pos0`: the position in its sequence of the thread's first row; `nkt`: the loaded key tiles.
 template <bool BF16>
 __device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq, int nkt, float scale, int warp,
-                                               int lane, typename Elem<BF16>::T* out, int row0, int M, int D) {
+                                               int lane, float* stage) {
   const uint32_t qt = att, kt = att + TILE_BYTES, vt = att + 3 * TILE_BYTES;
   float sc[64];
 #pragma unroll
@@ -403,18 +410,19 @@ __device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq
       mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
     }
   }
-  const int r0 = row0 + (warp % 4) * 16 + g;
+  const int r0 = (warp % 4) * 16 + g;
   const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
-    if (r0 < M)
-      *reinterpret_cast<uint32_t*>(out + static_cast<long long>(r0) * D + 8 * v + q2) =
-          pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0);
-    if (r0 + 8 < M)
-      *reinterpret_cast<uint32_t*>(out + static_cast<long long>(r0 + 8) * D + 8 * v + q2) =
-          pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1);
+    *reinterpret_cast<float2*>(stage + r0 * SROW + 8 * v + q2) = make_float2(o[v][0] * inv0, o[v][1] * inv0);
+    *reinterpret_cast<float2*>(stage + (r0 + 8) * SROW + 8 * v + q2) = make_float2(o[v][2] * inv1, o[v][3] * inv1);
   }
 }
+
+// The staging tile's rows, 8 columns a thread (8 threads a row, 16 rows a pass): thread tid covers rows
+// stage_row(tid, i), i < 4, columns stage_col(tid) .. + 8.
+__device__ __forceinline__ int stage_row(int tid, int i) { return tid / 8 + 16 * i; }
+__device__ __forceinline__ int stage_col(int tid) { return (tid % 8) * 8; }
 
 template <bool BF16, int KT>  // KT: K tiles a chunk (p.kt), a compile-time count so that the MMAs of a chunk are
                               // one straight run (a loop around wgmma makes ptxas serialise them)
@@ -425,6 +433,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
   constexpr int CH = KT * TILE_BYTES;
   const int warp = tid / 32, lane = tid % 32;
   float2* const ln_row = reinterpret_cast<float2*>(smem_raw + (sm.ln - raw));
+  float* const stage = reinterpret_cast<float*>(smem_raw + (sm.stage - raw));
   int* const word = reinterpret_cast<int*>(smem_raw + (sm.word - raw));
   long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * TRACE_ROW : nullptr;
   gdc_wait();
@@ -442,11 +451,22 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
       const int kv0 = t.split, m0 = t.m * TILE;
       const int q_pos0 = m0 - kv0 * TILE + warp * 16 + lane / 4;  // (a 64-row tile lies in one sequence)
-      attention_tile<BF16>(sm.att, q_pos0, p.seq, t.m - kv0 + 1,
-                           p.qk_scale, warp, lane, static_cast<T*>(p.attn) + t.n * TILE, m0, p.M, p.D);
+      attention_tile<BF16>(sm.att, q_pos0, p.seq, t.m - kv0 + 1, p.qk_scale, warp, lane, stage);
       ++att_n;
-      consumer_sync<CONSUMERS>();  // every warp has read the tiles
+      consumer_sync<CONSUMERS>();  // every warp has read the tiles and written its rows of O
       if (tid == 0) mbar_arrive(sm.att_empty);
+      T* out = static_cast<T*>(p.attn) + t.n * TILE;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = stage_row(tid, i), c = stage_col(tid);
+        if (m0 + r < p.M) {
+          const float4 lo = *reinterpret_cast<const float4*>(stage + r * SROW + c);
+          const float4 hi = *reinterpret_cast<const float4*>(stage + r * SROW + c + 4);
+          *reinterpret_cast<uint4*>(out + static_cast<long long>(m0 + r) * p.D + c) =
+              make_uint4(pack2<BF16>(lo.x, lo.y), pack2<BF16>(lo.z, lo.w), pack2<BF16>(hi.x, hi.y),
+                         pack2<BF16>(hi.z, hi.w));
+        }
+      }
       flag = slot(p, p.f_att + t.m * p.heads + t.n);
     } else {
       const bool ln = t.phase == P_QKV || t.phase == P_FFN1;
@@ -465,19 +485,26 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       // it: loaded inside the store loop they cost a round trip each, ~5 us a tile).
       const int m0 = t.m * TILE, n0 = t.n * TILE;
       const int ra = warp * 16 + lane / 4, cq = (lane % 4) * 2;  // fragment rows ra, ra + 8; columns 8j + cq
-      float bias[8][2], colsum[8][2];
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int c = n0 + 8 * jj + cq;
+      float bias[8], colsum[8];  // (columns stage_col(tid) .. + 8 of the tile)
+      {
+        const int c = n0 + stage_col(tid);
         if (ln) {
-          const float* bp = t.phase == P_QKV ? p.b_qkv : p.b_ffn1;
-          const float* up = t.phase == P_QKV ? p.u_qkv : p.u_ffn1;
-          const float2 b2 = *reinterpret_cast<const float2*>(bp + c), u2 = *reinterpret_cast<const float2*>(up + c);
-          bias[jj][0] = b2.x, bias[jj][1] = b2.y, colsum[jj][0] = u2.x, colsum[jj][1] = u2.y;
+          const float* bp = (t.phase == P_QKV ? p.b_qkv : p.b_ffn1) + c;
+          const float* up = (t.phase == P_QKV ? p.u_qkv : p.u_ffn1) + c;
+#pragma unroll
+          for (int e = 0; e < 8; e += 4) {
+            const float4 b4 = *reinterpret_cast<const float4*>(bp + e), u4 = *reinterpret_cast<const float4*>(up + e);
+            bias[e] = b4.x, bias[e + 1] = b4.y, bias[e + 2] = b4.z, bias[e + 3] = b4.w;
+            colsum[e] = u4.x, colsum[e + 1] = u4.y, colsum[e + 2] = u4.z, colsum[e + 3] = u4.w;
+          }
         } else {
-          const T* bp = static_cast<const T*>(t.phase == P_OUT ? p.b_out : p.b_ffn2);
-          const float2 b2 = E::f2(*reinterpret_cast<const uint32_t*>(bp + c));
-          bias[jj][0] = b2.x, bias[jj][1] = b2.y, colsum[jj][0] = colsum[jj][1] = 0.f;
+          const uint4 b8 = *reinterpret_cast<const uint4*>(static_cast<const T*>(t.phase == P_OUT ? p.b_out : p.b_ffn2) + c);
+          const uint32_t bw[4] = {b8.x, b8.y, b8.z, b8.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = E::f2(bw[e]);
+            bias[2 * e] = f.x, bias[2 * e + 1] = f.y, colsum[2 * e] = colsum[2 * e + 1] = 0.f;
+          }
         }
       }
       float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
@@ -548,14 +575,35 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       const bool stamp = trace != nullptr && tid == 0 && q == 0;
       if (stamp) trace[TR_EPI] = globaltimer();
 
+      // LayerNorm: the row's statistics (threads tid and tid ^ 1 hold its two halves) for the row pass below.
+      if (ln) {
+        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
+        const float mean = s1 / p.D;
+        const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.eps);
+        if (tid % 2 == 0) ln_row[tid / 2] = make_float2(mean * rstd, rstd);
+      }
+      // The accumulators into the staging tile (fragment layout: rows ra, ra + 8, columns 8j + cq).
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          *reinterpret_cast<float2*>(stage + (ra + 8 * h) * SROW + 8 * jj + cq) =
+              make_float2(acc[4 * jj + 2 * h], acc[4 * jj + 2 * h + 1]);
+      consumer_sync<CONSUMERS>();
+      if (stamp) trace[TR_EPI + 1] = globaltimer();
       if (t.phase == P_OUT || t.phase == P_FFN2) {
+        // Split-K: add this split's partial into the tile's sums (16 columns a thread-row pass: 256-byte rows), take a
+        // ticket; the last split reads the sums back into the staging tile and zeroes them for the next launch.
         const int tile = t.phase == P_OUT ? t.m * p.nd + t.n : p.mt * p.nd + t.m * p.nd + t.n;
         float* w = p.ws + static_cast<long long>(tile) * (TILE * TILE);
+        const int rc = (tid % 16) * 4;
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            red_add_v2(w + (ra + 8 * h) * TILE + 8 * jj + cq, acc[4 * jj + 2 * h], acc[4 * jj + 2 * h + 1]);
+        for (int i = 0; i < 8; ++i) {
+          const int r = tid / 16 + 8 * i;
+          const float4 v = *reinterpret_cast<const float4*>(stage + r * SROW + rc);
+          red_add_v4(w + r * TILE + rc, v);
+        }
         const int splits = t.phase == P_OUT ? p.s_out : p.s_ffn2;
         consumer_sync<CONSUMERS>();
         if (tid == 0) {
@@ -567,70 +615,54 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[2 + 2 * q] = globaltimer();
           continue;  // another split finishes the tile
         }
+        float4 sum[8];
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
+        for (int i = 0; i < 8; ++i) sum[i] = __ldcg(reinterpret_cast<const float4*>(w + (tid / 16 + 8 * i) * TILE + rc));
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            float2* src = reinterpret_cast<float2*>(w + (ra + 8 * h) * TILE + 8 * jj + cq);
-            const float2 v = __ldcg(src);
-            __stcg(src, make_float2(0.f, 0.f));
-            acc[4 * jj + 2 * h] = v.x, acc[4 * jj + 2 * h + 1] = v.y;
-          }
-      }
-      float mr[2] = {0.f, 0.f}, rs[2] = {1.f, 1.f};
-      if (ln) {
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-        const float mean = s1 / p.D;
-        const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.eps);
-        if (tid % 2 == 0) ln_row[tid / 2] = make_float2(mean * rstd, rstd);
-        consumer_sync<CONSUMERS>();
-        if (stamp) trace[TR_EPI + 1] = globaltimer();
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float2 v = ln_row[ra + 8 * h];
-          mr[h] = v.x, rs[h] = v.y;
+        for (int i = 0; i < 8; ++i) {
+          const int r = tid / 16 + 8 * i;
+          __stcg(reinterpret_cast<float4*>(w + r * TILE + rc), make_float4(0.f, 0.f, 0.f, 0.f));
+          *reinterpret_cast<float4*>(stage + r * SROW + rc) = sum[i];
         }
+        consumer_sync<CONSUMERS>();
       }
-      // The epilogue: (LayerNorm) + bias (+ GELU) (+ residual), stored 16-bit.
+      // The row pass: (LayerNorm) + bias (+ GELU) (+ residual), 8 columns of 4 rows a thread, 16-byte stores.
       const int N = t.phase == P_QKV ? 3 * p.D : t.phase == P_FFN1 ? p.F : p.D;
       T* out = static_cast<T*>(t.phase == P_QKV ? p.qkv : t.phase == P_OUT ? p.h : t.phase == P_FFN1 ? p.f1 : p.y);
       const T* res = static_cast<const T*>(t.phase == P_OUT ? p.x : p.h);
-      // The residual's 16 pairs, all in flight at once (written by another CTA in this launch for FFN2: read
-      // through L2).
-      uint32_t rv[8][2];
+      const int c = stage_col(tid);
+      uint4 rv[4];  // the residual's rows, all in flight at once (FFN2's is another CTA's h: read through L2)
       if (t.phase == P_OUT || t.phase == P_FFN2) {
 #pragma unroll
-        for (int jj = 0; jj < 8; ++jj)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const int row = min(m0 + ra + 8 * h, p.M - 1);
-            rv[jj][h] = __ldcg(reinterpret_cast<const unsigned int*>(res + static_cast<long long>(row) * p.D + n0 +
-                                                                      8 * jj + cq));
-          }
+        for (int i = 0; i < 4; ++i) {
+          const int row = min(m0 + stage_row(tid, i), p.M - 1);
+          rv[i] = __ldcg(reinterpret_cast<const uint4*>(res + static_cast<long long>(row) * p.D + n0 + c));
+        }
       }
 #pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int c = n0 + 8 * jj + cq;
-        const float b0 = bias[jj][0], b1 = bias[jj][1], u0 = colsum[jj][0], u1 = colsum[jj][1];
+      for (int i = 0; i < 4; ++i) {
+        const int r = stage_row(tid, i);
+        if (m0 + r >= p.M) continue;
+        float v[8];
+        const float4 lo = *reinterpret_cast<const float4*>(stage + r * SROW + c);
+        const float4 hi = *reinterpret_cast<const float4*>(stage + r * SROW + c + 4);
+        v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+        const float2 st = ln ? ln_row[r] : make_float2(0.f, 1.f);
+        const uint32_t rw[4] = {rv[i].x, rv[i].y, rv[i].z, rv[i].w};
+        uint32_t pk[4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = m0 + ra + 8 * h;
-          float v0 = acc[4 * jj + 2 * h], v1 = acc[4 * jj + 2 * h + 1];
-          if (ln) {
-            v0 = rs[h] * v0 - mr[h] * u0;
-            v1 = rs[h] * v1 - mr[h] * u1;
-          }
-          v0 += b0, v1 += b1;
+        for (int e = 0; e < 8; e += 2) {
+          float v0 = v[e], v1 = v[e + 1];
+          if (ln) v0 = st.y * v0 - st.x * colsum[e], v1 = st.y * v1 - st.x * colsum[e + 1];
+          v0 += bias[e], v1 += bias[e + 1];
           if (t.phase == P_FFN1) v0 = activate<1>(v0), v1 = activate<1>(v1);
-          if (row < p.M) {
-            if (t.phase == P_OUT || t.phase == P_FFN2) {
-              const float2 r2 = E::f2(rv[jj][h]);
-              v0 += r2.x, v1 += r2.y;
-            }
-            *reinterpret_cast<uint32_t*>(out + static_cast<long long>(row) * N + c) = pack2<BF16>(v0, v1);
+          if (t.phase == P_OUT || t.phase == P_FFN2) {
+            const float2 r2 = E::f2(rw[e / 2]);
+            v0 += r2.x, v1 += r2.y;
           }
+          pk[e / 2] = pack2<BF16>(v0, v1);
         }
+        *reinterpret_cast<uint4*>(out + static_cast<long long>(m0 + r) * N + n0 + c) = make_uint4(pk[0], pk[1], pk[2], pk[3]);
       }
       if (stamp) trace[TR_EPI + 2] = globaltimer();
       if (t.phase == P_QKV) flag = slot(p, p.f_qkv + t.m * p.nq + t.n);
@@ -705,7 +737,7 @@ extern "C" int chunk_tiles(int a, int b, int c, int stages) {
 extern "C" int layer_variant() { return LK_BF16 | (LK_WGMMA_N == 64 ? 0 : 2); }
 
 extern "C" int layer_smem_bytes(int stages) {
-  return 1024 + stages * STAGE_BYTES + ATT_BYTES + TILE * 8 + 16 + 16 * stages + 16;
+  return 1024 + stages * STAGE_BYTES + ATT_BYTES + STAGE_TILE_BYTES + TILE * 8 + 16 + 16 * stages + 16;
 }
 
 // The sync ints a launch of this shape needs (generation words, then flags and tickets).

@@ -41,7 +41,7 @@ def test_layout_matches_the_c_source(tmp_path, monkeypatch):
     monkeypatch.setenv("PDL_TUNE_CACHE", str(tmp_path))
     monkeypatch.setattr(layer_cuda, "_LIBS", {})
     lib = layer_cuda.library(1)
-    for stages in (2, 8, 11):
+    for stages in (2, 8, 10):
         assert lib.layer_smem_bytes(stages) == layer_cuda.smem_bytes(stages)
     for shp in (resolve("tiny"), resolve("bert-large"), SMALL):
         assert lib.layer_sync_ints(shp.tokens, shp.d_model, shp.heads, shp.ffn) == layer_cuda.sync_ints(
@@ -58,7 +58,7 @@ def test_check_fuse2():
         "out_split_k=5 must divide": replace(CUDA2, out_split_k=5),
         "ffn2_split_k=5 must divide": replace(CUDA2, ffn2_split_k=5),
         "num_stages=13 must be in 2..12": replace(CUDA2, num_stages=13),
-        "shared memory": replace(CUDA2, num_stages=12),
+        "shared memory": replace(CUDA2, num_stages=11),
         "programs=140": replace(CUDA2, programs=140),
         "fuse=3 must be 0, 1 or 2": replace(CUDA2, fuse=3),
     }
@@ -75,7 +75,7 @@ def test_check_fuse2():
 def test_fit_moves_splits_to_divisors():
     fitted = fit_config(DecoderConfig(layer=replace(CUDA2, out_split_k=5, ffn2_split_k=7, num_stages=14)),
                         resolve("bert-base")).layer
-    assert (fitted.out_split_k, fitted.ffn2_split_k, fitted.num_stages) == (4, 6, 11)
+    assert (fitted.out_split_k, fitted.ffn2_split_k, fitted.num_stages) == (4, 6, 10)
     assert fk.check(fitted, layer_problem(resolve("bert-base")), H200) is None
 
 
@@ -118,9 +118,9 @@ def test_layer_kernel_matches_reference(shape, dtype):
 @hopper
 @pytest.mark.parametrize("edit", [dict(num_stages=2, out_split_k=1, ffn2_split_k=1),
                                   dict(num_stages=3, out_split_k=12, ffn2_split_k=48),
-                                  dict(num_stages=11, out_split_k=6, ffn2_split_k=8, programs=40),
+                                  dict(num_stages=10, out_split_k=6, ffn2_split_k=8, programs=40),
                                   dict(num_stages=4, out_split_k=2, ffn2_split_k=16, programs=7)],
-                         ids=["2-stages-no-split", "split-every-tile", "11-stages-40-ctas", "7-ctas"])
+                         ids=["2-stages-no-split", "split-every-tile", "10-stages-40-ctas", "7-ctas"])
 def test_layer_kernel_splits_stages_and_grids(edit):
     err, _ = run_layer(resolve("bert-base"), replace(CUDA2, **edit), torch.float16, "cuda")
     assert err < 1e-2, err
