@@ -59,7 +59,7 @@ def smem_bytes(stages: int) -> int:
     attention tiles (Q, two K, two V), the epilogue's fp32 staging tile (rows of 68), the row statistics, the
     mbarriers."""
     return (1024 + stages * 2 * TILE * TILE * 2 + 5 * TILE * TILE * 2 + TILE * (TILE + 4) * 4 + TILE * 8 + 16
-            + 16 * stages + 16)
+            + 16 * stages + 24)
 
 
 def sync_ints(tokens: int, d_model: int, heads: int, ffn: int) -> int:

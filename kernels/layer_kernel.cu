@@ -70,6 +70,7 @@ enum Flags {
   NO_A = 1024,       // A/B only (wrong results): the GEMM tasks load no activation tiles
   NO_MMA = 2048,     // A/B only (wrong results): the GEMM tasks' consumers only wait for and release the stages
   NO_WFENCE = 4096,  // A/B only: the writers of a tile skip fence.proxy.async before raising its flag
+  NO_AHEAD = 8192,   // A/B only: the producer starts a task's loads only once the consumers have finished the last
 };
 
 struct Params {
@@ -198,7 +199,7 @@ __device__ __forceinline__ void deps_acquire() {
 
 // Layout of the dynamic shared memory (from a 1024-byte aligned base).
 struct Smem {
-  uint32_t a, b, att, stage, ln, word, full, empty, att_full, att_empty;
+  uint32_t a, b, att, stage, ln, word, full, empty, att_full, att_empty, done;
   __device__ Smem(uint32_t base, int S, int kt) {
     a = base;
     b = a + S * kt * TILE_BYTES;
@@ -210,6 +211,7 @@ struct Smem {
     empty = full + 8 * S;
     att_full = empty + 8 * S;
     att_empty = att_full + 8;
+    done = att_empty + 8;  // (NO_AHEAD) the consumers have finished a task
   }
 };
 
@@ -255,6 +257,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   int att_n = 0;   // attention tasks this CTA has loaded
   for (int q = 0, j = blockIdx.x; j < total; ++q, j += G) {
     if (q > 0 && q == p.trigger) gdc_launch();
+    if (q > 0 && (p.flags & NO_AHEAD)) mbar_wait(sm.done, (q - 1) & 1);
     const Task t = decode(p, j);
     const bool skip = t.phase == racy;
     if (t.phase == P_ATT) {
@@ -613,6 +616,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         consumer_sync<CONSUMERS>();
         if (word[0] == 0) {
           if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[2 + 2 * q] = globaltimer();
+          if (tid == 0 && (p.flags & NO_AHEAD)) mbar_arrive(sm.done);
           continue;  // another split finishes the tile
         }
         float4 sum[8];
@@ -681,6 +685,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       consumer_sync<CONSUMERS>();  // (ln_row and word are reused by the next task)
     }
     if (trace != nullptr && tid == 0 && q < MAX_TRACE) trace[2 + 2 * q] = globaltimer();
+    if (tid == 0 && (p.flags & NO_AHEAD)) mbar_arrive(sm.done);
   }
   consumer_sync<CONSUMERS>();
   if (tid == 0) p.sync[blockIdx.x] = gen + 1;
@@ -699,6 +704,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
     }
     mbar_init(sm.att_full, 1);
     mbar_init(sm.att_empty, 1);
+    mbar_init(sm.done, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -737,7 +743,7 @@ extern "C" int chunk_tiles(int a, int b, int c, int stages) {
 extern "C" int layer_variant() { return LK_BF16 | (LK_WGMMA_N == 64 ? 0 : 2); }
 
 extern "C" int layer_smem_bytes(int stages) {
-  return 1024 + stages * STAGE_BYTES + ATT_BYTES + STAGE_TILE_BYTES + TILE * 8 + 16 + 16 * stages + 16;
+  return 1024 + stages * STAGE_BYTES + ATT_BYTES + STAGE_TILE_BYTES + TILE * 8 + 16 + 16 * stages + 24;
 }
 
 // The sync ints a launch of this shape needs (generation words, then flags and tickets).
