@@ -182,10 +182,15 @@ __device__ __forceinline__ Task decode(const Params& p, int j) {
 __device__ __forceinline__ bool deps_ready(const Params& p, const Task& t, int target, int lane) {
   bool ok = true;
   int off = 0;
-  for (int d = 0; d < t.ndep; ++d) {
-    for (int e = lane - off; e < t.dep[d].count; e += 32)
-      if (e >= 0) ok &= ld_relaxed(slot(p, t.dep[d].base + e * t.dep[d].stride)) >= target;
-    off = (off + t.dep[d].count) % 32;
+  // (unrolled: constant indices keep the task in registers; indexed at run time it lived in local memory, and every
+  // read of a task field in the epilogues waited on L1, ~47% of the warps' stall cycles under ncu)
+#pragma unroll
+  for (int d = 0; d < MAX_DEPS; ++d) {
+    if (d < t.ndep) {
+      for (int e = lane - off; e < t.dep[d].count; e += 32)
+        if (e >= 0) ok &= ld_relaxed(slot(p, t.dep[d].base + e * t.dep[d].stride)) >= target;
+      off = (off + t.dep[d].count) % 32;
+    }
   }
   return __all_sync(0xffffffffu, ok);
 }
