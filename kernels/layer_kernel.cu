@@ -102,6 +102,7 @@ struct Params {
   int kt;              // K tiles a chunk: one TMA box (3-D tensor maps) loads a chunk of an operand
   int trigger;         // launch_dependents when a CTA starts its trigger-th task (0: at the start; -1: never)
   int pf_tasks;        // the CTA's next tasks whose weight tiles are prefetched into L2 at the start
+  const void* w[4];    // the weights of QKV, out, FFN1, FFN2 (for the L2 prefetch: [N, K] row-major, 16-bit)
   float qk_scale;      // log2(e) / sqrt(head_dim)
   float eps;
   int flags;
@@ -246,14 +247,6 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
         }
     }
   }
-  if (lead)
-    for (int q = 1; q <= p.pf_tasks; ++q) {
-      const int j = blockIdx.x + q * G;
-      if (j >= total) break;
-      const Task t = decode(p, j);
-      if (t.phase == P_ATT) continue;
-      for (int i = 0; i < t.k_tiles; i += KT) tma_prefetch_l2_3d(t.b, t.n * TILE, t.a_col0 / BK + i);
-    }
   gdc_wait();
   const int target = ld_relaxed(p.sync + blockIdx.x) + 1;
   if (p.trigger == 0) gdc_launch();
@@ -444,6 +437,22 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
   float* const stage = reinterpret_cast<float*>(smem_raw + (sm.stage - raw));
   int* const word = reinterpret_cast<int*>(smem_raw + (sm.word - raw));
   long long* const trace = p.trace != nullptr ? p.trace + blockIdx.x * TRACE_ROW : nullptr;
+  // Before the wait: the weight tiles of this CTA's first 1 + pf_tasks tasks into L2 (pf_tasks > 0), one 128-byte line
+  // a prefetch spread over the consumer threads (many in flight at once; issued as TMA prefetches, the SM's TMA unit
+  // took them one box at a time, ahead of the loads the current task needed).
+  for (int q = 0; q <= p.pf_tasks && p.pf_tasks > 0; ++q) {
+    const int j = blockIdx.x + q * G;
+    if (j >= total) break;
+    const Task t = decode(p, j);
+    if (t.phase == P_ATT) continue;
+    const int g = t.phase == P_QKV ? 0 : t.phase == P_OUT ? 1 : t.phase == P_FFN1 ? 2 : 3;
+    const int K = t.phase == P_FFN2 ? p.F : p.D;
+    const char* base = static_cast<const char*>(p.w[g]) + (static_cast<long long>(t.n) * TILE * K + t.a_col0) * 2;
+    for (int l = tid; l < TILE * t.k_tiles; l += CONSUMERS) {
+      const char* line = base + (static_cast<long long>(l / t.k_tiles) * K + (l % t.k_tiles) * BK) * 2;
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(line));
+    }
+  }
   gdc_wait();
   const int gen = ld_relaxed(p.sync + blockIdx.x);
   if (trace != nullptr && tid == 0) trace[0] = globaltimer();
@@ -826,6 +835,7 @@ extern "C" int layer_launch(void* x, void* y, void* qkv, void* attn, void* h, vo
   p.kt = kt;
   p.trigger = trigger;
   p.pf_tasks = pf_tasks;
+  p.w[0] = w_qkv, p.w[1] = w_out, p.w[2] = w_ffn1, p.w[3] = w_ffn2;
   p.qk_scale = 1.4426950408889634f / sqrtf(64.f);
   p.eps = eps;
   p.flags = flags;
