@@ -10,7 +10,8 @@ the out-projection and FFN2 and the two ratios apply:
   when it starts task ``round(ratio * tasks a CTA)`` (0: right after its wait), so that the next layer's CTAs
   can take an SM (and load their first weights) once this layer's footprint leaves room.
 * ``prefetch_ratio`` < 0: the first task's weight tiles only (into the ring, before the wait). In [0, 1]: also
-  the weight tiles of the next ``round(ratio * tasks a CTA)`` tasks into L2.
+  the weight lines of the first ``1 + round(ratio * tasks a CTA)`` tasks into L2 (``prefetch.global.L2`` by the
+  consumer threads, before the wait).
 
 Elsewhere (the interpreter, other GPUs) ``fused_layer.decoder_layer`` runs the Triton layer kernel with the same
 tiles (:func:`triton_equivalent`).
