@@ -52,7 +52,7 @@ N_MAPS = 9  # layer_kernel.cu's N_MAPS (128 bytes each)
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's census).
 launch_enter_hook = None
 
-_LIBS: dict[tuple, ctypes.CDLL] = {}
+_LIBS: dict[tuple[int, int], ctypes.CDLL] = {}
 
 
 def smem_bytes(stages: int) -> int:
@@ -114,15 +114,13 @@ def usable(x: torch.Tensor) -> bool:
 
 # A/B only: the MMAs as m64n128k16 reading past each B tile (wrong results; the time of wider MMAs).
 WGMMA_N = 64
-# A/B build: the activation tiles by the producer warp's cp.async instead of TMA (layer_kernel.cu's LK_A_CP).
-A_CPASYNC = False
 
 
 def library(bf16: int) -> ctypes.CDLL:
-    key = (bf16, WGMMA_N, A_CPASYNC)
+    key = (bf16, WGMMA_N)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"LK_BF16": bf16, "LK_WGMMA_N": WGMMA_N, "LK_A_CP": int(A_CPASYNC)}, "layer_kernel")
+    lib = _nvcc.build(SOURCE, {"LK_BF16": bf16, "LK_WGMMA_N": WGMMA_N}, "layer_kernel")
     lib.layer_launch.argtypes = LAUNCH_ARGTYPES
     lib.layer_launch.restype = ctypes.c_int
     lib.layer_encode.argtypes = ENCODE_ARGTYPES
@@ -130,7 +128,7 @@ def library(bf16: int) -> ctypes.CDLL:
     for fn, n in (("layer_smem_bytes", 1), ("layer_sync_ints", 4), ("chunk_tiles", 4)):
         getattr(lib, fn).argtypes = [ctypes.c_int] * n
         getattr(lib, fn).restype = ctypes.c_int
-    if (lib.layer_variant() != bf16 | (0 if WGMMA_N == 64 else 2) | (4 if A_CPASYNC else 0) or lib.layer_smem_bytes(4) != smem_bytes(4)
+    if (lib.layer_variant() != bf16 | (0 if WGMMA_N == 64 else 2) or lib.layer_smem_bytes(4) != smem_bytes(4)
             or lib.layer_sync_ints(128, 768, 12, 3072) != sync_ints(128, 768, 12, 3072)):
         raise RuntimeError(f"layer_kernel: {lib._name} does not match layer_cuda.py (layout or variant)")
     _LIBS[key] = lib

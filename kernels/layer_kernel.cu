@@ -33,13 +33,6 @@ constexpr int TILE = 64;                       // rows and columns of every tile
 #define LK_WGMMA_N 64
 #endif
 constexpr int WGMMA_N = LK_WGMMA_N;
-// A/B build: the activation (A) tiles copied by the producer warp's cp.async (16 bytes a lane, written swizzled)
-// instead of TMA boxes, so that the SM's TMA unit, which takes one box at a time (~250 cycles a box from L2;
-// scripts/wgmma_bench.py), carries only the weights.
-#ifndef LK_A_CP
-#define LK_A_CP 0
-#endif
-constexpr bool A_CP = LK_A_CP != 0;
 constexpr int TILE_BYTES = TILE * BK * 2;      // one 64 x 64 16-bit tile
 constexpr int STAGE_BYTES = 2 * TILE_BYTES;    // A and B
 constexpr int ATT_BYTES = 5 * TILE_BYTES;      // attention: Q, K (2 x 64 rows), V (2 x 64 rows)
@@ -228,30 +221,6 @@ struct Smem {
   }
 };
 
-// A_CP: chunk i of task t's activation tiles into `dst` by the 32 lanes' cp.async (rows past M zero-filled), then one
-// cp.async arrival a lane on `bar` (counted in its expected arrivals).
-template <bool BF16>
-__device__ __forceinline__ void cp_async_a(const Params& p, const Task& t, int i, uint32_t dst, uint32_t bar, int lane,
-                                           bool copy) {
-  using T = typename Elem<BF16>::T;
-  const T* a = static_cast<const T*>(t.phase == P_QKV ? p.x : t.phase == P_OUT ? p.attn : t.phase == P_FFN1 ? p.h : p.f1);
-  const int stride = t.phase == P_FFN2 ? p.F : p.D;
-  if (copy) {
-    for (int k = 0; k < p.kt; ++k) {
-      const int col = t.a_col0 + (i * p.kt + k) * BK;
-#pragma unroll 4
-      for (int idx = lane; idx < TILE * 8; idx += 32) {
-        const int r = idx / 8, c = idx % 8, row = t.m * TILE + r;
-        const T* src = a + static_cast<long long>(min(row, p.M - 1)) * stride + col + c * 8;
-        const uint32_t d = dst + k * TILE_BYTES + r * 128 + (((c ^ r) & 7) << 4);
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(row < p.M ? 16 : 0)
-                     : "memory");
-      }
-    }
-  }
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-
 template <bool BF16>
 __device__ void producer(const Params& p, const Smem& sm, int lane) {
   const int G = gridDim.x, total = p.end[P_FFN2], S = p.stages, KT = p.kt;
@@ -271,13 +240,11 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       pre_a = racy == P_QKV && t.phase == P_QKV;
       if (lead)
         for (int i = 0; i < pre; ++i) {
-          mbar_expect_tx(sm.full + 8 * i, no_a || A_CP ? CH : 2 * CH);
+          mbar_expect_tx(sm.full + 8 * i, no_a ? CH : 2 * CH);
           tma_load3(sm.b + i * CH, t.b, sm.full + 8 * i, t.n * TILE, t.a_col0 / BK + i * KT);
           if (trace != nullptr && i < 16) trace[TR_B + i] = globaltimer();
-          if (pre_a && !A_CP) tma_load3(sm.a + i * CH, t.a, sm.full + 8 * i, t.m * TILE, t.a_col0 / BK + i * KT);
+          if (pre_a) tma_load3(sm.a + i * CH, t.a, sm.full + 8 * i, t.m * TILE, t.a_col0 / BK + i * KT);
         }
-      if (A_CP && pre_a)
-        for (int i = 0; i < pre; ++i) cp_async_a<BF16>(p, t, i, sm.a + i * CH, sm.full + 8 * i, lane, true);
     }
   }
   gdc_wait();
@@ -319,14 +286,11 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
     bool ready = skip || t.ndep == 0;
     int pend = 0;
     auto flush = [&]() {
-      for (int u = it - pend; u < it; ++u) {
-        if (A_CP) {
-          cp_async_a<BF16>(p, t, u - it0, sm.a + (u % S) * CH, sm.full + 8 * (u % S), lane, !no_a);
-        } else if (lead && !no_a) {
+      if (lead && !no_a)
+        for (int u = it - pend; u < it; ++u) {
           tma_load3(sm.a + (u % S) * CH, t.a, sm.full + 8 * (u % S), t.m * TILE, kt0 + (u - it0) * KT);
+          if (trace != nullptr && q == 0 && u - it0 < 16) trace[TR_A + u - it0] = globaltimer();
         }
-        if (trace != nullptr && q == 0 && u - it0 < 16) trace[TR_A + u - it0] = globaltimer();
-      }
       pend = 0;
     };
     auto wait_deps = [&]() {
@@ -348,7 +312,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
           mbar_wait(sm.empty + 8 * s, (r - 1) & 1);
         }
         if (lead) {
-          mbar_expect_tx(sm.full + 8 * s, no_a || A_CP ? CH : 2 * CH);
+          mbar_expect_tx(sm.full + 8 * s, no_a ? CH : 2 * CH);
           tma_load3(sm.b + s * CH, t.b, sm.full + 8 * s, t.n * TILE, kt0 + i * KT);
           if (trace != nullptr && q == 0 && i < 16) trace[TR_B + i] = globaltimer();
         }
@@ -359,11 +323,8 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       }
       if (ready) {
         flush();
-        if (A_CP) {
-          if (!(pre_a && it < pre)) cp_async_a<BF16>(p, t, i, sm.a + s * CH, sm.full + 8 * s, lane, !no_a);
-        } else if (lead && !(pre_a && it < pre) && !no_a) {
+        if (lead && !(pre_a && it < pre) && !no_a)
           tma_load3(sm.a + s * CH, t.a, sm.full + 8 * s, t.m * TILE, kt0 + i * KT);
-        }
         if (trace != nullptr && q == 0 && i < 16) trace[TR_A + i] = globaltimer();
       } else {
         ++pend;
@@ -585,7 +546,6 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           if (q == 0 && i < 16) trace[TR_FULL + i] = globaltimer();
         }
         // The chunk: KT 64-wide K tiles of A and of B, each a 128-byte swizzled 64 x 64 tile (8 KB).
-        if (A_CP) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (cp.async wrote A)
         const uint32_t as = sm.a + s * CH;
         fence_acc<WGMMA_N / 2>(acc);
         wgmma_fence();
@@ -753,7 +713,7 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
   const int tid = threadIdx.x;
   if (tid == 0) {
     for (int i = 0; i < p.stages; ++i) {
-      mbar_init(sm.full + 8 * i, A_CP ? 1 + 32 : 1);  // (A_CP: + the producer lanes' cp.async arrivals)
+      mbar_init(sm.full + 8 * i, 1);
       mbar_init(sm.empty + 8 * i, CONSUMERS / 32);
     }
     mbar_init(sm.att_full, 1);
@@ -794,7 +754,7 @@ extern "C" int chunk_tiles(int a, int b, int c, int stages) {
   return 1;
 }
 
-extern "C" int layer_variant() { return LK_BF16 | (LK_WGMMA_N == 64 ? 0 : 2) | (LK_A_CP ? 4 : 0); }
+extern "C" int layer_variant() { return LK_BF16 | (LK_WGMMA_N == 64 ? 0 : 2); }
 
 extern "C" int layer_smem_bytes(int stages) {
   return 1024 + stages * STAGE_BYTES + ATT_BYTES + STAGE_TILE_BYTES + TILE * 8 + 16 + 16 * stages + 24;

@@ -37,8 +37,6 @@ def fused(shape, edits: str) -> tuple[DecoderConfig, int]:
             diag = int(e.split("=")[1])
         elif e.startswith("wgmma_n="):  # A/B build: layer_cuda.WGMMA_N (diag bit 1 << 20 carries it)
             diag |= int(e.split("=")[1]) << 20
-        elif e == "a_cp":  # A/B build: layer_cuda.A_CPASYNC (diag bit 1 << 30)
-            diag |= 1 << 30
         else:
             cfg = cfg.edited([f"layer.{e}"])
     return fit_config(cfg, shape), diag
@@ -86,12 +84,11 @@ def main():
             print(f"{name}: invalid {bad}")
             continue
         st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
-        layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = diag & 0xFFFFF, ((diag >> 20) & 0x3FF) or 64
-        layer_cuda.A_CPASYNC = bool(diag >> 30)
+        layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = diag & 0xFFFFF, (diag >> 20) or 64
         try:
             st.capture()
         finally:
-            layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N, layer_cuda.A_CPASYNC = 0, 64, False
+            layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = 0, 64
         errs = [st.check(seed=s) for s in range(3)]
         ok = all(e < st.tolerance() for e in errs)
         print(f"{name}: rel err {' '.join(f'{e:.2e}' for e in errs)} {'ok' if ok else 'FAILED'}", flush=True)
@@ -127,8 +124,7 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
         return orig(x, w, _times=st.traces[i], **kw)
 
     fk.decoder_layer = traced
-    layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = diag & 0xFFFFF, ((diag >> 20) & 0x3FF) or 64
-    layer_cuda.A_CPASYNC = bool(diag >> 30)
+    layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = diag & 0xFFFFF, (diag >> 20) or 64
     try:
         st.capture()
         for _ in range(3):
@@ -136,7 +132,7 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
         torch.cuda.synchronize()
     finally:
         fk.decoder_layer = orig
-        layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N, layer_cuda.A_CPASYNC = 0, 64, False
+        layer_cuda.DIAG_FLAGS, layer_cuda.WGMMA_N = 0, 64
     mid = n // 2
     waits, arrivals, ends = phase_ends(shape, cfg, st, mid)
     f = lambda v: f"{min(v):6.2f} / {statistics.median(v):6.2f} / {max(v):6.2f}"  # noqa: E731
