@@ -93,11 +93,13 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctyp
     return lib
 
 
-def usable(x: torch.Tensor) -> bool:
-    """Whether the CUDA kernel runs for tensors on ``x``'s device (Hopper, not under the interpreter)."""
+def usable(device) -> bool:
+    """Whether the package's CUDA kernels (this one, layer_kernel.cu) run on ``device`` (Hopper, not under the
+    interpreter)."""
     from ._common import interpreting
 
-    return x.is_cuda and not interpreting() and torch.cuda.get_device_capability(x.device) == (9, 0)
+    d = torch.device(device)
+    return d.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(d) == (9, 0)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

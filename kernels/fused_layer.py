@@ -42,7 +42,7 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from . import layer_cuda
+from . import cluster_gemm, layer_cuda
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting, launch_mode,
                       pdl_trigger, pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
@@ -143,12 +143,10 @@ def check(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | 
                or layer_cuda.config_error(c, p.tokens, p.d_model, p.ffn))
         if why:
             return why
-        sms = device.num_sms if device is not None else None
-        if c.programs < 0 or (sms is not None and c.programs > sms):
-            return f"programs={c.programs} must be in 0..{sms} (every CTA must be resident)"
         if layer_cuda.smem_bytes(c.num_stages) > smem_limit(device):
             return f"shared memory {layer_cuda.smem_bytes(c.num_stages)} B > {smem_limit(device)} B"
-        # The Triton kernel runs the same tiles where the CUDA one cannot (the interpreter, other GPUs).
+        # The Triton kernel runs the same tiles where the CUDA one cannot (the interpreter, other GPUs); its rules
+        # (programs, ratios) hold for the CUDA kernel too.
         return check(fit(layer_cuda.triton_equivalent(c), p), p, device)
     if not HEAD_DIM_MIN <= p.head_dim <= HEAD_DIM_MAX:
         return f"head_dim={p.head_dim} is not supported: it must be in {HEAD_DIM_MIN}..{HEAD_DIM_MAX}"
@@ -446,8 +444,7 @@ class LayerScratch:
         self.qkv, self.attn, self.h, self.ffn1 = e(3 * d), e(d), e(d), e(f)
         # fuse 2 on Hopper: the CUDA kernel's tile flags and split-K sums (the kernel keeps the sums zero between
         # launches, so they are no scratch to poison); elsewhere the Triton kernel's.
-        self.cuda = config.fuse == 2 and torch.device(device).type == "cuda" and not interpreting() and \
-            torch.cuda.get_device_capability(device) == (9, 0)
+        self.cuda = config.fuse == 2 and cluster_gemm.usable(device)
         self.maps: dict = {}  # fuse 2: the CUDA kernel's TMA descriptors on the device, per set of buffers
         if self.cuda:
             self.ws = torch.zeros(layer_cuda.workspace_numel(m, d), dtype=torch.float32, device=device)

@@ -615,7 +615,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, with no workspace and
     # no reduction kernel. A fused LayerNorm that gathers its row sums in the K loop (no ln_stats), or rows that
     # are not contiguous, run on the Triton kernels.
-    on_cluster = bool(c.cluster and cluster_gemm.usable(x) and out.stride(1) == 1
+    on_cluster = bool(c.cluster and cluster_gemm.usable(x.device) and out.stride(1) == 1
                       and (ln_colsum is None or (ln_stats is not None
                                                  and ln_stats.shape[0] <= cluster_gemm.MAX_LN_PARTS))
                       and (residual is None or residual.stride(1) == 1))

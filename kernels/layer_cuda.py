@@ -106,12 +106,6 @@ def triton_equivalent(c):
                    ffn2_block_n=TILE, attn_block_m=TILE, attn_block_n=TILE)
 
 
-def usable(x: torch.Tensor) -> bool:
-    from .cluster_gemm import usable as hopper
-
-    return hopper(x)
-
-
 # A/B only: the MMAs as m64n128k16 reading past each B tile (wrong results; the time of wider MMAs).
 WGMMA_N = 64
 
@@ -172,9 +166,8 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
     F = w.w_ffn1.shape[0]
     c = config
     per_cta = tasks_per_cta(M, D, heads, F, c.out_split_k, c.ffn2_split_k, grid)
+    # (ratio 1: task per_cta, which no CTA reaches: the dependents launch as this grid's CTAs exit)
     trigger = -1 if c.overlap_ratio < 0 else int(round(min(c.overlap_ratio, 1.0) * per_cta))
-    if trigger >= per_cta:
-        trigger = -1 if c.overlap_ratio < 0 else per_cta  # (at its last task's end: the exit)
     pf = 0 if c.prefetch_ratio < 0 else int(round(min(c.prefetch_ratio, 1.0) * per_cta))
     flags = (USE_PDL if c.overlap_ratio >= 0 else 0) | ((PHASES.index(racy) + 1) << RACY_SHIFT if racy else 0)
     flags |= DIAG_FLAGS

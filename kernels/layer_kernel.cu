@@ -203,6 +203,14 @@ __device__ __forceinline__ void deps_acquire() {
   fence_proxy_async_global();
 }
 
+// Spins until the task's flags are up, then acquires what their writers stored.
+__device__ __forceinline__ void wait_for_deps(const Params& p, const Task& t, int target, int lane) {
+  while (!deps_ready(p, t, target, lane)) {
+    if (p.flags & POLL_SLEEP) __nanosleep(100);
+  }
+  deps_acquire();
+}
+
 // Layout of the dynamic shared memory (from a 1024-byte aligned base).
 struct Smem {
   uint32_t a, b, att, stage, ln, word, full, empty, att_full, att_empty, done;
@@ -229,8 +237,8 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   const bool lead = lane == 0;
   const bool no_a = (p.flags & NO_A) != 0;
   long long* const trace = p.trace != nullptr && lead ? p.trace + blockIdx.x * TRACE_ROW : nullptr;
-  // Before the wait: the first task's weight tiles into the ring, the next tasks' into L2 (weights only: nothing
-  // the predecessor writes is touched).
+  // Before the wait: the first task's weight tiles into the ring (weights only: nothing the predecessor writes is
+  // touched; the consumers prefetch the next tasks' weights into L2).
   int pre = 0;
   bool pre_a = false;  // (racy QKV: the first task's activation tiles too, before the wait)
   if (blockIdx.x < total) {
@@ -251,7 +259,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   const int target = ld_relaxed(p.sync + blockIdx.x) + 1;
   if (p.trigger == 0) gdc_launch();
 
-  int it = 0;      // the ring position: K tiles this CTA has loaded
+  int it = 0;      // the ring position: chunks this CTA has loaded
   int att_n = 0;   // attention tasks this CTA has loaded
   for (int q = 0, j = blockIdx.x; j < total; ++q, j += G) {
     if (q > 0 && q == p.trigger) gdc_launch();
@@ -260,12 +268,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
     const bool skip = t.phase == racy;
     if (t.phase == P_ATT) {
       if (att_n > 0) mbar_wait(sm.att_empty, (att_n - 1) & 1);
-      if (!skip) {
-        while (!deps_ready(p, t, target, lane)) {
-          if (p.flags & POLL_SLEEP) __nanosleep(100);
-        }
-        deps_acquire();
-      }
+      if (!skip) wait_for_deps(p, t, target, lane);
       const int kv0 = t.split, nkt = t.m - kv0 + 1;
       if (lead) {
         mbar_expect_tx(sm.att_full, TILE_BYTES * (1 + 2 * nkt));
@@ -294,10 +297,7 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
       pend = 0;
     };
     auto wait_deps = [&]() {
-      while (!deps_ready(p, t, target, lane)) {
-        if (p.flags & POLL_SLEEP) __nanosleep(100);
-      }
-      deps_acquire();
+      wait_for_deps(p, t, target, lane);
       ready = true;
     };
     const int n_ch = t.k_tiles / KT;
