@@ -14,7 +14,8 @@ KINDS = {0: "2-D box", 1: "3-D box", 2: "1-D bulk"}
 
 def main():
     lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    lib.tma_ingest.argtypes = [ctypes.c_void_p] + [ctypes.c_int] * 10 + [ctypes.c_void_p, ctypes.c_char_p]
+    src = Path(__file__).with_name("tma_bench.cu")
+    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     t = torch.randn(2048, 3072, device="cuda").half()
     err = ctypes.create_string_buffer(256)
