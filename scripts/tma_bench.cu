@@ -87,3 +87,89 @@ extern "C" int tma_ingest(void* t, int kind, int rows, int loads, int slots, int
                                   slots, warps, lanes, group, out);
   return cudaDeviceSynchronize() != cudaSuccess ? 2 : 0;
 }
+
+// Multicast: clusters of `csize` CTAs read the same `rows` x 64 boxes; each CTA loads rows / csize of a box and
+// multicasts them to the whole cluster, so each SM receives whole boxes while L2 serves each box once. A slot is
+// reused once every CTA of the cluster has seen its previous box (an empty mbarrier counted over the cluster).
+namespace {
+__global__ void __launch_bounds__(32, 1) ingest_mc(const __grid_constant__ CUtensorMap m, int rows, int loads,
+                                                  int slots, int csize, long long* out) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bytes = rows * 128, share = bytes / csize;
+  const uint32_t full = base + slots * bytes, empty = full + 8 * slots;
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, csize);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    prefetch_tensormap(&m);
+  }
+  cluster_sync();
+  if (threadIdx.x == 0) {
+    const int cl = blockIdx.x / csize, row_blocks = 2048 / rows, sub = rows / csize;
+    const uint16_t mask = static_cast<uint16_t>((1u << csize) - 1);
+    const long long t0 = clock64();
+    int s = 0, r = 0;  // slot and round of load i
+    int sq = 0, rq = 0;  // slot and round of load i - (slots - 1), the one released next
+    for (int i = 0; i < loads; ++i) {
+      if (r >= 1) mbar_wait(empty + 8 * s, (r - 1) & 1);
+      mbar_expect_tx(full + 8 * s, bytes);
+      const int j = cl * 37 + i;
+      asm volatile(
+          "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+          " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(base + s * bytes + rank * share),
+          "l"(reinterpret_cast<uint64_t>(&m)), "r"(full + 8 * s), "r"((j % 48) * 64),
+          "r"(((j / 48) % row_blocks) * rows + rank * sub), "h"(mask)
+          : "memory");
+      if (++s == slots) s = 0, ++r;
+      if (i >= slots - 1) {  // load i - (slots - 1) has landed here: release its slot in every CTA of the cluster
+        mbar_wait(full + 8 * sq, rq & 1);
+        for (int c = 0; c < csize; ++c)
+          asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(
+                           map_to_cta(empty + 8 * sq, c))
+                       : "memory");
+        if (++sq == slots) sq = 0, ++rq;
+      }
+    }
+    for (int i = max(0, loads - slots + 1); i < loads; ++i) {
+      mbar_wait(full + 8 * sq, rq & 1);
+      if (++sq == slots) sq = 0, ++rq;
+    }
+    out[blockIdx.x] = clock64() - t0;
+  }
+  cluster_sync();  // no CTA exits while others may still arrive on its barriers
+}
+}  // namespace
+
+extern "C" int tma_ingest_mc(void* t, int rows, int loads, int slots, int csize, int ctas, long long* out, char* err) {
+  CUtensorMap m;
+  if (encode(&m, false, t, 2048, 3072, 3072, rows / csize, err, 256)) return 1;
+  const int smem = 1024 + slots * rows * 128 + 16 * slots;
+  if (cudaFuncSetAttribute(ingest_mc, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas / csize * csize, 1, 1);
+  cfg.blockDim = dim3(32, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, ingest_mc, m, rows, loads, slots, csize, out);
+  if (e != cudaSuccess) {
+    snprintf(err, 256, "%s", cudaGetErrorString(e));
+    return 4;
+  }
+  e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    snprintf(err, 256, "%s", cudaGetErrorString(e));
+    return 2;
+  }
+  return 0;
+}

@@ -48,5 +48,29 @@ def main():
                   f"{issue.median().item():5.0f} cycles; {ghz:.2f} cycles/ns", flush=True)
 
 
+def multicast():
+    """Clusters of 1, 2, 4 CTAs sharing every box by multicast: what each SM receives, and what L2 serves."""
+    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
+    src = Path(__file__).with_name("tma_bench.cu")
+    lib.tma_ingest_mc.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest_mc")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t = torch.randn(2048, 3072, device="cuda").half()
+    err = ctypes.create_string_buffer(256)
+    for rows in (64, 128):
+        for slots in (4, 8):
+            for csize in (1, 2, 4):
+                for ctas in (csize, sms // csize * csize):
+                    loads = 96
+                    out = torch.zeros(ctas, dtype=torch.int64, device="cuda")
+                    for _ in range(2):
+                        rc = lib.tma_ingest_mc(t.data_ptr(), rows, loads, slots, csize, ctas, out.data_ptr(), err)
+                        assert rc == 0, (rc, err.value)
+                    recv = loads * rows * 128 / out.double()
+                    print(f"multicast: {ctas:3d} CTAs in clusters of {csize}, {rows * 128 // 1024:2d} KB boxes, "
+                          f"{slots} slots: each SM receives {recv.median().item():6.1f} B/cycle (min "
+                          f"{recv.min().item():6.1f}), L2 serves {recv.median().item() / csize:6.1f} a SM", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    multicast()
