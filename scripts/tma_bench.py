@@ -48,6 +48,29 @@ def main():
                   f"{issue.median().item():5.0f} cycles; {ghz:.2f} cycles/ns", flush=True)
 
 
+def scaling():
+    """What each SM takes in when only some SMs load (the L2 -> SM cap shared among them): 4 issuing lanes."""
+    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
+    src = Path(__file__).with_name("tma_bench.cu")
+    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
+    t = torch.randn(2048, 3072, device="cuda").half()
+    err = ctypes.create_string_buffer(256)
+    for kind, rows, slots in ((1, 192, 2), (0, 128, 3)):
+        for ctas in (1, 24, 48, 72, 96, 132):
+            loads, lanes = 96, 4
+            out = torch.zeros(3 * ctas * lanes, dtype=torch.int64, device="cuda")
+            for _ in range(2):
+                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, 1, lanes, 1, ctas, 32, out.data_ptr(),
+                                    err)
+                assert rc == 0, (rc, err.value)
+            cyc = out.view(-1, 3)[:, 0].double().view(ctas, lanes).max(1).values
+            per_sm = loads * lanes * rows * 128 / cyc
+            total = per_sm.median().item() * ctas * 1.98e9 / 1e12
+            print(f"scaling: {ctas:3d} SMs loading, {KINDS[kind]} {rows * 128 // 1024} KB x 4 lanes: "
+                  f"{per_sm.median().item():6.1f} B/cycle/SM (min {per_sm.min().item():6.1f}), "
+                  f"~{total:.1f} TB/s in all at 1.98 GHz", flush=True)
+
+
 def multicast():
     """Clusters of 1, 2, 4 CTAs sharing every box by multicast: what each SM receives, and what L2 serves."""
     lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
