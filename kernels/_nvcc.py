@@ -37,7 +37,10 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")
-    tag = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + compiler.encode()).hexdigest()[:16]
+    # PDL_TUNE_NVCC_LINEINFO=1: source lines in the SASS, for a profiler's per-line view (a separate build)
+    extra = ["-lineinfo"] if os.environ.get("PDL_TUNE_NVCC_LINEINFO") == "1" else []
+    tag = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + compiler.encode()
+                         + " ".join(extra).encode()).hexdigest()[:16]
     variant = "-".join(str(v) for v in defines.values())
     out = cache_dir() / f"{source.stem}-{tag}-{variant}.so"
     if not out.exists():
@@ -45,7 +48,7 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
         cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", "-diag-suppress=177", *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
+               "-fPIC", "-diag-suppress=177", *extra, *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)

@@ -71,6 +71,7 @@ enum Flags {
   NO_MMA = 2048,     // A/B only (wrong results): the GEMM tasks' consumers only wait for and release the stages
   NO_WFENCE = 4096,  // A/B only: the writers of a tile skip fence.proxy.async before raising its flag
   NO_AHEAD = 8192,   // A/B only: the producer starts a task's loads only once the consumers have finished the last
+  RELEASE_NOW = 16384,  // A/B only: a stage goes back to the producer as soon as its MMAs are done, not one chunk later
 };
 
 struct Params {
@@ -578,6 +579,15 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
           }
           }
         }
+        if (p.flags & RELEASE_NOW) {
+          // (A/B) this chunk's MMAs waited for at once and its stage handed back: one more stage in flight, no MMA
+          // overlapping the next stage's wait
+          wgmma_wait<0>();
+          __syncwarp();
+          if (lane == 0) mbar_arrive(sm.empty + 8 * s);
+          prev = -1;
+          continue;
+        }
         wgmma_wait<1>();
         if (i >= 1) {
           __syncwarp();
@@ -588,7 +598,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       wgmma_wait<0>();
       fence_acc<WGMMA_N / 2>(acc);
       __syncwarp();
-      if (lane == 0 && (p.flags & NO_MMA) == 0) mbar_arrive(sm.empty + 8 * prev);
+      if (lane == 0 && (p.flags & NO_MMA) == 0 && prev >= 0) mbar_arrive(sm.empty + 8 * prev);
       const bool stamp = trace != nullptr && tid == 0 && q == 0;
       if (stamp) trace[TR_EPI] = globaltimer();
 
