@@ -173,3 +173,67 @@ extern "C" int tma_ingest_mc(void* t, int rows, int loads, int slots, int csize,
   }
   return 0;
 }
+
+// The issue cost of the primitives a producer loop is made of, one thread, nothing to wait for: `n` (<= 16) of
+// each back to back, cycles per instruction (clock64 around the run). Modes:
+//   0: TMA 2-D loads into 16 distinct 8 KB buffers, one mbarrier armed once for all their bytes
+//   1: expect_tx + TMA load, each load its own mbarrier (the usual stage)
+//   2: expect_tx alone (arrive + tx on a fresh mbarrier)
+//   3: try_wait on a completed phase
+//   4: %globaltimer reads
+//   5: TMA loads, coordinates from a runtime division (j / rows, j % 48) as the benchmarks above compute them
+namespace {
+__global__ void __launch_bounds__(32, 1) issue_cost(const __grid_constant__ CUtensorMap m, int mode, int n, int rows,
+                                                   long long* out) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bars = base + 16 * 8192;
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < 17; ++s) mbar_init(bars + 8 * s, 1);
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  prefetch_tensormap(&m);
+  // a completed phase on barrier 16 (for mode 3)
+  mbar_arrive(bars + 8 * 16);
+  mbar_wait(bars + 8 * 16, 0);
+  long long sink = 0;
+  const long long t0 = clock64();
+  if (mode == 0) {
+    mbar_expect_tx(bars, n * 8192);
+    const long long t1 = clock64();
+    for (int i = 0; i < n; ++i) tma_load(base + i * 8192, &m, bars, i * 64, 0);
+    out[0] = (clock64() - t1);
+    mbar_wait(bars, 0);
+    return;
+  } else if (mode == 1) {
+    for (int i = 0; i < n; ++i) {
+      mbar_expect_tx(bars + 8 * i, 8192);
+      tma_load(base + i * 8192, &m, bars + 8 * i, i * 64, 0);
+    }
+  } else if (mode == 2) {
+    for (int i = 0; i < n; ++i) mbar_expect_tx(bars + 8 * i, 8192);
+  } else if (mode == 3) {
+    for (int i = 0; i < n; ++i) mbar_wait(bars + 8 * 16, 0);
+  } else if (mode == 4) {
+    for (int i = 0; i < n; ++i) sink += globaltimer();
+  } else {
+    mbar_expect_tx(bars, n * 8192);
+    for (int i = 0; i < n; ++i) {
+      const int j = i + n * rows;
+      tma_load(base + i * 8192, &m, bars, (j % 48) * 64, ((j / 48) % (2048 / rows)) * 64);
+    }
+  }
+  out[0] = clock64() - t0 + (sink == 1 ? 1 : 0);
+  if (mode == 1)
+    for (int i = 0; i < n; ++i) mbar_wait(bars + 8 * i, 0);
+  if (mode == 5) mbar_wait(bars, 0);
+}
+}  // namespace
+
+extern "C" int tma_issue_cost(void* t, int mode, int n, int rows, long long* out, char* err) {
+  CUtensorMap m;
+  if (encode(&m, false, t, 2048, 3072, 3072, 64, err, 256)) return 1;
+  const int smem = 1024 + 16 * 8192 + 17 * 8;
+  if (cudaFuncSetAttribute(issue_cost, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
+  issue_cost<<<1, 32, smem>>>(m, mode, n, rows, out);
+  return cudaDeviceSynchronize() != cudaSuccess ? 2 : 0;
+}

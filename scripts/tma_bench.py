@@ -48,6 +48,27 @@ def main():
                   f"{issue.median().item():5.0f} cycles; {ghz:.2f} cycles/ns", flush=True)
 
 
+def issue_cost():
+    """Cycles one thread spends issuing each primitive of a producer loop (nothing to wait for)."""
+    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
+    src = Path(__file__).with_name("tma_bench.cu")
+    lib.tma_issue_cost.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_issue_cost")
+    t = torch.randn(2048, 3072, device="cuda").half()
+    err = ctypes.create_string_buffer(256)
+    out = torch.zeros(1, dtype=torch.int64, device="cuda")
+    names = {0: "TMA load (one barrier for all)", 1: "expect_tx + TMA load", 2: "expect_tx", 3: "try_wait, phase done",
+             4: "%globaltimer read", 5: "TMA load, runtime-division coordinates"}
+    for mode, name in names.items():
+        res = []
+        for n in (1, 4, 16):
+            cyc = []
+            for _ in range(3):
+                assert lib.tma_issue_cost(t.data_ptr(), mode, n, 64, out.data_ptr(), err) == 0, err.value
+                cyc.append(out.item())
+            res.append(f"{n:2d}: {min(cyc) / n:6.1f}")
+        print(f"issue cost, {name:40s} cycles each ({', '.join(res)})", flush=True)
+
+
 def scaling():
     """What each SM takes in when only some SMs load (the L2 -> SM cap shared among them): 4 issuing lanes."""
     lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
