@@ -47,7 +47,6 @@ enum Flags {
   // the rest of the prefetch goes to L2 only
   EARLY_SHIFT = 8,
   NO_SPREAD = 4096,  // A/B only: request just the shared memory the kernel uses (two CTAs may share an SM)
-  LANES_SHIFT = 13,  // bits 13-15: producer lanes issuing the loads (0: 1)
 };
 
 struct Params {
@@ -135,40 +134,38 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   cluster_sync();
 
   if (tid >= CONSUMERS) {
-    // Producer warp. Lane 0 requests the first stages' weight tiles before the wait; after it, lanes
-    // 0 .. lanes - 1 issue the stages' loads, lane l the stages l, l + lanes, ...: one lane's loop is bound by its
-    // own instructions' latency (~250-700 cycles a stage), not by the TMA unit, so lanes issue side by side
-    // (scripts/tma_bench.py: 4 lanes take in 3.2x the bytes of one; docs/perf-notes.md, section 19).
-    const int lane = tid - CONSUMERS;
-    const int lanes = min(max((p.flags >> LANES_SHIFT) & 7, 1), S);
-    const bool racy = (p.flags & RACY) != 0;
-    int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
-    const int cap = (p.flags >> EARLY_SHIFT) & 15;
-    if (cap > 0) early = min(early, cap - 1);
-    if (racy && early == 0 && n_iters > 0) early = 1;
-    if (lane == 0) {
+    // Producer warp: one thread issues the loads.
+    if (tid == CONSUMERS) {
+      const bool racy = (p.flags & RACY) != 0;
+      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
+      const int cap = (p.flags >> EARLY_SHIFT) & 15;
+      if (cap > 0) early = min(early, cap - 1);
+      if (racy && early == 0 && n_iters > 0) early = 1;
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
         tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
       if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
-    }
-    gdc_wait();
-    if (lane == 0 && p.trigger_k == 0) gdc_launch();
-    if (lane < lanes) {
-      int s = lane, round = 0;  // stage i's slot and round (i = round * S + s)
-      for (int i = lane; i < n_iters; i += lanes) {
+      gdc_wait();
+      if (p.trigger_k == 0) gdc_launch();
+      int s = 0;
+      uint32_t phase = 0;  // of the stage's empty barrier, from the second round on
+      for (int i = 0; i < n_iters; ++i) {
         const uint32_t bar = full + 8 * s;
-        if (round >= 1) mbar_wait(empty + 8 * s, (round - 1) & 1);
+        if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
           mbar_expect_tx(bar, TL::STAGE_BYTES);
           tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
         if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
-        s += lanes;
-        if (s >= S) s -= S, ++round;
+        if (++s == S) {
+          s = 0;
+          if (i >= S) phase ^= 1;
+        }
       }
+    } else {
+      gdc_wait();
     }
     return;
   }
