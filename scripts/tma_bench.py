@@ -48,6 +48,26 @@ def main():
                   f"{issue.median().item():5.0f} cycles; {ghz:.2f} cycles/ns", flush=True)
 
 
+def l2_to_sm_bytes_per_s() -> float:
+    """The chip's L2 -> SM rate: every SM loading L2-resident 24 KB boxes by TMA from 4 issuing lanes (the fastest
+    shape of main() and scaling()); bytes over the slowest SM's %globaltimer span."""
+    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
+    src = Path(__file__).with_name("tma_bench.cu")
+    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t = torch.randn(2048, 3072, device="cuda").half()
+    err = ctypes.create_string_buffer(256)
+    loads, lanes, rows = 96, 4, 192
+    out = torch.zeros(3 * sms * lanes, dtype=torch.int64, device="cuda")
+    rates = []
+    for _ in range(5):
+        rc = lib.tma_ingest(t.data_ptr(), 1, rows, loads, 2, 1, lanes, 1, sms, 32, out.data_ptr(), err)
+        assert rc == 0, (rc, err.value)
+        ns = out.view(-1, 3)[:, 2].max().item()
+        rates.append(sms * lanes * loads * rows * 128 / (ns * 1e-9))
+    return sorted(rates)[len(rates) // 2]
+
+
 def issue_cost():
     """Cycles one thread spends issuing each primitive of a producer loop (nothing to wait for)."""
     lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
