@@ -21,7 +21,7 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
 __global__ void __launch_bounds__(256, 1) ingest(const __grid_constant__ CUtensorMap m2,
                                                 const __grid_constant__ CUtensorMap m3, const uint8_t* flat,
                                                 long long flat_bytes, int kind, int rows, int loads, int slots,
-                                                int warps, int lanes, int group, long long* out) {
+                                                int warps, int lanes, int group, int shared, long long* out) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t bytes = rows * 128;
@@ -51,7 +51,9 @@ __global__ void __launch_bounds__(256, 1) ingest(const __grid_constant__ CUtenso
     mbar_expect_tx(bar + 8 * s, bytes * group);
     for (int u = 0; u < group; ++u) {
       const uint32_t dst = buf + (s * group + u) * bytes;
-      const int j = c * 37 + i + u;  // load j of the issuer's sequence
+      // load j of the issuer's sequence: the first `shared` issuers of every CTA read the same sequences in every
+      // CTA at the same time (as the column tiles of a GEMM read its A rows), the others sequences of their own
+      const int j = (me < shared ? me * 1000 : c * 37) + i + u;
       if (kind == 0) {
         tma_load(dst, &m2, bar + 8 * s, (j % 48) * 64, ((j / 48) % row_blocks) * rows);
       } else if (kind == 1) {
@@ -75,7 +77,7 @@ __global__ void __launch_bounds__(256, 1) ingest(const __grid_constant__ CUtenso
 
 // A [2048, 3072] 16-bit tensor at `t`; 2-D maps with `rows`-row boxes, 3-D maps with boxes of rows / 64 tiles.
 extern "C" int tma_ingest(void* t, int kind, int rows, int loads, int slots, int warps, int lanes, int group,
-                          int ctas, int threads, long long* out, char* err) {
+                          int shared, int ctas, int threads, long long* out, char* err) {
   CUtensorMap m2, m3;
   const int box2 = kind == 0 ? rows : 64, kt = kind == 1 ? rows / 64 : 1;
   if (encode(&m2, false, t, 2048, 3072, 3072, box2, err, 256) ||
@@ -84,7 +86,7 @@ extern "C" int tma_ingest(void* t, int kind, int rows, int loads, int slots, int
   const int smem = 1024 + warps * lanes * slots * group * rows * 128 + 8 * warps * lanes * slots;
   if (cudaFuncSetAttribute(ingest, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
   ingest<<<ctas, threads, smem>>>(m2, m3, static_cast<const uint8_t*>(t), 2048LL * 3072 * 2, kind, rows, loads,
-                                  slots, warps, lanes, group, out);
+                                  slots, warps, lanes, group, shared, out);
   return cudaDeviceSynchronize() != cudaSuccess ? 2 : 0;
 }
 

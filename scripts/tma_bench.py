@@ -35,7 +35,7 @@ def main():
             n = ctas * warps * lanes
             out = torch.zeros(3 * n, dtype=torch.int64, device="cuda")
             for _ in range(2):
-                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, warps, lanes, group, ctas, threads,
+                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, warps, lanes, group, 0, ctas, threads,
                                     out.data_ptr(), err)
                 assert rc == 0, (rc, err.value)
             o = out.view(-1, 3).double()
@@ -61,7 +61,7 @@ def l2_to_sm_bytes_per_s() -> float:
     out = torch.zeros(3 * sms * lanes, dtype=torch.int64, device="cuda")
     rates = []
     for _ in range(5):
-        rc = lib.tma_ingest(t.data_ptr(), 1, rows, loads, 2, 1, lanes, 1, sms, 32, out.data_ptr(), err)
+        rc = lib.tma_ingest(t.data_ptr(), 1, rows, loads, 2, 1, lanes, 1, 0, sms, 32, out.data_ptr(), err)
         assert rc == 0, (rc, err.value)
         ns = out.view(-1, 3)[:, 2].max().item()
         rates.append(sms * lanes * loads * rows * 128 / (ns * 1e-9))
@@ -101,7 +101,7 @@ def scaling():
             loads, lanes = 96, 4
             out = torch.zeros(3 * ctas * lanes, dtype=torch.int64, device="cuda")
             for _ in range(2):
-                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, 1, lanes, 1, ctas, 32, out.data_ptr(),
+                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, 1, lanes, 1, 0, ctas, 32, out.data_ptr(),
                                     err)
                 assert rc == 0, (rc, err.value)
             cyc = out.view(-1, 3)[:, 0].double().view(ctas, lanes).max(1).values
@@ -110,6 +110,30 @@ def scaling():
             print(f"scaling: {ctas:3d} SMs loading, {KINDS[kind]} {rows * 128 // 1024} KB x 4 lanes: "
                   f"{per_sm.median().item():6.1f} B/cycle/SM (min {per_sm.min().item():6.1f}), "
                   f"~{total:.1f} TB/s in all at 1.98 GHz", flush=True)
+
+
+def hotspot():
+    """Every SM reading the same boxes at the same time (a GEMM's A rows, read by all its column tiles) against
+    boxes of their own: 4 issuers a CTA, `shared` of them on the common sequences."""
+    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
+    src = Path(__file__).with_name("tma_bench.cu")
+    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
+    t = torch.randn(2048, 3072, device="cuda").half()
+    err = ctypes.create_string_buffer(256)
+    for kind, rows, slots in ((0, 64, 4), (0, 128, 3)):
+        for ctas in (48, 96):
+            for shared in (0, 2, 4):
+                loads, lanes = 96, 4
+                out = torch.zeros(3 * ctas * lanes, dtype=torch.int64, device="cuda")
+                for _ in range(2):
+                    rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, 1, lanes, 1, shared, ctas, 32,
+                                        out.data_ptr(), err)
+                    assert rc == 0, (rc, err.value)
+                cyc = out.view(-1, 3)[:, 0].double().view(ctas, lanes).max(1).values
+                per_sm = loads * lanes * rows * 128 / cyc
+                print(f"hotspot: {ctas:3d} SMs, {KINDS[kind]} {rows * 128 // 1024:2d} KB x 4 issuers, {shared} of them "
+                      f"on sequences common to all SMs: {per_sm.median().item():6.1f} B/cycle/SM "
+                      f"(min {per_sm.min().item():6.1f})", flush=True)
 
 
 def multicast():
