@@ -20,7 +20,6 @@ import sys
 
 import torch
 
-from tuner.layer import check_config  # noqa: F401  (the config must be valid for the shape: fit_config in variant)
 from tuner.shapes import resolve
 from tuner.timing import copy_bandwidth_bytes_per_s
 

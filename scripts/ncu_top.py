@@ -5,7 +5,8 @@ usage: ncu -i REPORT.ncu-rep --page source --csv --print-source cuda,sass > src.
 (The report from `ncu --section SourceCounters --import-source yes -o REPORT ...` of a -lineinfo build:
 PDL_TUNE_NVCC_LINEINFO=1 for the package's CUDA kernels.)
 """
-import csv, collections, sys
+import csv
+import sys
 rows = list(csv.reader(open(sys.argv[1])))
 hdr = None; path = None; recs = []
 for r in rows:
