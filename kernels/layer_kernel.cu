@@ -755,10 +755,10 @@ __global__ void __launch_bounds__(THREADS, 1) layer_kernel(const __grid_constant
 #define LK_BF16 0
 #endif
 
-// K tiles a chunk (one TMA box an operand): the one issuing thread pays ~60-200 cycles a load besides the ring's
-// waits and arming (scripts/tma_bench.py, issue_cost; the TMA unit itself takes in ~100 B/cycle from several
-// issuers), so the loads go in chunks of several K tiles. The largest of 4, 3, 2, 1 dividing every task's K tiles and
-// leaving two ring slots.
+// K tiles a chunk (one TMA box an operand): under load an SM's TMA unit takes ~240 cycles a box whatever its size up
+// to 16 KB (34 B/cycle with 8 KB boxes), and the one issuing thread pays ~60-200 cycles a load besides the ring's
+// waits (scripts/tma_bench.py; perf notes section 19), so the loads go in chunks of several K tiles. The largest of
+// 4, 3, 2, 1 dividing every task's K tiles and leaving two ring slots.
 extern "C" int chunk_tiles(int a, int b, int c, int stages) {
   for (int kt = 4; kt > 1; --kt)
     if (a % kt == 0 && b % kt == 0 && c % kt == 0 && stages / kt >= 2) return kt;
