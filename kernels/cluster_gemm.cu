@@ -90,16 +90,11 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   constexpr int CONSUMERS = TL::CONSUMERS, SROW = TL::SROW;
   constexpr int NACC = BN / 2;           // accumulator registers a thread (wgmma m64nBN, fp32)
   constexpr int R = BM / SC;             // rows of the tile this CTA reduces and stores
-  // The epilogue's mapping: TPR consumer threads a row (adjacent lanes), CPT columns a thread, RP rows a thread
-  // RSTEP apart. A split tile's R rows take one group of threads each (RP 1); an unsplit tile (SC 1) goes 8 columns a
-  // thread over RP rows (2 threads a row, 32 columns each, made its epilogue 2.5x longer: perf notes 19.7).
-  constexpr int TPR = SC == 1 ? BN / 8 : CONSUMERS / R;
-  constexpr int RP = R * TPR / CONSUMERS;
-  constexpr int RSTEP = CONSUMERS / TPR;
+  constexpr int TPR = CONSUMERS / R;     // consumer threads a row (adjacent lanes)
   constexpr int CPT = BN / TPR;          // columns a thread
   constexpr int SLAB = R * SROW * 4;     // bytes of one row slab of a partial tile
   constexpr int LNP = MAX_LN_PARTS / TPR;  // LN_IN: row-sum parts a thread loads
-  static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0 && RP >= 1 && RP * RSTEP == R, "epilogue mapping");
+  static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0, "epilogue mapping");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -207,34 +202,27 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   // The epilogue's inputs for this thread's row and columns of the CTA's slab, loaded now (clamped addresses,
   // no branches, no conversion) so that all are in flight before the K loop and waited for only after it.
-  const int lr = tid / TPR;                  // first row within the slab (then every RSTEP rows)
-  const int row = m0 + rank * R + lr;        // global row of the first
+  const int lr = tid / TPR;                  // row within the slab
+  const int row = m0 + rank * R + lr;        // global row
   const int c0 = n0 + (tid % TPR) * CPT;     // first global column
+  const int rrow = min(row, p.M - 1);
   BT bias_raw[CPT];
-  T res_raw[RP][CPT];
+  T res_raw[CPT];
   float ln_u[LN ? CPT : 1];
-  float2 ln_st[RP][LN ? LNP : 1];  // this thread's share of each row's parts (summed over the TPR lanes after the loop)
+  float2 ln_st[LN ? LNP : 1];  // this thread's share of the row's parts (summed over the TPR lanes after the loop)
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
     const int c = min(c0 + e, p.N - 1);
     if constexpr ((EPI & HAS_BIAS) != 0) bias_raw[e] = static_cast<const BT*>(p.bias)[c];
-#pragma unroll
-    for (int r = 0; r < RP; ++r) {
-      const int rrow = min(row + r * RSTEP, p.M - 1);
-      if constexpr ((EPI & HAS_RES) != 0)
-        res_raw[r][e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + c];
-    }
+    if constexpr ((EPI & HAS_RES) != 0)
+      res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + c];
     if constexpr (LN) ln_u[e] = p.ln_colsum[c];
   }
   if constexpr (LN) {
 #pragma unroll
-    for (int r = 0; r < RP; ++r) {
-      const int rrow = min(row + r * RSTEP, p.M - 1);
-#pragma unroll
-      for (int i = 0; i < LNP; ++i) {
-        const int q = min((tid % TPR) + TPR * i, p.ln_parts - 1);
-        ln_st[r][i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + rrow) * 2);
-      }
+    for (int i = 0; i < LNP; ++i) {
+      const int q = min((tid % TPR) + TPR * i, p.ln_parts - 1);
+      ln_st[i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + rrow) * 2);
     }
   }
 
@@ -298,29 +286,25 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   mbar_wait(red, 0);
 
   // This CTA's slab: its own partial's rows plus the SC-1 pushed ones.
-  float y[RP][CPT];
-#pragma unroll
-  for (int r = 0; r < RP; ++r) {
-    const float* own = part + (rank * R + lr + r * RSTEP) * SROW + (tid % TPR) * CPT;
+  float y[CPT];
+  {
+    const float* own = part + (rank * R + lr) * SROW + (tid % TPR) * CPT;
 #pragma unroll
     for (int e = 0; e < CPT; e += 4) {
       float4 v = *reinterpret_cast<const float4*>(own + e);
-      y[r][e] = v.x, y[r][e + 1] = v.y, y[r][e + 2] = v.z, y[r][e + 3] = v.w;
+      y[e] = v.x, y[e + 1] = v.y, y[e + 2] = v.z, y[e + 3] = v.w;
     }
 #pragma unroll
     for (int q = 0; q < SC; ++q) {
       if (q == rank) continue;
-      const float* o = slabs + q * (SLAB / 4) + (lr + r * RSTEP) * SROW + (tid % TPR) * CPT;
+      const float* o = slabs + q * (SLAB / 4) + lr * SROW + (tid % TPR) * CPT;
 #pragma unroll
       for (int e = 0; e < CPT; e += 4) {
         float4 v = *reinterpret_cast<const float4*>(o + e);
-        y[r][e] += v.x, y[r][e + 1] += v.y, y[r][e + 2] += v.z, y[r][e + 3] += v.w;
+        y[e] += v.x, y[e + 1] += v.y, y[e + 2] += v.z, y[e + 3] += v.w;
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < RP; ++r) {
-  const int row_r = row + r * RSTEP;
   float ln_rstd = 1.f, ln_mr = 0.f;
   if constexpr (LN) {
     // The row's sums of x and x^2: this thread's parts (those past ln_parts were clamped to the last: not counted),
@@ -328,7 +312,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int i = 0; i < LNP; ++i) {
-      if ((tid % TPR) + TPR * i < p.ln_parts) s1 += ln_st[r][i].x, s2 += ln_st[r][i].y;
+      if ((tid % TPR) + TPR * i < p.ln_parts) s1 += ln_st[i].x, s2 += ln_st[i].y;
     }
 #pragma unroll
     for (int o = 1; o < TPR; o *= 2) {
@@ -342,7 +326,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   float rs1 = 0.f, rs2 = 0.f;
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
-    float v = y[r][e];
+    float v = y[e];
     if constexpr (LN) v = ln_rstd * v - ln_mr * ln_u[e];
     if constexpr ((EPI & HAS_BIAS) != 0) {
       if constexpr ((EPI & BIAS_F32) != 0) {
@@ -352,25 +336,25 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       }
     }
     v = activate<ACT>(v);
-    if constexpr ((EPI & HAS_RES) != 0) v += E::f(res_raw[r][e]);
-    y[r][e] = (c0 + e < p.N) ? v : 0.f;
-    rs1 += y[r][e];
-    rs2 += y[r][e] * y[r][e];
+    if constexpr ((EPI & HAS_RES) != 0) v += E::f(res_raw[e]);
+    y[e] = (c0 + e < p.N) ? v : 0.f;
+    rs1 += y[e];
+    rs2 += y[e] * y[e];
   }
-  if (row_r < p.M) {
-    T* op = static_cast<T*>(p.out) + static_cast<long long>(row_r) * p.out_stride + c0;
+  if (row < p.M) {
+    T* op = static_cast<T*>(p.out) + static_cast<long long>(row) * p.out_stride + c0;
     if (c0 + CPT <= p.N && (p.out_stride % 8) == 0 && (reinterpret_cast<uintptr_t>(p.out) % 16) == 0) {
 #pragma unroll
       for (int e = 0; e < CPT; e += 8) {
         alignas(16) T pk[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) pk[k] = E::one(y[r][e + k]);
+        for (int k = 0; k < 8; ++k) pk[k] = E::one(y[e + k]);
         *reinterpret_cast<uint4*>(op + e) = *reinterpret_cast<const uint4*>(pk);
       }
     } else {
 #pragma unroll
       for (int e = 0; e < CPT; ++e)
-        if (c0 + e < p.N) op[e] = E::one(y[r][e]);
+        if (c0 + e < p.N) op[e] = E::one(y[e]);
     }
   }
   if constexpr ((EPI & STATS_OUT) != 0) {
@@ -384,11 +368,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
     }
     const int part = n_tile * (BN / 64) + (tid % TPR) / TPH;
-    if ((tid % TPH) == 0 && row_r < p.M && part * 64 < p.N)
-      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row_r) * 2) =
+    if ((tid % TPH) == 0 && row < p.M && part * 64 < p.N)
+      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
-  }  // rows r
   if (tid == 0) {
     // The partial must stay, and this CTA must not exit, until its pushes have completed.
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");

@@ -62,9 +62,8 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (1, 2 or 4) programs of a tile form one
-    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel (split_k 1: no
-    # reduction; a stage loads several K tiles a TMA box where the ring allows: cluster_gemm.chunk_tiles). Elsewhere,
+    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2 or 4) programs of a tile form one
+    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. Elsewhere,
     # and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, this module's kernels run it.
     cluster: int = 0
     overlap_ratio: float = -1.0
@@ -153,6 +152,9 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
         return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
     if c.split_k not in cluster_gemm.SPLITS:
         return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
+    if c.split_k == 1 and c.block_n != 64:
+        # (unsplit, a CTA's epilogue covers all its tile's rows: 128 columns would be 64 a thread, past the registers)
+        return "cluster=1 with split_k=1 needs block_n 64"
     # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
     bm, bn = cluster_tile(c, p)
     if (bm not in cluster_gemm.TILES or bn not in cluster_gemm.TILES or c.num_warps != 4 * bm // 64
