@@ -79,7 +79,7 @@ struct Params {
 // at 32 B/cycle with 64-row tiles. With KT > 1, p.stages counts stages of KT tiles and per_split is a multiple of KT.
 template <bool BF16, int SC, int EPI, int BM, int BN, int KT>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 1 || SC == 2 || SC == 4, "the K splits of a tile: 1 (no split), 2 or 4 CTAs a cluster");
+  static_assert(SC == 2 || SC == 4, "the K splits of a tile: 2 or 4 CTAs a cluster");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
   using TL = Tile<BM, BN>;
   using E = Elem<BF16>;

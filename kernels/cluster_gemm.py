@@ -21,7 +21,7 @@ import torch
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
-SPLITS = (1, 2, 4)  # CTAs a cluster (the K splits of one tile; 1: no split, no exchange)
+SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES

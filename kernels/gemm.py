@@ -152,9 +152,6 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
         return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
     if c.split_k not in cluster_gemm.SPLITS:
         return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
-    if c.split_k == 1 and c.block_n != 64:
-        # (unsplit, a CTA's epilogue covers all its tile's rows: 128 columns would be 64 a thread, past the registers)
-        return "cluster=1 with split_k=1 needs block_n 64"
     # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
     bm, bn = cluster_tile(c, p)
     if (bm not in cluster_gemm.TILES or bn not in cluster_gemm.TILES or c.num_warps != 4 * bm // 64
