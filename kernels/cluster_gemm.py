@@ -35,25 +35,20 @@ SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
 EARLY_TILES: int | None = None
-# K tiles a stage loads with one TMA box an operand (3-D tensor maps). Under load an SM's TMA unit takes ~240 cycles a
-# box whatever its size up to 16 KB: with 64-row tiles, one box a K tile (8 KB) caps a CTA at ~34 B/cycle, where the
-# chip's L2 could feed 50 B/cycle to each of 96 SMs (H200; scripts/tma_bench.py, perf notes section 19). So a stage
-# loads CHUNK_TILES..2 K tiles a box where the ring keeps MIN_SLOTS stages (or all of a split's) in flight; 1: one
-# box a K tile (A/B switch cg_chunks=1 of scripts/timeline.py).
+# K tiles a stage loads with one TMA box an operand (3-D tensor maps): a box costs the SM's TMA unit ~250 cycles
+# whatever its size up to 16 KB (H200, L2 hits: 32 B/cycle with 8 KB boxes, 64 with 16 KB, 107 with 32 KB;
+# scripts/wgmma_bench.py), so a CTA fed one 64-row tile a box is bound by the boxes, not the bytes. The largest of
+# CHUNK_TILES..2 that divides a split's K tiles and leaves two stages; 1: one box a K tile (A/B switch cg_chunks=0
+# of scripts/timeline.py sets it to 1).
 CHUNK_TILES = 4
-MIN_SLOTS = 4
 
 
 def chunk_tiles(k: int, per_split: int, stages: int, bm: int = 64, bn: int = 64) -> int:
-    """K tiles a stage of the cluster kernel loads with one box an operand (1: one box a K tile). Session 9 took the
-    largest chunk leaving two stages (FFN2: 4 tiles in 2 stages), and the ring of two could not hide a stage's
-    latency (perf notes 18.1); the ring now keeps MIN_SLOTS stages, or every stage of the split."""
+    """K tiles a stage of the cluster kernel loads with one box an operand (1: one box a K tile)."""
     if per_split <= 0 or k % BLOCK or (k // BLOCK) % per_split:
         return 1
     for kt in range(CHUNK_TILES, 1, -1):
-        slots = stages // kt
-        if (per_split % kt == 0 and slots >= 2 and slots >= min(MIN_SLOTS, per_split // kt)
-                and slots * kt * stage_bytes(bm, bn) >= part_bytes(bm, bn)):
+        if per_split % kt == 0 and stages // kt >= 2 and (stages // kt) * kt * stage_bytes(bm, bn) >= part_bytes(bm, bn):
             return kt
     return 1
 

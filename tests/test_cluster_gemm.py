@@ -178,61 +178,6 @@ def test_cluster_linear_tiles(tile, split, epilogue):
         torch.testing.assert_close(stats.sum(0)[:, 1], (of * of).sum(1), rtol=4e-3, atol=5e-1)
 
 
-def test_chunk_tiles_keeps_the_ring():
-    # A stage loads several K tiles with one TMA box an operand, where the ring keeps 4 stages (or all a split's).
-    from tuner.kernels.cluster_gemm import chunk_tiles
-
-    assert chunk_tiles(3072, 12, 8) == 2  # bert-base FFN2 (split 4, 8 stages): 4 stages of 2 tiles, not 2 of 4
-    assert chunk_tiles(768, 3, 6) == 3  # bert-base out-projection (split 4): the whole split in one stage
-    assert chunk_tiles(768, 3, 3) == 1  # a single stage could not hold it twice
-    assert chunk_tiles(456, 2, 8) == 1  # K not a multiple of 64: one box a tile (the last one zero-filled)
-    assert chunk_tiles(1024, 4, 8) == 4
-
-
-@gpu
-@pytest.mark.parametrize("k, split, stages, kt, tile", [
-    (768, 1, 8, 2, (64, 64)), (768, 2, 8, 3, (64, 64)), (768, 4, 6, 3, (64, 64)), (1024, 4, 8, 4, (64, 64)),
-    (768, 2, 6, 3, (128, 64)), (1024, 4, 4, 2, (64, 128))],
-    ids=lambda v: f"{v[0]}x{v[1]}" if isinstance(v, tuple) else str(v))
-@pytest.mark.parametrize("epilogue", ["plain", "bias-gelu-res-stats", "layernorm"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_cluster_linear_chunked(k, split, stages, kt, tile, epilogue, dtype):
-    # Stages of kt K tiles loaded by one 3-D TMA box an operand: a partial second row tile (150 rows), a partial
-    # column tile (N 330), outputs and row sums poisoned; the chunk the launch picks is the one named.
-    from tuner.kernels.cluster_gemm import BLOCK, chunk_tiles
-
-    bm, bn = tile
-    m, n = 150, 330
-    x, w, b, r = _inputs(m, n, k, dtype, "cuda", seed=k + split * 10 + stages)
-    cfg = replace(CL, block_m=bm, block_n=bn, num_warps=4 * bm // 64, block_k=64, split_k=split, num_stages=stages,
-                  overlap_ratio=0.0, prefetch_ratio=1.0)
-    assert check(cfg, GemmProblem(m, n, k), DeviceInfo.from_torch()) is None
-    assert chunk_tiles(k, k // BLOCK // split, stages, bm, bn) == kt
-    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-    stats = None
-    if epilogue == "layernorm":
-        lw, lb = _ln_params(k, dtype, k + split)
-        x = x * 3 + 0.5
-        wf, bf, u = fold_layernorm(w, b, lw, lb)
-        linear(x, wf, bf, config=cfg, out=out, ln_colsum=u, ln_stats=_row_sums(x, 13))
-        ref = linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)
-    else:
-        kw = dict(activation="gelu", residual=r) if epilogue != "plain" else {}
-        bias = b if kw else None
-        if kw:
-            stats = torch.full((stats_parts(cfg, n), m, 2), float("nan"), dtype=torch.float32, device="cuda")
-        linear(x, w, bias, config=cfg, out=out, stats_out=stats, **kw)
-        ref = linear_ref(x, w, bias, **kw)
-    torch.cuda.synchronize()
-    tol = 2e-2 if epilogue == "layernorm" else REL_TOLERANCE[dtype]
-    assert rel_error(out, ref) < tol
-    if stats is not None:
-        of = out.float()
-        rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-        torch.testing.assert_close(stats.sum(0)[:, 0], of.sum(1), rtol=rtol, atol=5e-2)
-        torch.testing.assert_close(stats.sum(0)[:, 1], (of * of).sum(1), rtol=rtol * 4, atol=5e-1)
-
-
 @gpu
 def test_cluster_linear_layernorm_bf16_few_rows():
     # bf16, 32 rows on the 64-row kernel, LayerNorm from 32 parts (the most a launch reads).
