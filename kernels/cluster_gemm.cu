@@ -74,10 +74,7 @@ struct Params {
 };
 
 
-// KT: 64-wide K tiles a stage, loaded by one TMA box an operand (3-D tensor maps, encode3): a box costs the SM's TMA
-// unit ~250 cycles whatever its size up to 16 KB (L2 hits; scripts/wgmma_bench.py), so one box a K tile bounds a CTA
-// at 32 B/cycle with 64-row tiles. With KT > 1, p.stages counts stages of KT tiles and per_split is a multiple of KT.
-template <bool BF16, int SC, int EPI, int BM, int BN, int KT>
+template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
   static_assert(SC == 2 || SC == 4, "the K splits of a tile: 2 or 4 CTAs a cluster");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
@@ -100,10 +97,9 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const int S = p.stages;
-  constexpr int A_STAGE = KT * TL::A_BYTES, B_STAGE = KT * TL::B_BYTES;
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + S * A_STAGE;
-  const uint32_t recv = b_smem + S * B_STAGE;  // SC row slabs pushed here by the cluster (slot = source rank)
+  const uint32_t b_smem = base + S * TL::A_BYTES;
+  const uint32_t recv = b_smem + S * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
   const uint32_t full = recv + TL::PART_BYTES;     // S mbarriers: the stage's bytes have landed
   const uint32_t empty = full + 8 * S;             // S mbarriers: the consumers are done with the stage
   const uint32_t red = empty + 8 * S;              // 1 mbarrier: the other CTAs' slabs have landed
@@ -118,7 +114,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split
   const int m0 = m_tile * BM, n0 = n_tile * BN;
   const int k_first = rank * p.per_split;
-  const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first)) / KT;  // stages of this split
+  const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
   const bool pdl = (p.flags & USE_PDL) != 0;
 
   if (tid == CONSUMERS) {
@@ -141,36 +137,16 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     // Producer warp: one thread issues the loads.
     if (tid == CONSUMERS) {
       const bool racy = (p.flags & RACY) != 0;
-      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tiles go before the wait
+      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
       const int cap = (p.flags >> EARLY_SHIFT) & 15;
-      if (cap > 0) early = min(early, (cap - 1 + KT - 1) / KT);
+      if (cap > 0) early = min(early, cap - 1);
       if (racy && early == 0 && n_iters > 0) early = 1;
-      auto load_b = [&](int i, uint32_t dst, uint32_t bar) {
-        if constexpr (KT == 1) {
-          tma_load(dst, &p.b_map, bar, (k_first + i) * BK, n0);
-        } else {
-          tma_load3(dst, &p.b_map, bar, n0, k_first + i * KT);
-        }
-      };
-      auto load_a = [&](int i, uint32_t dst, uint32_t bar) {
-        if constexpr (KT == 1) {
-          tma_load(dst, &p.a_map, bar, (k_first + i) * BK, m0);
-        } else {
-          tma_load3(dst, &p.a_map, bar, m0, k_first + i * KT);
-        }
-      };
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full + 8 * i, KT * TL::STAGE_BYTES);
-        load_b(i, b_smem + i * B_STAGE, full + 8 * i);
+        mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
+        tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
-      for (int i = early * KT; i < min(p.n_pref, n_iters * KT); ++i) {
-        if constexpr (KT == 1) {
-          tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
-        } else {
-          tma_prefetch_l2_3d(&p.b_map, n0, k_first + i);  // (a one-tile box of the 3-D map would be KT tiles)
-        }
-      }
-      if (racy && n_iters > 0) load_a(0, a_smem, full);
+      for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
+      if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
@@ -179,10 +155,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
         const uint32_t bar = full + 8 * s;
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          mbar_expect_tx(bar, KT * TL::STAGE_BYTES);
-          load_b(i, b_smem + s * B_STAGE, bar);
+          mbar_expect_tx(bar, TL::STAGE_BYTES);
+          tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) load_a(i, a_smem + s * A_STAGE, bar);
+        if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -233,15 +209,12 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
     mbar_wait(full + 8 * s, phase);
+    const uint64_t da = smem_desc(a_smem + s * TL::A_BYTES + wg * (64 * BK * 2));
+    const uint64_t db = smem_desc(b_smem + s * TL::B_BYTES);
     fence_acc<NACC>(acc);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < KT; ++k) {
-      const uint64_t da = smem_desc(a_smem + s * A_STAGE + k * TL::A_BYTES + wg * (64 * BK * 2));
-      const uint64_t db = smem_desc(b_smem + s * B_STAGE + k * TL::B_BYTES);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
-    }
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
     fence_acc<NACC>(acc);
     // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
@@ -251,7 +224,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + KT - 1) / KT) gdc_launch();
+    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
     prev = s;
     if (++s == S) {
       s = 0;
@@ -398,14 +371,11 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 #ifndef CG_BN
 #define CG_BN 64
 #endif
-#ifndef CG_KT
-#define CG_KT 1
-#endif
 
 using TV = Tile<CG_BM, CG_BN>;
 
 extern "C" int cluster_gemm_variant() {
-  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_KT << 24);
+  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20);
 }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {
@@ -431,17 +401,8 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  constexpr int KT = CG_KT;
-  if (KT > 1 && (K % BK != 0 || per_split % KT != 0 || (K / BK) % per_split != 0 || stages < 2 * KT ||
-                 (stages / KT) * KT * TV::STAGE_BYTES < TV::PART_BYTES)) {
-    snprintf(err, errlen, "stages of %d K tiles need K %% 64 == 0 (K=%d), whole splits (per_split=%d) of a multiple "
-             "of %d tiles and 2 stages (stages=%d)", KT, K, per_split, KT, stages);
-    return 1;
-  }
-  if (KT == 1 ? (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
-                 encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
-              : (encode3(&p.a_map, CG_BF16, x, M, K, x_stride, BM, KT, err, errlen) ||
-                 encode3(&p.b_map, CG_BF16, w, N, K, w_stride, BN, KT, err, errlen)))
+  if (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
+      encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
     return 1;
   p.bias = bias;
   p.res = res;
@@ -459,12 +420,12 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.out_stride = out_stride;
   p.k_tiles = (K + BK - 1) / BK;
   p.per_split = per_split;
-  p.stages = stages / KT;  // (stages of KT tiles)
+  p.stages = stages;
   p.trigger_k = trigger_k;
   p.n_pref = n_pref;
   p.flags = flags;
 
-  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN, KT>;
+  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN>;
   // One CTA to an SM where the grid could double up: a footprint under half an SM lets two CTAs of this kernel
   // share one and halve each other's bandwidth (H200, bert-base: the out-projection's 96 CTAs at 66 KB added
   // 3.84-3.86 us to the layer, padded 2.94-2.95; perf notes 16.7). A grid of at most half the SMs cannot double
