@@ -3,7 +3,7 @@
 usage: python3 scripts/layer_once.py [CONFIG]   (CONFIG: a best.json or a timeline.py variant; default: the CUDA layer
 kernel, fuse 2)
 e.g. `ncu --kernel-name regex:layer_kernel --launch-skip 3 --launch-count 1 python3 scripts/layer_once.py`, or for the
-cluster GEMM `ncu --kernel-name-base demangled --kernel-name "regex:cluster_gemm_kernel<false, 1," ...
+cluster GEMM `ncu --kernel-name-base demangled --kernel-name "regex:cluster_gemm_kernel<.bool.0, .int.1," ...
 python3 scripts/layer_once.py best.json:qkv.cluster=1`."""
 
 import os
