@@ -1,6 +1,7 @@
 """How fast one SM takes in data through the TMA unit, by load shape, issuing threads (warps x lanes) and loads an
 mbarrier, alone and with every SM loading (scripts/tma_bench.cu; docs/perf-notes.md, section 19). L2-resident data
-(a 12 MB tensor, read once before). usage: python3 scripts/tma_bench.py"""
+(a 12 MB tensor, read once before). usage: python3 scripts/tma_bench.py; from Python also issue_cost(), scaling(),
+hotspot(), multicast() and l2_to_sm_bytes_per_s()."""
 
 import ctypes
 from pathlib import Path
@@ -10,15 +11,21 @@ import torch
 from tuner.kernels import _nvcc
 
 KINDS = {0: "2-D box", 1: "3-D box", 2: "1-D bulk"}
+SOURCE = Path(__file__).with_name("tma_bench.cu")
+
+
+def _setup():
+    """The benchmark library (every entry point's argtypes from the source), a [2048, 3072] fp16 tensor (12 MB: it
+    stays in L2 once read), an error buffer."""
+    lib = _nvcc.build(SOURCE, {"TB": 2}, "tma_bench")
+    for fn in ("tma_ingest", "tma_ingest_mc", "tma_issue_cost"):
+        getattr(lib, fn).argtypes = _nvcc.c_argtypes(SOURCE.read_text(), fn)
+    return lib, torch.randn(2048, 3072, device="cuda").half(), ctypes.create_string_buffer(256)
 
 
 def main():
-    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    src = Path(__file__).with_name("tma_bench.cu")
-    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
+    lib, t, err = _setup()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t = torch.randn(2048, 3072, device="cuda").half()
-    err = ctypes.create_string_buffer(256)
     # (kind, rows, warps, lanes, group, slots, threads)
     cases = [(0, 64, 1, 1, 1, 4, 32), (0, 64, 1, 1, 1, 4, 128), (0, 64, 1, 1, 1, 8, 32)]
     cases += [(0, 64, 1, lanes, 1, 4, 32) for lanes in (2, 4, 8)]
@@ -51,12 +58,8 @@ def main():
 def l2_to_sm_bytes_per_s() -> float:
     """The chip's L2 -> SM rate: every SM loading L2-resident 24 KB boxes by TMA from 4 issuing lanes (the fastest
     shape of main() and scaling()); bytes over the slowest SM's %globaltimer span."""
-    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    src = Path(__file__).with_name("tma_bench.cu")
-    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
+    lib, t, err = _setup()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t = torch.randn(2048, 3072, device="cuda").half()
-    err = ctypes.create_string_buffer(256)
     loads, lanes, rows = 96, 4, 192
     out = torch.zeros(3 * sms * lanes, dtype=torch.int64, device="cuda")
     rates = []
@@ -70,11 +73,7 @@ def l2_to_sm_bytes_per_s() -> float:
 
 def issue_cost():
     """Cycles one thread spends issuing each primitive of a producer loop (nothing to wait for)."""
-    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    src = Path(__file__).with_name("tma_bench.cu")
-    lib.tma_issue_cost.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_issue_cost")
-    t = torch.randn(2048, 3072, device="cuda").half()
-    err = ctypes.create_string_buffer(256)
+    lib, t, err = _setup()
     out = torch.zeros(1, dtype=torch.int64, device="cuda")
     names = {0: "TMA load (one barrier for all)", 1: "expect_tx + TMA load", 2: "expect_tx", 3: "try_wait, phase done",
              4: "%globaltimer read", 5: "TMA load, runtime-division coordinates"}
@@ -91,11 +90,7 @@ def issue_cost():
 
 def scaling():
     """What each SM takes in when only some SMs load (the L2 -> SM cap shared among them): 4 issuing lanes."""
-    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    src = Path(__file__).with_name("tma_bench.cu")
-    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
-    t = torch.randn(2048, 3072, device="cuda").half()
-    err = ctypes.create_string_buffer(256)
+    lib, t, err = _setup()
     for kind, rows, slots in ((1, 192, 2), (0, 128, 3)):
         for ctas in (1, 24, 48, 72, 96, 132):
             loads, lanes = 96, 4
@@ -115,11 +110,7 @@ def scaling():
 def hotspot():
     """Every SM reading the same boxes at the same time (a GEMM's A rows, read by all its column tiles) against
     boxes of their own: 4 issuers a CTA, `shared` of them on the common sequences."""
-    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    src = Path(__file__).with_name("tma_bench.cu")
-    lib.tma_ingest.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest")
-    t = torch.randn(2048, 3072, device="cuda").half()
-    err = ctypes.create_string_buffer(256)
+    lib, t, err = _setup()
     for kind, rows, slots in ((0, 64, 4), (0, 128, 3)):
         for ctas in (48, 96):
             for shared in (0, 2, 4):
@@ -138,12 +129,8 @@ def hotspot():
 
 def multicast():
     """Clusters of 1, 2, 4 CTAs sharing every box by multicast: what each SM receives, and what L2 serves."""
-    lib = _nvcc.build(Path(__file__).with_name("tma_bench.cu"), {"TB": 2}, "tma_bench")
-    src = Path(__file__).with_name("tma_bench.cu")
-    lib.tma_ingest_mc.argtypes = _nvcc.c_argtypes(src.read_text(), "tma_ingest_mc")
+    lib, t, err = _setup()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    t = torch.randn(2048, 3072, device="cuda").half()
-    err = ctypes.create_string_buffer(256)
     for rows in (64, 128):
         for slots in (4, 8):
             for csize in (1, 2, 4):
