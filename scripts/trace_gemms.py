@@ -12,6 +12,8 @@ entry, gdc_wait returned, K loop done, epilogue stored. Per GEMM of the middle l
   epilogue        median over programs of (end - loop done)
   span            last end - first wait return (the GEMM's share of the critical path)
   boundary        first wait return - the previous GEMM's last end (where the two are consecutive)
+  split skew      (split-K reduced in a cluster) median over tiles of the spread of its splits' K-loop ends: how long
+                  the first split to finish waits for the last one's partial
 The stamps add a few instructions per program: compare the un-traced per-layer time printed beside.
 %globaltimer advances in coarse steps on the H200 (the medians land on multiples of 0.25 us): read the
 figures as +- 0.25 us.
@@ -52,6 +54,7 @@ def trace(shape, name):
 
     traces = {}  # (out ptr, weight ptr) -> int64 [programs, 4]
     order = []  # launch keys in order, first walk only
+    tiling = {}  # launch key -> (tiles, splits) of a cluster launch (programs: tile + tiles * split)
     real = gemm_k.linear
 
     def traced(x, weight, bias=None, **kw):
@@ -61,6 +64,8 @@ def trace(shape, name):
             tiles, splits = gemm_k.grid(c, x.shape[0], weight.shape[0])
             traces[key] = torch.zeros(tiles * splits, 4, dtype=torch.int64, device=x.device)
             order.append(key)
+            if c.cluster and splits > 1:
+                tiling[key] = (tiles, splits)
         return real(x, weight, bias, _trace=traces[key], **kw)
 
     gemm_k.linear = traced
@@ -82,20 +87,27 @@ def trace(shape, name):
     for layer in range(1, n - 1):
         prev_end = None
         for j, nm in enumerate(names):
-            t = traces[order[layer * per_layer + j]].double() / 1000.0  # us
+            key = order[layer * per_layer + j]
+            t = traces[key].double() / 1000.0  # us
             entry, wait, loop, end = t[:, 0], t[:, 1], t[:, 2], t[:, 3]
             consecutive = follows[nm]
+            skew = None
+            if key in tiling:
+                tiles, splits = tiling[key]
+                ends = loop.view(splits, tiles)
+                skew = float((ends.max(0).values - ends.min(0).values).median())
             rows[nm].append((float(wait.min() - entry.min()), float(entry.max() - entry.min()),
                              float(wait.max() - wait.min()),
                              float((loop - wait).median()), float((end - loop).median()),
                              float(end.max() - wait.min()),
-                             float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None))
+                             float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None,
+                             skew))
             prev_end = float(end.max())
     print(f"## {shape.name} {name}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; {n} layers")
-    print("| GEMM | launched early | entry skew | wait skew | loop | epilogue | span | boundary |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| GEMM | launched early | entry skew | wait skew | loop | epilogue | span | boundary | split skew |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for nm, v in rows.items():
-        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None for i in range(7)]
+        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None for i in range(8)]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
 
 
