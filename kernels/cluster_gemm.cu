@@ -47,7 +47,6 @@ enum Flags {
   // the rest of the prefetch goes to L2 only
   EARLY_SHIFT = 8,
   NO_SPREAD = 4096,  // A/B only: request just the shared memory the kernel uses (two CTAs may share an SM)
-  SERIAL_PUSH = 8192,  // A/B only: thread 0 pushes all of the CTA's slabs, one after another
 };
 
 struct Params {
@@ -249,20 +248,12 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   // The bulk copies read the partial through the async proxy: order the stores before them.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   consumer_sync<CONSUMERS>();
-  // One thread a slab, so that the SC-1 bulk copies are issued side by side (one thread issuing them paid each one's
-  // issue in turn; scripts/tma_bench.py, perf notes section 19); SERIAL_PUSH: thread 0 all of them (A/B).
-  if ((p.flags & SERIAL_PUSH) != 0) {
-    if (tid == 0) {
+  if (tid == 0) {
 #pragma unroll
-      for (int q = 1; q < SC; ++q) {
-        const int dst = (rank + q) % SC;
-        bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
-      }
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    for (int q = 1; q < SC; ++q) {
+      const int dst = (rank + q) % SC;
+      bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
     }
-  } else if (tid < SC - 1) {
-    const int dst = (rank + 1 + tid) % SC;
-    bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   mbar_wait(red, 0);
@@ -354,10 +345,11 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
-  // The partial must stay, and this CTA must not exit, until its pushes have completed (each pushing thread waits
-  // for its own).
-  if (tid < SC - 1 || tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+  if (tid == 0) {
+    // The partial must stay, and this CTA must not exit, until its pushes have completed.
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+  }
 }
 
 }  // namespace

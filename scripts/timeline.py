@@ -3,7 +3,7 @@
 usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
-desc_prefetch, cg_spread, cg_push (0: one thread pushes a cluster GEMM's slabs).
+desc_prefetch, cg_spread.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
 replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
@@ -60,8 +60,7 @@ def main():
 
     switches = {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
                 "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
-                "cg_spread": (cluster_gemm, "SPREAD"),
-                "cg_push": (cluster_gemm, "PARALLEL_PUSH")}
+                "cg_spread": (cluster_gemm, "SPREAD")}
     defaults = {sw: getattr(*sw) for sw in switches.values()}
     for name in names:
         for (mod, attr), v in defaults.items():
