@@ -48,18 +48,23 @@ def attn_l2_bytes(batch: int, seq: int, heads: int, c, head_dim: int = 64, esize
 
 
 def floors(shape, cfg, dram_bw: float, l2_bw: float) -> list[tuple[str, float, float, float, float]]:
-    m, d, f = shape.tokens, shape.d_model, shape.ffn
+    m, d = shape.tokens, shape.d_model
     rows = []
     if not cfg.norm1.fuse:
         rows.append(("norm1", 0.0, m * d * 2))
     g = shape.gemms()
-    rows.append(("qkv", 3 * d * d * 2, gemm_l2_bytes(*g["qkv"], cfg.qkv, False)))
+
+    def gemm(name: str, residual: bool):  # its weights ([N, K], read once) and its tiles' bytes
+        _, n, k = g[name]
+        return name, n * k * 2, gemm_l2_bytes(*g[name], getattr(cfg, name), residual)
+
+    rows.append(gemm("qkv", False))
     rows.append(("attn", 0.0, attn_l2_bytes(shape.batch, shape.seq, shape.heads, cfg.attn, d // shape.heads)))
-    rows.append(("out", d * d * 2, gemm_l2_bytes(*g["out"], cfg.out, True)))
+    rows.append(gemm("out", True))
     if not cfg.norm2.fuse:
         rows.append(("norm2", 0.0, m * d * 2))
-    rows.append(("ffn1", d * f * 2, gemm_l2_bytes(*g["ffn1"], cfg.ffn1, False)))
-    rows.append(("ffn2", f * d * 2, gemm_l2_bytes(*g["ffn2"], cfg.ffn2, True)))
+    rows.append(gemm("ffn1", False))
+    rows.append(gemm("ffn2", True))
     return [(k, w, b, w / dram_bw * 1e6, b / l2_bw * 1e6) for k, w, b in rows]
 
 

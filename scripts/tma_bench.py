@@ -23,6 +23,17 @@ def _setup():
     return lib, torch.randn(2048, 3072, device="cuda").half(), ctypes.create_string_buffer(256)
 
 
+def _ingest(lib, t, err, kind, rows, loads, slots, warps, lanes, group, shared, ctas, threads, runs=2):
+    """tma_ingest `runs` times (the first reads the tensor into L2); the last run's [issuers, 3] int64: cycles first
+    issue -> last arrival, cycles of the first slots' issues, %globaltimer ns of the same span."""
+    out = torch.zeros(3 * ctas * warps * lanes, dtype=torch.int64, device="cuda")
+    for _ in range(runs):
+        rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, warps, lanes, group, shared, ctas, threads,
+                            out.data_ptr(), err)
+        assert rc == 0, (rc, err.value)
+    return out.view(-1, 3)
+
+
 def main():
     lib, t, err = _setup()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -39,13 +50,7 @@ def main():
             if warps * lanes * slots * group * rows * 128 > 200 * 1024:
                 continue
             loads = 96
-            n = ctas * warps * lanes
-            out = torch.zeros(3 * n, dtype=torch.int64, device="cuda")
-            for _ in range(2):
-                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, warps, lanes, group, 0, ctas, threads,
-                                    out.data_ptr(), err)
-                assert rc == 0, (rc, err.value)
-            o = out.view(-1, 3).double()
+            o = _ingest(lib, t, err, kind, rows, loads, slots, warps, lanes, group, 0, ctas, threads).double()
             cyc, issue, ns = o[:, 0], o[:, 1], o[:, 2]
             per_sm = loads * warps * lanes * rows * 128 / cyc.view(ctas, warps * lanes).max(1).values
             ghz = (cyc / ns.clamp(min=1)).median().item()
@@ -61,12 +66,9 @@ def l2_to_sm_bytes_per_s() -> float:
     lib, t, err = _setup()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     loads, lanes, rows = 96, 4, 192
-    out = torch.zeros(3 * sms * lanes, dtype=torch.int64, device="cuda")
     rates = []
     for _ in range(5):
-        rc = lib.tma_ingest(t.data_ptr(), 1, rows, loads, 2, 1, lanes, 1, 0, sms, 32, out.data_ptr(), err)
-        assert rc == 0, (rc, err.value)
-        ns = out.view(-1, 3)[:, 2].max().item()
+        ns = _ingest(lib, t, err, 1, rows, loads, 2, 1, lanes, 1, 0, sms, 32, runs=1)[:, 2].max().item()
         rates.append(sms * lanes * loads * rows * 128 / (ns * 1e-9))
     return sorted(rates)[len(rates) // 2]
 
@@ -94,12 +96,8 @@ def scaling():
     for kind, rows, slots in ((1, 192, 2), (0, 128, 3)):
         for ctas in (1, 24, 48, 72, 96, 132):
             loads, lanes = 96, 4
-            out = torch.zeros(3 * ctas * lanes, dtype=torch.int64, device="cuda")
-            for _ in range(2):
-                rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, 1, lanes, 1, 0, ctas, 32, out.data_ptr(),
-                                    err)
-                assert rc == 0, (rc, err.value)
-            cyc = out.view(-1, 3)[:, 0].double().view(ctas, lanes).max(1).values
+            o = _ingest(lib, t, err, kind, rows, loads, slots, 1, lanes, 1, 0, ctas, 32)
+            cyc = o[:, 0].double().view(ctas, lanes).max(1).values
             per_sm = loads * lanes * rows * 128 / cyc
             total = per_sm.median().item() * ctas * 1.98e9 / 1e12
             print(f"scaling: {ctas:3d} SMs loading, {KINDS[kind]} {rows * 128 // 1024} KB x 4 lanes: "
@@ -115,12 +113,8 @@ def hotspot():
         for ctas in (48, 96):
             for shared in (0, 2, 4):
                 loads, lanes = 96, 4
-                out = torch.zeros(3 * ctas * lanes, dtype=torch.int64, device="cuda")
-                for _ in range(2):
-                    rc = lib.tma_ingest(t.data_ptr(), kind, rows, loads, slots, 1, lanes, 1, shared, ctas, 32,
-                                        out.data_ptr(), err)
-                    assert rc == 0, (rc, err.value)
-                cyc = out.view(-1, 3)[:, 0].double().view(ctas, lanes).max(1).values
+                o = _ingest(lib, t, err, kind, rows, loads, slots, 1, lanes, 1, shared, ctas, 32)
+                cyc = o[:, 0].double().view(ctas, lanes).max(1).values
                 per_sm = loads * lanes * rows * 128 / cyc
                 print(f"hotspot: {ctas:3d} SMs, {KINDS[kind]} {rows * 128 // 1024:2d} KB x 4 issuers, {shared} of them "
                       f"on sequences common to all SMs: {per_sm.median().item():6.1f} B/cycle/SM "
