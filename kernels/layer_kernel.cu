@@ -525,25 +525,19 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
         }
       }
       float s1 = 0.f, s2 = 0.f;  // LayerNorm: sums of x and x^2 over this thread's half of its row
-      int prev = 0;
-      if (p.flags & NO_MMA) {
-        for (int i = 0; i < t.k_tiles / KT; ++i, ++it) {
-          const int s = it % S;
-          mbar_wait(sm.full + 8 * s, (it / S) & 1);
-          if (trace != nullptr && tid == 0) {
-            if (i == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
-            if (q == 0 && i < 16) trace[TR_FULL + i] = globaltimer();
-          }
-          __syncwarp();
-          if (lane == 0) mbar_arrive(sm.empty + 8 * s);
-        }
-      } else
+      int prev = 0;  // the previous chunk's stage, handed back once this chunk's MMAs are issued (-1: none left)
       for (int i = 0; i < t.k_tiles / KT; ++i, ++it) {
         const int s = it % S;
         mbar_wait(sm.full + 8 * s, (it / S) & 1);
         if (trace != nullptr && tid == 0) {
           if (i == 0 && q < MAX_TRACE) trace[1 + 2 * q] = globaltimer();
           if (q == 0 && i < 16) trace[TR_FULL + i] = globaltimer();
+        }
+        if (p.flags & NO_MMA) {  // (A/B) the stage handed back unused
+          __syncwarp();
+          if (lane == 0) mbar_arrive(sm.empty + 8 * s);
+          prev = -1;
+          continue;
         }
         // The chunk: KT 64-wide K tiles of A and of B, each a 128-byte swizzled 64 x 64 tile (8 KB).
         const uint32_t as = sm.a + s * CH;
@@ -597,7 +591,7 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
       wgmma_wait<0>();
       fence_acc<WGMMA_N / 2>(acc);
       __syncwarp();
-      if (lane == 0 && (p.flags & NO_MMA) == 0 && prev >= 0) mbar_arrive(sm.empty + 8 * prev);
+      if (lane == 0 && prev >= 0) mbar_arrive(sm.empty + 8 * prev);
       const bool stamp = trace != nullptr && tid == 0 && q == 0;
       if (stamp) trace[TR_EPI] = globaltimer();
 
