@@ -232,8 +232,7 @@ def attn_tail(qkv_ptr, attn_ptr, cnt_ptr, pid_m, pid_n, seq, heads, head_dim, D,
     Memory order (as the one-kernel layer's split-K fix-up): every thread's stores of the tile, a CTA barrier,
     then one acq_rel atomic at gpu scope; the completing program's loads follow its own acq_rel atomic.
     Tiles lie in one head and one sequence: head_dim % BLOCK_N == 0, and batch 1 or seq % BLOCK_M == 0
-    (:func:`tail_error`). ``RACY`` (test-only defect): the first arrival runs the task; the GEMM then arrives
-    before its K loop, so the task reads tiles no program has stored yet (a wait that is not one).
+    (:func:`tail_error`). ``RACY`` (test-only defect): the first arrival runs the task, before its inputs exist.
     """
     tl.debug_barrier()  # every thread's stores of this tile are issued before the arrival
     c0 = pid_n * BLOCK_N
@@ -301,7 +300,7 @@ class AttnTail:
     block_n: int = 64  # keys a block of the online softmax
     causal: bool = True
     sm_scale: float | None = None
-    racy: bool = False  # test-only defect: tiles counted before they are computed, a task run at its first
+    racy: bool = False  # test-only defect: a task runs at its first input tile, not its last
 
 
 def tail_counters(tokens: int, heads: int, block_m: int, device) -> torch.Tensor:

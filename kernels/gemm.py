@@ -403,9 +403,6 @@ def _gemm_kernel(
     pdl_wait(USE_PDL)
     stamp(trace_ptr, 1, TRACE)
     pdl_trigger(0, trigger_k, USE_PDL)
-    if ATTN and ATTN_RACY:  # test-only defect: arrive (and run a task at its first arrival) before the K loop
-        attn_tail(out_ptr, attn_ptr, attn_cnt_ptr, pid_m, pid_n, seq, heads, head_dim, D_model, stride_om, stride_on,
-                  stride_at, stride_ac, qk_scale, BLOCK_M, BLOCK_N, ATTN_KV, ATTN_BD, CAUSAL, UPCAST, ATTN_RACY)
     if SPLIT_K == 1:
         # The epilogue's bias, residual and LayerNorm column sums, requested now: their latency hides
         # behind the K loop instead of following it (the residual is a predecessor's: after the wait).
@@ -491,7 +488,7 @@ def _gemm_kernel(
                 tl.store(st, s1, mask=offs_m < M)
                 tl.store(st + 1, s2, mask=offs_m < M)
     stamp(trace_ptr, 3, TRACE)
-    if ATTN and not ATTN_RACY:  # (split_k 1: the tile is stored)
+    if ATTN:  # (split_k 1: the tile is stored)
         attn_tail(out_ptr, attn_ptr, attn_cnt_ptr, pid_m, pid_n, seq, heads, head_dim, D_model, stride_om, stride_on,
                   stride_at, stride_ac, qk_scale, BLOCK_M, BLOCK_N, ATTN_KV, ATTN_BD, CAUSAL, UPCAST, ATTN_RACY)
 
