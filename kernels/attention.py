@@ -42,9 +42,6 @@ class AttnConfig(KnobConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    # 1: no attention kernel; attention runs in the QKV GEMM's tail (attn_tail), the program that stores the
-    # last input tile of a (row tile, head) running it; block_n is then the key block, the rest is unused.
-    fuse: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -89,8 +86,6 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
         return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
     if c.num_stages < 1 or c.num_stages > 8:
         return f"num_stages={c.num_stages} must be in 1..8"
-    if c.fuse not in (0, 1):
-        return f"fuse={c.fuse} must be 0 (an attention kernel) or 1 (attention in the QKV GEMM's tail)"
     if not HEAD_DIM_MIN <= p.head_dim <= HEAD_DIM_MAX:
         return (f"head_dim={p.head_dim} is not supported: it must be in {HEAD_DIM_MIN}..{HEAD_DIM_MAX} "
                 f"(padded to a power of two inside the kernel)")
@@ -215,111 +210,6 @@ def _attn_fwd_kernel(
                      BLOCK_M, BLOCK_N, BLOCK_D, CAUSAL, USE_PDL, UPCAST)
     tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_oc,
              acc.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def attn_tail(qkv_ptr, attn_ptr, cnt_ptr, pid_m, pid_n, seq, heads, head_dim, D, stride_qt, stride_qc, stride_at,
-              stride_ac, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_BLOCK: tl.constexpr,
-              BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, RACY: tl.constexpr):
-    """Attention in the QKV GEMM's tail (``AttnConfig.fuse`` 1): called by the GEMM program of output tile
-    (``pid_m``, ``pid_n``) once its tile of ``qkv`` is stored. An attention task is (row tile i, head h): the
-    GEMM's BLOCK_M query rows i of head h. Its inputs are the Q tiles of row tile i and the K and V tiles of the
-    row tiles up to i (causal; all of the sequence's otherwise) in head h's columns. Each program counts its tile
-    into every task it feeds (``cnt_ptr[i * heads + h]``, int32, zero at launch); the program whose arrival
-    completes a task runs it and sets its counter back to zero. No program waits for another: there is no
-    kernel boundary between the GEMM and attention, and no grid-wide barrier.
-
-    Memory order (as the one-kernel layer's split-K fix-up): every thread's stores of the tile, a CTA barrier,
-    then one acq_rel atomic at gpu scope; the completing program's loads follow its own acq_rel atomic.
-    Tiles lie in one head and one sequence: head_dim % BLOCK_N == 0, and batch 1 or seq % BLOCK_M == 0
-    (:func:`tail_error`). ``RACY`` (test-only defect): the first arrival runs the task, before its inputs exist.
-    """
-    tl.debug_barrier()  # every thread's stores of this tile are issued before the arrival
-    c0 = pid_n * BLOCK_N
-    part = c0 // D  # 0: q, 1: k, 2: v
-    h = (c0 % D) // head_dim
-    b = (pid_m * BLOCK_M) // seq
-    t_first = (b * seq) // BLOCK_M
-    t_last = (b * seq + seq - 1) // BLOCK_M
-    lo = pid_m
-    hi = pid_m
-    if part > 0:  # a K or V tile feeds the row tiles from its own on (causal) or all of its sequence's
-        hi = t_last
-        if not CAUSAL:
-            lo = t_first
-    per_head = head_dim // BLOCK_N
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < head_dim
-    for i in range(lo, hi + 1):
-        if CAUSAL:
-            kv_tiles = i - t_first + 1
-        else:
-            kv_tiles = t_last - t_first + 1
-        need = per_head * (1 + 2 * kv_tiles)
-        cnt = cnt_ptr + i * heads + h
-        old = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if old == need - 1:
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next launch
-        if RACY:
-            go = old == 0
-        else:
-            go = old == need - 1
-        if go:
-            offs_m = i * BLOCK_M - b * seq + tl.arange(0, BLOCK_M)  # query positions in the sequence
-            mask_m = offs_m < seq
-            row0 = (b * seq).to(tl.int64)
-            q_base = qkv_ptr + row0 * stride_qt + (h * head_dim) * stride_qc
-            q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qc,
-                        mask=mask_m[:, None] & mask_d[None, :], other=0.0)
-            if UPCAST:
-                q = q.to(tl.float32)
-            if CAUSAL:
-                kv_end = tl.minimum(seq, (i + 1) * BLOCK_M - b * seq)
-            else:
-                kv_end = seq
-            # Keys past kv_end are not read at all (not just masked after the load): their K and V tiles may not
-            # be written yet, and 0 * NaN in p @ v is NaN.
-            acc = _attn_rows(q, q_base + D * stride_qc, q_base + 2 * D * stride_qc, offs_m, kv_end, head_dim, stride_qt,
-                             stride_qc, qk_scale, tl.cdiv(kv_end, KV_BLOCK), -1, BLOCK_M, KV_BLOCK, BLOCK_D, CAUSAL,
-                             False, UPCAST)
-            tl.store(attn_ptr + (row0 + offs_m[:, None]) * stride_at + (h * head_dim + offs_d[None, :]) * stride_ac,
-                     acc.to(attn_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
-
-
-@dataclass(frozen=True)
-class AttnTail:
-    """Attention run in the QKV GEMM's tail (``gemm.linear(..., attention=AttnTail(...))``): where its output
-    goes, the task counters (int32, zeroed once: :func:`tail_counters`; every launch leaves them at zero), and
-    the problem."""
-    out: torch.Tensor
-    counters: torch.Tensor
-    batch: int
-    seq: int
-    heads: int
-    head_dim: int
-    block_n: int = 64  # keys a block of the online softmax
-    causal: bool = True
-    sm_scale: float | None = None
-    racy: bool = False  # test-only defect: a task runs at its first input tile, not its last
-
-
-def tail_counters(tokens: int, heads: int, block_m: int, device) -> torch.Tensor:
-    """The zeroed task counters of an attention tail: one per (row tile of ``block_m``, head)."""
-    return torch.zeros(triton.cdiv(tokens, block_m) * heads, dtype=torch.int32, device=device)
-
-
-def tail_error(block_m: int, block_n: int, split_k: int, problem: AttnProblem, kv_block: int) -> str | None:
-    """Why a QKV GEMM with these tiles cannot run attention in its tail; None when it can."""
-    p = problem
-    if split_k != 1:
-        return f"attention in the QKV tail needs QKV split_k 1 (a tile's program stores it), not {split_k}"
-    if p.head_dim % block_n:
-        return f"attention in the QKV tail needs QKV tiles inside one head: head_dim {p.head_dim} % block_n {block_n}"
-    if p.batch > 1 and p.seq % block_m:
-        return f"attention in the QKV tail needs QKV row tiles inside one sequence: seq {p.seq} % block_m {block_m}"
-    if not pow2(kv_block) or kv_block < 16:
-        return f"attention block_n={kv_block} must be a power of two >= 16"
-    return None
 
 
 def _check_inputs(qkv: torch.Tensor, batch: int, seq: int, heads: int, head_dim: int) -> int:

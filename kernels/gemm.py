@@ -17,7 +17,6 @@ same ratio) sums them and applies the epilogue.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -28,7 +27,6 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tuner.device import DeviceInfo
 
 from . import cluster_gemm
-from .attention import _LOG2E, AttnProblem, AttnTail, attn_tail, block_d, tail_error
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
                       pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
                       trigger_index)
@@ -350,8 +348,6 @@ def _gemm_kernel(
     trigger_k, n_prefetch,
     # LayerNorm prologue: eps, and the number of parts of ln_stats (LN_STATS_IN)
     ln_eps, ln_parts,
-    # ATTN: attention in the tail (attention.attn_tail): its output, task counters, problem and softmax scale
-    attn_ptr, attn_cnt_ptr, seq, heads, head_dim, D_model, stride_at, stride_ac, qk_scale,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
@@ -360,8 +356,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, ATTN: tl.constexpr = False, ATTN_KV: tl.constexpr = 64,
-    ATTN_BD: tl.constexpr = 64, CAUSAL: tl.constexpr = True, ATTN_RACY: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -488,9 +483,6 @@ def _gemm_kernel(
                 tl.store(st, s1, mask=offs_m < M)
                 tl.store(st + 1, s2, mask=offs_m < M)
     stamp(trace_ptr, 3, TRACE)
-    if ATTN:  # (split_k 1: the tile is stored)
-        attn_tail(out_ptr, attn_ptr, attn_cnt_ptr, pid_m, pid_n, seq, heads, head_dim, D_model, stride_om, stride_on,
-                  stride_at, stride_ac, qk_scale, BLOCK_M, BLOCK_N, ATTN_KV, ATTN_BD, CAUSAL, UPCAST, ATTN_RACY)
 
 
 @triton.jit
@@ -566,7 +558,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            workspace: torch.Tensor | None = None, ln_weight: torch.Tensor | None = None,
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
-           attention: AttnTail | None = None, _racy_read_before_wait: bool = False, _ln_reload: bool = True,
+           _racy_read_before_wait: bool = False, _ln_reload: bool = True,
            _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
@@ -579,9 +571,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``stats_out`` (``[stats_parts(config, N), M, 2]`` fp32): each column tile also writes its share of the
     output rows' sums of y and y^2, the statistics of a LayerNorm fused into the next GEMM.
-
-    ``attention``: this is the QKV GEMM (``N = 3 * heads * head_dim``) and causal attention on its output runs in
-    its tail (:func:`tuner.kernels.attention.attn_tail`): no attention kernel, no boundary between the two.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -617,8 +606,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: stats_out must be fp32 ({stats_parts(config, N)}, {M}, 2)")
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    if attention is not None:
-        _check_tail(attention, config, out, M, N)
     mode = launch_mode(x)
     c = effective_config(config, x)
     use_pdl = c.overlap_ratio >= 0
@@ -684,15 +671,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out.stride(0), out.stride(1),
         trigger_index(per_split, c.overlap_ratio), n_pref,
         ln_eps, ln_parts,
-        *_tail_args(attention, dummy),
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
         USE_PDL=use_pdl, PREFETCH=n_pref > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, **_tail_meta(attention),
-        num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:
@@ -711,38 +696,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
         )
     return out
-
-
-def _check_tail(t: AttnTail, config: GemmConfig, out: torch.Tensor, M: int, N: int) -> None:
-    D = t.heads * t.head_dim
-    if N != 3 * D or M != t.batch * t.seq:
-        raise ValueError(f"linear: attention in the tail needs the QKV GEMM's [batch*seq, 3*heads*head_dim] = "
-                         f"({t.batch * t.seq}, {3 * D}) output, not ({M}, {N})")
-    why = tail_error(config.block_m, config.block_n, config.split_k,
-                     AttnProblem(t.batch, t.seq, t.heads, t.head_dim), t.block_n)
-    if why:
-        raise ValueError(f"linear: {why}")
-    if tuple(t.out.shape) != (M, D) or t.out.dtype != out.dtype or t.out.device != out.device:
-        raise ValueError(f"linear: attention out {tuple(t.out.shape)} {t.out.dtype} must be ({M}, {D}) {out.dtype}")
-    need = triton.cdiv(M, config.block_m) * t.heads
-    if t.counters.dtype != torch.int32 or t.counters.numel() < need or t.counters.device != out.device:
-        raise ValueError(f"linear: attention counters must be int32 with {need} elements (attention.tail_counters)")
-
-
-def _tail_args(t: AttnTail | None, dummy: torch.Tensor) -> tuple:
-    """The GEMM kernel's attention arguments (placeholders without a tail)."""
-    if t is None:
-        return dummy, dummy, 0, 0, 0, 0, 0, 0, 0.0
-    scale = t.sm_scale if t.sm_scale is not None else 1.0 / math.sqrt(t.head_dim)
-    return (t.out, t.counters, t.seq, t.heads, t.head_dim, t.heads * t.head_dim, t.out.stride(0), t.out.stride(1),
-            float(scale) * _LOG2E)
-
-
-def _tail_meta(t: AttnTail | None) -> dict:
-    if t is None:
-        return {}
-    return dict(ATTN=True, ATTN_KV=t.block_n, ATTN_BD=block_d(t.head_dim), CAUSAL=bool(t.causal),
-                ATTN_RACY=bool(t.racy))
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -45,10 +45,8 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
         why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
         if why:
             bad[name] = why
-    problem = attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim, dtype_bytes)
-    why = attn_k.check(cfg.attn, problem, device)
-    if why is None and cfg.attn.fuse:
-        why = attn_k.tail_error(cfg.qkv.block_m, cfg.qkv.block_n, cfg.qkv.split_k, problem, cfg.attn.block_n)
+    why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
+                                                    dtype_bytes), device)
     if why:
         bad["attn"] = why
     return bad
@@ -75,13 +73,8 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
-    cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
-                          for n, (m, nn, k) in shape.gemms().items()})
-    problem = attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim, dtype_bytes)
-    if cfg.attn.fuse and attn_k.tail_error(cfg.qkv.block_m, cfg.qkv.block_n, cfg.qkv.split_k, problem,
-                                           cfg.attn.block_n):
-        cfg = replace(cfg, attn=replace(cfg.attn, fuse=0))  # the QKV tiles do not allow it: the attention kernel
-    return cfg
+    return replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
+                           for n, (m, nn, k) in shape.gemms().items()})
 
 
 def default_config(shape: DecoderShape) -> DecoderConfig:
@@ -169,9 +162,6 @@ class LayerBuffers:
         st = lambda g: torch.empty((gemm_k.stats_parts(g, d), m, 2), dtype=torch.float32, device=device)  # noqa: E731
         self.h_stats = st(cfg.out) if cfg.norm2.fuse == 2 else None
         self.y_stats = st(cfg.ffn2) if cfg.norm1.fuse == 2 else None
-        # Attention in the QKV tail: its task counters (zero, and left at zero by every launch)
-        self.attn_counters = (attn_k.tail_counters(m, shape.heads, cfg.qkv.block_m, device) if cfg.attn.fuse
-                              else None)
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
@@ -192,8 +182,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``x_stats``: the row sums of ``x`` written by the previous layer's FFN2 (``LayerBuffers.y_stats``),
     for a norm1 with fuse 2; without them (the first layer) QKV gathers them in its K loop (fuse 1).
 
-    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait (attention
-    in the QKV tail, ``attn.fuse`` 1: a task run at its first input tile instead of its last);
+    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
     ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
     shared memory then fails in Triton's launcher, as a real out-of-resources fault).
@@ -219,16 +208,12 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ln2 = dict(ln_colsum=u, ln_eps=LN_EPS)
         if cfg.norm2.fuse == 2:
             ln2["ln_stats"] = out_kw["stats_out"] = b.h_stats
-    tail = None
-    if cfg.attn.fuse:  # no attention kernel: the QKV GEMM runs it in its tail
-        tail = attn_k.AttnTail(b.attn, b.attn_counters, shape.batch, shape.seq, shape.heads, shape.head_dim,
-                               block_n=cfg.attn.block_n, racy=r("attn"))
     launches = [
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
-                                      workspace=b.ws["qkv"], attention=tail, _racy_read_before_wait=r("qkv"),
-                                      _oob_write=oob, _unchecked=unchecked, **ln1)),
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob,
+                                      _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
@@ -242,7 +227,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
-    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2), ("attn", cfg.attn)) if c.fuse}
+    skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     return [(n, f) for n, f in launches if n not in skip]
 
 

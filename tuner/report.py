@@ -262,7 +262,7 @@ def gemm_op(kernels: dict, g: str) -> str:
 
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
-    '/tma' where the tiles are loaded by TMA; 'attn in qkv tail kv128' where attention runs in the QKV GEMM);
+    '/tma' where the tiles are loaded by TMA);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
     'layer cuda 64x64x64/10s out sk4; ffn2 sk4'."""
     f = fused_layer(kernels)
@@ -285,9 +285,6 @@ def format_tiles(kernels: dict) -> str:
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"
                      + ("/tma" if _num(c.get("tma")) == 1 else ""))
-    attn = kernels.get("attn")
-    if isinstance(attn, dict) and _num(attn.get("fuse")) == 1:
-        parts.append(f"attn in qkv tail kv{_int(attn.get('block_n'))}")
     return "; ".join(parts)
 
 

@@ -17,7 +17,7 @@ FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out"
 TILE_FIELDS = {
     "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma", "cluster"),
     "norm": ("rows_per_program", "num_warps", "fuse"),
-    "attn": ("block_m", "block_n", "num_warps", "num_stages", "fuse"),
+    "attn": ("block_m", "block_n", "num_warps", "num_stages"),
     # The one-kernel layer (tuner.kernels.fused_layer); fuse: 1 replaces the seven kernels above.
     "layer": tuple(f.name for f in fields(FusedLayerConfig) if not f.name.endswith("_ratio")),
 }
@@ -29,8 +29,7 @@ RATIOS = ("overlap_ratio", "prefetch_ratio")
 # Kernels whose weights can be prefetched (attention has none).
 PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline;
-# AttnConfig.fuse: 0 is the attention kernel; GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton
-# kernels). A file that leaves one out gets [0].
+# GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels). A file that leaves one out gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows.
 SWITCH_VALUES = {"norm": (0, 1, 2), "layer": (0, 1, 2)}
