@@ -47,7 +47,6 @@ enum Flags {
   // the rest of the prefetch goes to L2 only
   EARLY_SHIFT = 8,
   NO_SPREAD = 4096,  // A/B only: request just the shared memory the kernel uses (two CTAs may share an SM)
-  EPI_EARLY = 8192,  // unsplit tiles: the epilogue's weights (bias, LayerNorm column sums) loaded before the wait
 };
 
 struct Params {
@@ -111,24 +110,13 @@ struct FragIn {
     }
   }
 
-  // The weights' share (bias, LayerNorm column sums): nothing a predecessor writes, so it may go before
-  // griddepcontrol.wait.
   template <int EPI, typename P>
-  __device__ void load_weights(const P& p, int c) {
+  __device__ void load(const P& p, int r, int c, int q0) {
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
       const int cj = c + 8 * j;
       if constexpr ((EPI & HAS_BIAS) != 0) pair(bias[j], static_cast<const BT*>(p.bias), cj, cj, p.N);
       if constexpr (LN) pair(u[j], p.ln_colsum, cj, cj, p.N);
-    }
-  }
-
-  // The activations' share (residual, the producer's row sums): after griddepcontrol.wait.
-  template <int EPI, typename P>
-  __device__ void load_acts(const P& p, int r, int c, int q0) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const int cj = c + 8 * j;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr ((EPI & HAS_RES) != 0)
@@ -354,14 +342,6 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   // Consumer warpgroups: warpgroup wg multiplies rows 64*wg.. of the tile.
   const int warp = tid / 32, lane = tid % 32, wg = tid / 128;
-  // An unsplit tile (FRAG) takes its epilogue straight from the accumulator fragments (FragIn::finish), with inputs
-  // in the fragments' layout; a split tile takes it from the reduced slab, TPR threads a row.
-  constexpr bool FRAG = SC == 1;
-  FragIn<BT, T, BN, LN> fin;
-  const bool epi_early = (p.flags & EPI_EARLY) != 0;
-  if constexpr (FRAG) {
-    if (epi_early) fin.template load_weights<EPI>(p, n0 + (lane % 4) * 2);
-  }
   gdc_wait();
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
   if (p.trigger_k == 0) gdc_launch();
@@ -371,15 +351,16 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const int lr = tid / TPR;                  // first row within the slab (then every RSTEP rows)
   const int row = m0 + rank * R + lr;        // global row of the first
   const int c0 = n0 + (tid % TPR) * CPT;     // first global column
+  // An unsplit tile (FRAG) takes its epilogue straight from the accumulator fragments (frag_epilogue), with inputs
+  // in the fragments' layout; a split tile takes it from the reduced slab, TPR threads a row.
+  constexpr bool FRAG = SC == 1;
   constexpr int NF = FRAG ? 1 : RP;  // (the slab arrays, unused by FRAG)
   alignas(16) BT bias_raw[FRAG ? 1 : CPT];
   alignas(16) T res_raw[NF][FRAG ? 1 : CPT];
   alignas(16) float ln_u[LN && !FRAG ? CPT : 1];
   float2 ln_st[NF][LN && !FRAG ? LNP : 1];  // this thread's share of each row's parts (summed over the TPR lanes)
-  if constexpr (FRAG) {
-    if (!epi_early) fin.template load_weights<EPI>(p, n0 + (lane % 4) * 2);
-    fin.template load_acts<EPI>(p, m0 + warp * 16 + lane / 4, n0 + (lane % 4) * 2, lane % 4);
-  }
+  FragIn<BT, T, BN, LN> fin;
+  if constexpr (FRAG) fin.template load<EPI>(p, m0 + warp * 16 + lane / 4, n0 + (lane % 4) * 2, lane % 4);
   // 8 columns at a time: 16-byte loads where the 8 lie inside N and the rows are 16-byte aligned, else one clamped
   // element at a time.
   const bool vec = (reinterpret_cast<uintptr_t>(p.bias) | reinterpret_cast<uintptr_t>(p.res) |

@@ -28,16 +28,13 @@ MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
-USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD, EPI_EARLY_FLAG = 64, 128, 8, 4096, 8192
+USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD = 64, 128, 8, 4096
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
 SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
 EARLY_TILES: int | None = None
-# Unsplit tiles: the epilogue's weights (bias, LayerNorm column sums) loaded before griddepcontrol.wait, with the
-# cold weights' other early loads, instead of after it (A/B switch cg_epi_early=0 of scripts/timeline.py).
-EPI_EARLY = True
 # K tiles a stage loads with one TMA box an operand (3-D tensor maps). Under load an SM's TMA unit takes ~240 cycles a
 # box whatever its size up to 16 KB: with 64-row tiles, one box a K tile (8 KB) caps a CTA at ~34 B/cycle, where the
 # chip's L2 could feed 50 B/cycle to each of 96 SMs (H200; scripts/tma_bench.py, perf notes section 19). So a stage
@@ -150,8 +147,6 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     if not SPREAD:
         flags |= NO_SPREAD
-    if EPI_EARLY:
-        flags |= EPI_EARLY_FLAG
     if EARLY_TILES is not None:
         flags |= (min(EARLY_TILES, 14) + 1) << EARLY_SHIFT
     if launch_enter_hook is not None:
