@@ -61,7 +61,6 @@ struct Params {
   const float* ln_stats;  // [ln_parts, M, 2]: sums of x and x^2 over column tiles
   const float* ln_colsum; // [N]: colsum of the folded weights
   float ln_eps;
-  float inv_k;            // 1 / K (the LayerNorm's mean without a division)
   int ln_parts;
   long long* trace;   // diagnostics: %globaltimer [programs, 4]
   int M, N, K;
@@ -75,152 +74,9 @@ struct Params {
 };
 
 
-// KT: 64-wide K tiles a stage, loaded by one TMA box an operand (3-D tensor maps, encode3): a box costs the SM's TMA
-// unit ~250 cycles whatever its size up to 16 KB (L2 hits; scripts/wgmma_bench.py), so one box a K tile bounds a CTA
-// at 32 B/cycle with 64-row tiles. With KT > 1, p.stages counts stages of KT tiles and per_split is a multiple of KT.
-// The epilogue of an unsplit tile straight from the wgmma accumulator fragments (m64nBNk16, fp32): a thread holds rows
-// r and r + 8 (r = 16 * warp + lane / 4) and, for j < BN / 8, columns c + 8j and c + 8j + 1 (c = 2 * (lane % 4)) in
-// acc[4j + 2h + e] (row r + 8h, column c + 8j + e). Its inputs are loaded in that layout before the K loop: bias and
-// LayerNorm column sums two columns at a time, the residual two columns of a row at a time (4 or 8 bytes), and the
-// row's LayerNorm parts q = lane % 4 + 4i, summed over the row's 4 lanes after the loop. No shared memory, no barrier:
-// the split tiles' epilogue (fp32 tile to shared memory, two barriers, read back 8 columns a thread) took 1.25-2 us
-// on bert-base's QKV and FFN1 against Triton's 0.25-0.5 (perf notes 19.7).
-template <typename BT, typename T, int BN, bool LN>
-struct FragIn {
-  static constexpr int NJ = BN / 8;
-  static constexpr int LNQ = MAX_LN_PARTS / 4;
-  alignas(8) BT bias[NJ][2];
-  alignas(8) T res[2][NJ][2];
-  alignas(8) float u[LN ? NJ : 1][2];
-  float2 st[2][LN ? LNQ : 1];
-
-  template <typename U>
-  __device__ static void pair(U (&dst)[2], const U* src, long long i, int c, int n) {
-    // two elements at src[i], src[i + 1] (columns c, c + 1): one load where both lie inside n and are aligned,
-    // else each clamped to column n - 1
-    if (c + 1 < n && (reinterpret_cast<uintptr_t>(src + i) % (2 * sizeof(U))) == 0) {
-      if constexpr (sizeof(U) == 2) {
-        *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src + i);
-      } else {
-        *reinterpret_cast<float2*>(dst) = *reinterpret_cast<const float2*>(src + i);
-      }
-    } else {
-      dst[0] = src[i - c + min(c, n - 1)];
-      dst[1] = src[i - c + min(c + 1, n - 1)];
-    }
-  }
-
-  template <int EPI, typename P>
-  __device__ void load(const P& p, int r, int c, int q0) {
-#pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      const int cj = c + 8 * j;
-      if constexpr ((EPI & HAS_BIAS) != 0) pair(bias[j], static_cast<const BT*>(p.bias), cj, cj, p.N);
-      if constexpr (LN) pair(u[j], p.ln_colsum, cj, cj, p.N);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr ((EPI & HAS_RES) != 0)
-          pair(res[h][j], static_cast<const T*>(p.res),
-               static_cast<long long>(min(r + 8 * h, p.M - 1)) * p.res_stride + cj, cj, p.N);
-      }
-    }
-    if constexpr (LN) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-#pragma unroll
-        for (int i = 0; i < LNQ; ++i) {
-          const int q = min(q0 + 4 * i, p.ln_parts - 1);
-          st[h][i] = *reinterpret_cast<const float2*>(
-              p.ln_stats + (static_cast<long long>(q) * p.M + min(r + 8 * h, p.M - 1)) * 2);
-        }
-      }
-    }
-  }
-
-  template <int EPI, typename E, typename P, int NACC>
-  __device__ void finish(const P& p, float (&acc)[NACC], int r, int c, int q0, int n_tile) {
-    constexpr int ACT = (EPI >> 6) & 3;
-    float rstd[2] = {1.f, 1.f}, mr[2] = {0.f, 0.f};
-    if constexpr (LN) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-        for (int i = 0; i < LNQ; ++i) {
-          if (q0 + 4 * i < p.ln_parts) s1 += st[h][i].x, s2 += st[h][i].y;
-        }
-        // the row's 4 lanes (lane % 4)
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
-        const float mean = s1 * p.inv_k;
-        rstd[h] = rsqrtf(fmaxf(s2 * p.inv_k - mean * mean, 0.f) + p.ln_eps);
-        mr[h] = mean * rstd[h];
-      }
-    }
-    float rs1[2] = {0.f, 0.f}, rs2[2] = {0.f, 0.f};
-#pragma unroll
-    for (int j = 0; j < NJ; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float v = acc[4 * j + 2 * h + e];
-          if constexpr (LN) v = rstd[h] * v - mr[h] * u[j][e];
-          if constexpr ((EPI & HAS_BIAS) != 0) {
-            if constexpr ((EPI & BIAS_F32) != 0) {
-              v += bias[j][e];
-            } else {
-              v += E::f(bias[j][e]);
-            }
-          }
-          v = activate<ACT>(v);
-          if constexpr ((EPI & HAS_RES) != 0) v += E::f(res[h][j][e]);
-          v = (c + 8 * j + e < p.N) ? v : 0.f;
-          acc[4 * j + 2 * h + e] = v;
-          rs1[h] += v;
-          rs2[h] += v * v;
-        }
-    using T2 = typename E::T;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = r + 8 * h;
-      if (row >= p.M) continue;
-      T2* op = static_cast<T2*>(p.out) + static_cast<long long>(row) * p.out_stride;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int cj = c + 8 * j;
-        alignas(4) T2 pk[2] = {E::one(acc[4 * j + 2 * h]), E::one(acc[4 * j + 2 * h + 1])};
-        if (cj + 1 < p.N && (reinterpret_cast<uintptr_t>(op + cj) % 4) == 0) {
-          *reinterpret_cast<uint32_t*>(op + cj) = *reinterpret_cast<const uint32_t*>(pk);
-        } else {
-          if (cj < p.N) op[cj] = pk[0];
-          if (cj + 1 < p.N) op[cj + 1] = pk[1];
-        }
-      }
-    }
-    if constexpr ((EPI & STATS_OUT) != 0) {
-      // One part per column tile, as the unsplit Triton GEMM writes them (gemm.stats_parts).
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float s1 = rs1[h], s2 = rs2[h];
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 2);
-        const int row = r + 8 * h;
-        if (q0 == 0 && row < p.M)
-          *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(n_tile) * p.M + row) * 2) =
-              make_float2(s1, s2);
-      }
-    }
-  }
-};
-
-template <bool BF16, int SC, int EPI, int BM, int BN, int KT>
+template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 1 || SC == 2 || SC == 4, "the K splits of a tile: 1 (no split), 2 or 4 CTAs a cluster");
+  static_assert(SC == 2 || SC == 4, "the K splits of a tile: 2 or 4 CTAs a cluster");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
   using TL = Tile<BM, BN>;
   using E = Elem<BF16>;
@@ -231,25 +87,19 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   constexpr int CONSUMERS = TL::CONSUMERS, SROW = TL::SROW;
   constexpr int NACC = BN / 2;           // accumulator registers a thread (wgmma m64nBN, fp32)
   constexpr int R = BM / SC;             // rows of the tile this CTA reduces and stores
-  // The epilogue's mapping: TPR consumer threads a row (adjacent lanes), CPT columns a thread, RP rows a thread
-  // RSTEP apart. A split tile's R rows take one group of threads each (RP 1); an unsplit tile (SC 1) goes 8 columns a
-  // thread over RP rows (2 threads a row, 32 columns each, made its epilogue 2.5x longer: perf notes 19.7).
-  constexpr int TPR = SC == 1 ? BN / 8 : CONSUMERS / R;
-  constexpr int RP = R * TPR / CONSUMERS;
-  constexpr int RSTEP = CONSUMERS / TPR;
+  constexpr int TPR = CONSUMERS / R;     // consumer threads a row (adjacent lanes)
   constexpr int CPT = BN / TPR;          // columns a thread
   constexpr int SLAB = R * SROW * 4;     // bytes of one row slab of a partial tile
   constexpr int LNP = MAX_LN_PARTS / TPR;  // LN_IN: row-sum parts a thread loads
-  static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0 && RP >= 1 && RP * RSTEP == R, "epilogue mapping");
+  static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0, "epilogue mapping");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const int S = p.stages;
-  constexpr int A_STAGE = KT * TL::A_BYTES, B_STAGE = KT * TL::B_BYTES;
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + S * A_STAGE;
-  const uint32_t recv = b_smem + S * B_STAGE;  // SC row slabs pushed here by the cluster (slot = source rank)
+  const uint32_t b_smem = base + S * TL::A_BYTES;
+  const uint32_t recv = b_smem + S * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
   const uint32_t full = recv + TL::PART_BYTES;     // S mbarriers: the stage's bytes have landed
   const uint32_t empty = full + 8 * S;             // S mbarriers: the consumers are done with the stage
   const uint32_t red = empty + 8 * S;              // 1 mbarrier: the other CTAs' slabs have landed
@@ -264,7 +114,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split
   const int m0 = m_tile * BM, n0 = n_tile * BN;
   const int k_first = rank * p.per_split;
-  const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first)) / KT;  // stages of this split
+  const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
   const bool pdl = (p.flags & USE_PDL) != 0;
 
   if (tid == CONSUMERS) {
@@ -287,36 +137,16 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     // Producer warp: one thread issues the loads.
     if (tid == CONSUMERS) {
       const bool racy = (p.flags & RACY) != 0;
-      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tiles go before the wait
+      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
       const int cap = (p.flags >> EARLY_SHIFT) & 15;
-      if (cap > 0) early = min(early, (cap - 1 + KT - 1) / KT);
+      if (cap > 0) early = min(early, cap - 1);
       if (racy && early == 0 && n_iters > 0) early = 1;
-      auto load_b = [&](int i, uint32_t dst, uint32_t bar) {
-        if constexpr (KT == 1) {
-          tma_load(dst, &p.b_map, bar, (k_first + i) * BK, n0);
-        } else {
-          tma_load3(dst, &p.b_map, bar, n0, k_first + i * KT);
-        }
-      };
-      auto load_a = [&](int i, uint32_t dst, uint32_t bar) {
-        if constexpr (KT == 1) {
-          tma_load(dst, &p.a_map, bar, (k_first + i) * BK, m0);
-        } else {
-          tma_load3(dst, &p.a_map, bar, m0, k_first + i * KT);
-        }
-      };
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full + 8 * i, KT * TL::STAGE_BYTES);
-        load_b(i, b_smem + i * B_STAGE, full + 8 * i);
+        mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
+        tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
-      for (int i = early * KT; i < min(p.n_pref, n_iters * KT); ++i) {
-        if constexpr (KT == 1) {
-          tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
-        } else {
-          tma_prefetch_l2_3d(&p.b_map, n0, k_first + i);  // (a one-tile box of the 3-D map would be KT tiles)
-        }
-      }
-      if (racy && n_iters > 0) load_a(0, a_smem, full);
+      for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
+      if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
@@ -325,10 +155,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
         const uint32_t bar = full + 8 * s;
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          mbar_expect_tx(bar, KT * TL::STAGE_BYTES);
-          load_b(i, b_smem + s * B_STAGE, bar);
+          mbar_expect_tx(bar, TL::STAGE_BYTES);
+          tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) load_a(i, a_smem + s * A_STAGE, bar);
+        if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -348,71 +178,27 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   // The epilogue's inputs for this thread's row and columns of the CTA's slab, loaded now (clamped addresses,
   // no branches, no conversion) so that all are in flight before the K loop and waited for only after it.
-  const int lr = tid / TPR;                  // first row within the slab (then every RSTEP rows)
-  const int row = m0 + rank * R + lr;        // global row of the first
+  const int lr = tid / TPR;                  // row within the slab
+  const int row = m0 + rank * R + lr;        // global row
   const int c0 = n0 + (tid % TPR) * CPT;     // first global column
-  // An unsplit tile (FRAG) takes its epilogue straight from the accumulator fragments (frag_epilogue), with inputs
-  // in the fragments' layout; a split tile takes it from the reduced slab, TPR threads a row.
-  constexpr bool FRAG = SC == 1;
-  constexpr int NF = FRAG ? 1 : RP;  // (the slab arrays, unused by FRAG)
-  alignas(16) BT bias_raw[FRAG ? 1 : CPT];
-  alignas(16) T res_raw[NF][FRAG ? 1 : CPT];
-  alignas(16) float ln_u[LN && !FRAG ? CPT : 1];
-  float2 ln_st[NF][LN && !FRAG ? LNP : 1];  // this thread's share of each row's parts (summed over the TPR lanes)
-  FragIn<BT, T, BN, LN> fin;
-  if constexpr (FRAG) fin.template load<EPI>(p, m0 + warp * 16 + lane / 4, n0 + (lane % 4) * 2, lane % 4);
-  // 8 columns at a time: 16-byte loads where the 8 lie inside N and the rows are 16-byte aligned, else one clamped
-  // element at a time.
-  const bool vec = (reinterpret_cast<uintptr_t>(p.bias) | reinterpret_cast<uintptr_t>(p.res) |
-                    reinterpret_cast<uintptr_t>(p.ln_colsum)) % 16 == 0 && p.res_stride % 8 == 0;
+  const int rrow = min(row, p.M - 1);
+  BT bias_raw[CPT];
+  T res_raw[CPT];
+  float ln_u[LN ? CPT : 1];
+  float2 ln_st[LN ? LNP : 1];  // this thread's share of the row's parts (summed over the TPR lanes after the loop)
 #pragma unroll
-  for (int e8 = 0; e8 < (FRAG ? 0 : CPT); e8 += 8) {
-    if (vec && c0 + e8 + 8 <= p.N) {
-      const int c = c0 + e8;
-      if constexpr ((EPI & HAS_BIAS) != 0) {
-        if constexpr ((EPI & BIAS_F32) != 0) {
-          *reinterpret_cast<float4*>(&bias_raw[e8]) = *reinterpret_cast<const float4*>(static_cast<const float*>(p.bias) + c);
-          *reinterpret_cast<float4*>(&bias_raw[e8 + 4]) =
-              *reinterpret_cast<const float4*>(static_cast<const float*>(p.bias) + c + 4);
-        } else {
-          *reinterpret_cast<uint4*>(&bias_raw[e8]) = *reinterpret_cast<const uint4*>(static_cast<const T*>(p.bias) + c);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < RP; ++r) {
-        const int rrow = min(row + r * RSTEP, p.M - 1);
-        if constexpr ((EPI & HAS_RES) != 0)
-          *reinterpret_cast<uint4*>(&res_raw[r][e8]) =
-              *reinterpret_cast<const uint4*>(static_cast<const T*>(p.res) + static_cast<long long>(rrow) * p.res_stride + c);
-      }
-      if constexpr (LN) {
-        *reinterpret_cast<float4*>(&ln_u[e8]) = *reinterpret_cast<const float4*>(p.ln_colsum + c);
-        *reinterpret_cast<float4*>(&ln_u[e8 + 4]) = *reinterpret_cast<const float4*>(p.ln_colsum + c + 4);
-      }
-    } else {
-#pragma unroll
-      for (int e = e8; e < e8 + 8; ++e) {
-        const int c = min(c0 + e, p.N - 1);
-        if constexpr ((EPI & HAS_BIAS) != 0) bias_raw[e] = static_cast<const BT*>(p.bias)[c];
-#pragma unroll
-        for (int r = 0; r < RP; ++r) {
-          const int rrow = min(row + r * RSTEP, p.M - 1);
-          if constexpr ((EPI & HAS_RES) != 0)
-            res_raw[r][e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + c];
-        }
-        if constexpr (LN) ln_u[e] = p.ln_colsum[c];
-      }
-    }
+  for (int e = 0; e < CPT; ++e) {
+    const int c = min(c0 + e, p.N - 1);
+    if constexpr ((EPI & HAS_BIAS) != 0) bias_raw[e] = static_cast<const BT*>(p.bias)[c];
+    if constexpr ((EPI & HAS_RES) != 0)
+      res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + c];
+    if constexpr (LN) ln_u[e] = p.ln_colsum[c];
   }
-  if constexpr (LN && !FRAG) {
+  if constexpr (LN) {
 #pragma unroll
-    for (int r = 0; r < RP; ++r) {
-      const int rrow = min(row + r * RSTEP, p.M - 1);
-#pragma unroll
-      for (int i = 0; i < LNP; ++i) {
-        const int q = min((tid % TPR) + TPR * i, p.ln_parts - 1);
-        ln_st[r][i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + rrow) * 2);
-      }
+    for (int i = 0; i < LNP; ++i) {
+      const int q = min((tid % TPR) + TPR * i, p.ln_parts - 1);
+      ln_st[i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + rrow) * 2);
     }
   }
 
@@ -423,15 +209,12 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
     mbar_wait(full + 8 * s, phase);
+    const uint64_t da = smem_desc(a_smem + s * TL::A_BYTES + wg * (64 * BK * 2));
+    const uint64_t db = smem_desc(b_smem + s * TL::B_BYTES);
     fence_acc<NACC>(acc);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < KT; ++k) {
-      const uint64_t da = smem_desc(a_smem + s * A_STAGE + k * TL::A_BYTES + wg * (64 * BK * 2));
-      const uint64_t db = smem_desc(b_smem + s * B_STAGE + k * TL::B_BYTES);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
-    }
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
     fence_acc<NACC>(acc);
     // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
@@ -441,7 +224,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + KT - 1) / KT) gdc_launch();
+    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
     prev = s;
     if (++s == S) {
       s = 0;
@@ -450,12 +233,6 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   }
   wgmma_wait<0>();
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
-  if constexpr (FRAG) {
-    // No split: no exchange, no shared-memory round trip; each thread finishes its own fragments.
-    fin.template finish<EPI, E>(p, acc, m0 + warp * 16 + lane / 4, n0 + (lane % 4) * 2, lane % 4, n_tile);
-    if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
-    return;
-  }
 
   // Reduce-scatter. Every MMA of the warpgroups is done (the barrier), so the stages hold this CTA's partial.
   consumer_sync<CONSUMERS>();
@@ -482,29 +259,25 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   mbar_wait(red, 0);
 
   // This CTA's slab: its own partial's rows plus the SC-1 pushed ones.
-  float y[RP][CPT];
-#pragma unroll
-  for (int r = 0; r < RP; ++r) {
-    const float* own = part + (rank * R + lr + r * RSTEP) * SROW + (tid % TPR) * CPT;
+  float y[CPT];
+  {
+    const float* own = part + (rank * R + lr) * SROW + (tid % TPR) * CPT;
 #pragma unroll
     for (int e = 0; e < CPT; e += 4) {
       float4 v = *reinterpret_cast<const float4*>(own + e);
-      y[r][e] = v.x, y[r][e + 1] = v.y, y[r][e + 2] = v.z, y[r][e + 3] = v.w;
+      y[e] = v.x, y[e + 1] = v.y, y[e + 2] = v.z, y[e + 3] = v.w;
     }
 #pragma unroll
     for (int q = 0; q < SC; ++q) {
       if (q == rank) continue;
-      const float* o = slabs + q * (SLAB / 4) + (lr + r * RSTEP) * SROW + (tid % TPR) * CPT;
+      const float* o = slabs + q * (SLAB / 4) + lr * SROW + (tid % TPR) * CPT;
 #pragma unroll
       for (int e = 0; e < CPT; e += 4) {
         float4 v = *reinterpret_cast<const float4*>(o + e);
-        y[r][e] += v.x, y[r][e + 1] += v.y, y[r][e + 2] += v.z, y[r][e + 3] += v.w;
+        y[e] += v.x, y[e + 1] += v.y, y[e + 2] += v.z, y[e + 3] += v.w;
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < RP; ++r) {
-  const int row_r = row + r * RSTEP;
   float ln_rstd = 1.f, ln_mr = 0.f;
   if constexpr (LN) {
     // The row's sums of x and x^2: this thread's parts (those past ln_parts were clamped to the last: not counted),
@@ -512,21 +285,21 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
     for (int i = 0; i < LNP; ++i) {
-      if ((tid % TPR) + TPR * i < p.ln_parts) s1 += ln_st[r][i].x, s2 += ln_st[r][i].y;
+      if ((tid % TPR) + TPR * i < p.ln_parts) s1 += ln_st[i].x, s2 += ln_st[i].y;
     }
 #pragma unroll
     for (int o = 1; o < TPR; o *= 2) {
       s1 += __shfl_xor_sync(0xffffffffu, s1, o);
       s2 += __shfl_xor_sync(0xffffffffu, s2, o);
     }
-    const float mean = s1 * p.inv_k;
-    ln_rstd = rsqrtf(fmaxf(s2 * p.inv_k - mean * mean, 0.f) + p.ln_eps);
+    const float mean = s1 / p.K;
+    ln_rstd = 1.0f / sqrtf(fmaxf(s2 / p.K - mean * mean, 0.f) + p.ln_eps);
     ln_mr = mean * ln_rstd;
   }
   float rs1 = 0.f, rs2 = 0.f;
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
-    float v = y[r][e];
+    float v = y[e];
     if constexpr (LN) v = ln_rstd * v - ln_mr * ln_u[e];
     if constexpr ((EPI & HAS_BIAS) != 0) {
       if constexpr ((EPI & BIAS_F32) != 0) {
@@ -536,25 +309,25 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       }
     }
     v = activate<ACT>(v);
-    if constexpr ((EPI & HAS_RES) != 0) v += E::f(res_raw[r][e]);
-    y[r][e] = (c0 + e < p.N) ? v : 0.f;
-    rs1 += y[r][e];
-    rs2 += y[r][e] * y[r][e];
+    if constexpr ((EPI & HAS_RES) != 0) v += E::f(res_raw[e]);
+    y[e] = (c0 + e < p.N) ? v : 0.f;
+    rs1 += y[e];
+    rs2 += y[e] * y[e];
   }
-  if (row_r < p.M) {
-    T* op = static_cast<T*>(p.out) + static_cast<long long>(row_r) * p.out_stride + c0;
+  if (row < p.M) {
+    T* op = static_cast<T*>(p.out) + static_cast<long long>(row) * p.out_stride + c0;
     if (c0 + CPT <= p.N && (p.out_stride % 8) == 0 && (reinterpret_cast<uintptr_t>(p.out) % 16) == 0) {
 #pragma unroll
       for (int e = 0; e < CPT; e += 8) {
         alignas(16) T pk[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) pk[k] = E::one(y[r][e + k]);
+        for (int k = 0; k < 8; ++k) pk[k] = E::one(y[e + k]);
         *reinterpret_cast<uint4*>(op + e) = *reinterpret_cast<const uint4*>(pk);
       }
     } else {
 #pragma unroll
       for (int e = 0; e < CPT; ++e)
-        if (c0 + e < p.N) op[e] = E::one(y[r][e]);
+        if (c0 + e < p.N) op[e] = E::one(y[e]);
     }
   }
   if constexpr ((EPI & STATS_OUT) != 0) {
@@ -568,11 +341,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
     }
     const int part = n_tile * (BN / 64) + (tid % TPR) / TPH;
-    if ((tid % TPH) == 0 && row_r < p.M && part * 64 < p.N)
-      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row_r) * 2) =
+    if ((tid % TPH) == 0 && row < p.M && part * 64 < p.N)
+      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
-  }  // rows r
   if (tid == 0) {
     // The partial must stay, and this CTA must not exit, until its pushes have completed.
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
@@ -599,14 +371,11 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 #ifndef CG_BN
 #define CG_BN 64
 #endif
-#ifndef CG_KT
-#define CG_KT 1
-#endif
 
 using TV = Tile<CG_BM, CG_BN>;
 
 extern "C" int cluster_gemm_variant() {
-  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_KT << 24);
+  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20);
 }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {
@@ -632,17 +401,8 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  constexpr int KT = CG_KT;
-  if (KT > 1 && (K % BK != 0 || per_split % KT != 0 || (K / BK) % per_split != 0 || stages < 2 * KT ||
-                 (stages / KT) * KT * TV::STAGE_BYTES < TV::PART_BYTES)) {
-    snprintf(err, errlen, "stages of %d K tiles need K %% 64 == 0 (K=%d), whole splits (per_split=%d) of a multiple "
-             "of %d tiles and 2 stages (stages=%d)", KT, K, per_split, KT, stages);
-    return 1;
-  }
-  if (KT == 1 ? (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
-                 encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
-              : (encode3(&p.a_map, CG_BF16, x, M, K, x_stride, BM, KT, err, errlen) ||
-                 encode3(&p.b_map, CG_BF16, w, N, K, w_stride, BN, KT, err, errlen)))
+  if (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
+      encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
     return 1;
   p.bias = bias;
   p.res = res;
@@ -652,7 +412,6 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.ln_stats = ln_stats;
   p.ln_colsum = ln_colsum;
   p.ln_eps = ln_eps;
-  p.inv_k = 1.0f / K;
   p.ln_parts = ln_parts;
   p.M = M;
   p.N = N;
@@ -661,12 +420,12 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.out_stride = out_stride;
   p.k_tiles = (K + BK - 1) / BK;
   p.per_split = per_split;
-  p.stages = stages / KT;  // (stages of KT tiles)
+  p.stages = stages;
   p.trigger_k = trigger_k;
   p.n_pref = n_pref;
   p.flags = flags;
 
-  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN, KT>;
+  auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN>;
   // One CTA to an SM where the grid could double up: a footprint under half an SM lets two CTAs of this kernel
   // share one and halve each other's bandwidth (H200, bert-base: the out-projection's 96 CTAs at 66 KB added
   // 3.84-3.86 us to the layer, padded 2.94-2.95; perf notes 16.7). A grid of at most half the SMs cannot double

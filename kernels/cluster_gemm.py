@@ -21,7 +21,7 @@ import torch
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
-SPLITS = (1, 2, 4)  # CTAs a cluster (the K splits of one tile; 1: no split, no exchange)
+SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
@@ -35,29 +35,6 @@ SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
 EARLY_TILES: int | None = None
-# K tiles a stage loads with one TMA box an operand (3-D tensor maps). Under load an SM's TMA unit takes ~240 cycles a
-# box whatever its size up to 16 KB: with 64-row tiles, one box a K tile (8 KB) caps a CTA at ~34 B/cycle, where the
-# chip's L2 could feed 50 B/cycle to each of 96 SMs (H200; scripts/tma_bench.py, perf notes section 19). So a stage
-# loads CHUNK_TILES..2 K tiles a box where the ring keeps MIN_SLOTS stages (or all of a split's) in flight; 1: one
-# box a K tile (A/B switch cg_chunks=1 of scripts/timeline.py).
-CHUNK_TILES = 4
-MIN_SLOTS = 4
-
-
-def chunk_tiles(k: int, per_split: int, stages: int, bm: int = 64, bn: int = 64) -> int:
-    """K tiles a stage of the cluster kernel loads with one box an operand (1: one box a K tile). Session 9 took the
-    largest chunk leaving two stages (FFN2: 4 tiles in 2 stages), and the ring of two could not hide a stage's
-    latency (perf notes 18.1); the ring now keeps MIN_SLOTS stages, or every stage of the split."""
-    if per_split <= 0 or k % BLOCK or (k // BLOCK) % per_split:
-        return 1
-    for kt in range(CHUNK_TILES, 1, -1):
-        slots = stages // kt
-        if (per_split % kt == 0 and slots >= 2 and slots >= min(MIN_SLOTS, per_split // kt)
-                and slots * kt * stage_bytes(bm, bn) >= part_bytes(bm, bn)):
-            return kt
-    return 1
-
-
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
@@ -97,21 +74,20 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 
 
-def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, kt: int = 1) -> ctypes.CDLL:
+def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctypes.CDLL:
     """The library of one variant, built now if this source version has not been built for it on this machine
     (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, kt)
+    key = (bf16, split, epi, bm, bn)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                               "CG_KT": kt}, "cluster_gemm")
+    lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn},
+                      "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
     lib.cluster_gemm_smem_bytes.argtypes = [ctypes.c_int]
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
-            or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
-                                              | (kt << 24))):
+            or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -153,7 +129,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, chunk_tiles(K, per_split, stages, bm, bn))
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

@@ -62,9 +62,8 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (1, 2 or 4) programs of a tile form one
-    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel (split_k 1: no
-    # reduction; a stage loads several K tiles a TMA box where the ring allows: cluster_gemm.chunk_tiles). Elsewhere,
+    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2 or 4) programs of a tile form one
+    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. Elsewhere,
     # and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, this module's kernels run it.
     cluster: int = 0
     overlap_ratio: float = -1.0

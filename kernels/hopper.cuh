@@ -291,7 +291,7 @@ template <int ACT>  // 0 none, 1 gelu (tanh form), 2 silu, 3 gelu with tanh.appr
 __device__ __forceinline__ float activate(float v) {
   if constexpr (ACT == 1) {
     float z = 0.7978845608028654f * (v + 0.044715f * v * v * v);
-    return __fdividef(v, 1.0f + __expf(-2.0f * z));
+    return v / (1.0f + __expf(-2.0f * z));
   } else if constexpr (ACT == 2) {
     return v / (1.0f + __expf(-v));
   } else if constexpr (ACT == 3) {
