@@ -42,6 +42,32 @@ def variant(shape, name):
     return load_config(name, shape=shape)
 
 
+def _switches():
+    from tuner.kernels import cluster_gemm
+
+    return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
+            "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
+            "cg_spread": (cluster_gemm, "SPREAD")}
+
+
+_DEFAULTS = {}
+
+
+def apply_switches(name: str) -> str:
+    """Set the module flags of ``name``'s ``@switch=0|1,...`` suffix (every other flag back to its default);
+    returns the variant without the suffix."""
+    switches = _switches()
+    if not _DEFAULTS:
+        _DEFAULTS.update({sw: getattr(*sw) for sw in switches.values()})
+    for (mod, attr), v in _DEFAULTS.items():
+        setattr(mod, attr, v)
+    if "@" in name:
+        for e in name.split("@", 1)[1].split(","):
+            key, v = e.split("=")
+            setattr(*switches[key], int(v) if key == "cg_early" else bool(int(v)))
+    return name.split("@", 1)[0]
+
+
 def main():
     hot = "--hot" in sys.argv  # every layer the same weights: they stay in L2 (what prefetch could reach)
     args = [a for a in sys.argv[1:] if a != "--hot"]
@@ -56,20 +82,8 @@ def main():
     n = stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
-    from tuner.kernels import cluster_gemm
-
-    switches = {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
-                "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
-                "cg_spread": (cluster_gemm, "SPREAD")}
-    defaults = {sw: getattr(*sw) for sw in switches.values()}
     for name in names:
-        for (mod, attr), v in defaults.items():
-            setattr(mod, attr, v)
-        if "@" in name:
-            for e in name.split("@", 1)[1].split(","):
-                key, v = e.split("=")
-                setattr(*switches[key], int(v) if key == "cg_early" else bool(int(v)))
-        cfg = variant(shape, name.split("@", 1)[0])
+        cfg = variant(shape, apply_switches(name))
         bad = check_config(cfg, shape, 2, dev)
         if bad:
             print(f"\n## {shape.name} {name}: invalid {bad}")

@@ -1,7 +1,8 @@
 """Inside each GEMM of the timed stack: when its programs start, leave gdc_wait, finish the K loop and end.
 
-usage: python3 scripts/trace_gemms.py SHAPE CONFIG [CONFIG ...]   (CONFIG: a best.json or a timeline.py variant,
-e.g. best.json:out.split_k=2)
+usage: python3 scripts/trace_gemms.py SHAPE [--hot] CONFIG [CONFIG ...]   (CONFIG: a best.json or a timeline.py
+variant, e.g. best.json:out.split_k=2, with timeline.py's @switch=0|1 suffixes; --hot: every layer the same weights,
+so that they stay in L2)
 The stack is built and captured as the tuner times it (cold weights, one CUDA graph); every GEMM launch
 gets a trace buffer and stamps %globaltimer (ns) per program at four points (kernels/_common.stamp):
 entry, gdc_wait returned, K loop done, epilogue stored. Per GEMM of the middle layers (median over layers):
@@ -33,20 +34,22 @@ from tuner.timing import time_replay
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timeline import variant  # noqa: E402
+from timeline import apply_switches, variant  # noqa: E402
 
 
 def main():
-    shape = resolve(sys.argv[1])
-    for name in sys.argv[2:]:
-        trace(shape, name)
+    hot = "--hot" in sys.argv
+    args = [a for a in sys.argv[1:] if a != "--hot"]
+    shape = resolve(args[0])
+    for name in args[1:]:
+        trace(shape, name, hot)
 
 
-def trace(shape, name):
-    cfg = variant(shape, name)
+def trace(shape, name, hot=False):
+    cfg = variant(shape, apply_switches(name))
     dev = DeviceInfo.from_torch()
     n = stack_depth(shape, 2, dev.l2_bytes)
-    weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
+    weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     plain = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
     plain.capture()
     t_plain = time_replay(plain.replay, n, reps=30, warmup=5).median_us
@@ -103,7 +106,8 @@ def trace(shape, name):
                              float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None,
                              skew))
             prev_end = float(end.max())
-    print(f"## {shape.name} {name}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; {n} layers")
+    tag = " (weights hot)" if hot else ""
+    print(f"## {shape.name}{tag} {name}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; {n} layers")
     print("| GEMM | launched early | entry skew | wait skew | loop | epilogue | span | boundary | split skew |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for nm, v in rows.items():
