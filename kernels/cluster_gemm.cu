@@ -38,7 +38,9 @@ struct Tile {
 };
 
 // Epilogue (compile time; the activation in bits 6-7).
-enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16 };
+// XCHG16: the split-K partials are exchanged in the operand type (16-bit) instead of fp32: half the bytes through
+// distributed shared memory, which costs ~60 ns per KB a CTA pushes (perf notes 16.1); each partial is rounded once.
+enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, XCHG16 = 32 };
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -89,7 +91,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   constexpr int R = BM / SC;             // rows of the tile this CTA reduces and stores
   constexpr int TPR = CONSUMERS / R;     // consumer threads a row (adjacent lanes)
   constexpr int CPT = BN / TPR;          // columns a thread
-  constexpr int SLAB = R * SROW * 4;     // bytes of one row slab of a partial tile
+  constexpr bool X16 = (EPI & XCHG16) != 0;
+  // A partial's row pitch in its elements: fp32 BN + 4, or 16-bit BN + 8 (rows 16-byte aligned for the bulk copies).
+  constexpr int XROW = X16 ? BN + 8 : SROW;
+  constexpr int SLAB = R * XROW * (X16 ? 2 : 4);  // bytes of one row slab of a partial tile
   constexpr int LNP = MAX_LN_PARTS / TPR;  // LN_IN: row-sum parts a thread loads
   static_assert(TPR <= 32 && 32 % TPR == 0 && CPT % 8 == 0, "epilogue mapping");
 
@@ -106,6 +111,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   // This CTA's partial after the loop, over the idle A and B stages (the host checks that they hold it).
   float* const part = reinterpret_cast<float*>(smem_raw + (a_smem - raw));
   const float* const slabs = reinterpret_cast<const float*>(smem_raw + (recv - raw));
+  T* const part16 = reinterpret_cast<T*>(part);  // (XCHG16: the same places, 16-bit)
+  const T* const slabs16 = reinterpret_cast<const T*>(slabs);
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
@@ -241,9 +248,16 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
-        *reinterpret_cast<float2*>(part + (r_lo + 8 * h) * SROW + c_lo + 8 * j) =
-            make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (X16) {
+          alignas(4) T pk[2] = {E::one(acc[4 * j + 2 * h]), E::one(acc[4 * j + 2 * h + 1])};
+          *reinterpret_cast<uint32_t*>(part16 + (r_lo + 8 * h) * XROW + c_lo + 8 * j) =
+              *reinterpret_cast<const uint32_t*>(pk);
+        } else {
+          *reinterpret_cast<float2*>(part + (r_lo + 8 * h) * SROW + c_lo + 8 * j) =
+              make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        }
+      }
   }
   // The bulk copies read the partial through the async proxy: order the stores before them.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -260,7 +274,29 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   // This CTA's slab: its own partial's rows plus the SC-1 pushed ones.
   float y[CPT];
-  {
+  if constexpr (X16) {
+    // 8 16-bit elements a 16-byte load
+    auto add8 = [&](const T* src, int e, bool first) {
+      const uint4 v = *reinterpret_cast<const uint4*>(src + e);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = E::f2(w[k]);
+        y[e + 2 * k] = first ? f.x : y[e + 2 * k] + f.x;
+        y[e + 2 * k + 1] = first ? f.y : y[e + 2 * k + 1] + f.y;
+      }
+    };
+    const T* own = part16 + (rank * R + lr) * XROW + (tid % TPR) * CPT;
+#pragma unroll
+    for (int e = 0; e < CPT; e += 8) add8(own, e, true);
+#pragma unroll
+    for (int q = 0; q < SC; ++q) {
+      if (q == rank) continue;
+      const T* o = slabs16 + q * (SLAB / 2) + lr * XROW + (tid % TPR) * CPT;
+#pragma unroll
+      for (int e = 0; e < CPT; e += 8) add8(o, e, false);
+    }
+  } else {
     const float* own = part + (rank * R + lr) * SROW + (tid % TPR) * CPT;
 #pragma unroll
     for (int e = 0; e < CPT; e += 4) {

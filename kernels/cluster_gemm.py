@@ -27,7 +27,7 @@ TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and 
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
-HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT = 1, 2, 4, 8, 16
+HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
 USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD = 64, 128, 8, 4096
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
@@ -108,10 +108,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
            trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5) -> None:
+           ln_eps=1e-5, xchg16=False) -> None:
     """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles; the
     output tile is ``bm`` x ``bn``. With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
-    ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm."""
+    ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm.
+    ``xchg16``: the split-K partials are exchanged in x's 16-bit type, not fp32 (half the bytes)."""
     M, K = x.shape
     N = weight.shape[0]
     if (ln_stats is None) != (ln_colsum is None):
@@ -119,7 +120,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     epi = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
                                                     else 0)
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
-           | (LN_IN if ln_stats is not None else 0) | (act << 6))
+           | (LN_IN if ln_stats is not None else 0) | (XCHG16 if xchg16 else 0) | (act << 6))
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     if not SPREAD:
         flags |= NO_SPREAD

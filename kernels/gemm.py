@@ -63,7 +63,8 @@ class GemmConfig(KnobConfig):
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
     # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2 or 4) programs of a tile form one
-    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. Elsewhere,
+    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. 2: the same with
+    # the partials exchanged in the operands' 16-bit type (half the bytes; each partial rounded once). Elsewhere,
     # and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, this module's kernels run it.
     cluster: int = 0
     overlap_ratio: float = -1.0
@@ -148,8 +149,9 @@ def cluster_tile(c: GemmConfig, p: GemmProblem) -> tuple[int, int]:
 def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> str | None:
     if c.cluster == 0:
         return None
-    if c.cluster != 1:
-        return f"cluster={c.cluster} must be 0 (Triton kernels) or 1 (split-K reduced in a cluster)"
+    if c.cluster not in (1, 2):
+        return (f"cluster={c.cluster} must be 0 (Triton kernels), 1 (split-K reduced in a cluster) or 2 (the same, "
+                f"partials exchanged in 16 bits)")
     if c.split_k not in cluster_gemm.SPLITS:
         return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
     # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
@@ -652,7 +654,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             x, weight, out, bias=bias, residual=residual, stats_out=stats_out, trace=_trace, split=c.split_k,
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
-            ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps)  # (ln_colsum here comes with ln_stats)
+            ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps,  # (ln_colsum here comes with ln_stats)
+            xchg16=c.cluster == 2)
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])

@@ -18,7 +18,7 @@ AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
 
 
 @pytest.mark.parametrize("cfg, problem, needle", [
-    (replace(CL, cluster=2), GemmProblem(128, 256, 768), "cluster=2 must be 0"),
+    (replace(CL, cluster=3), GemmProblem(128, 256, 768), "cluster=3 must be 0"),
     (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
     (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
     (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
@@ -29,6 +29,11 @@ AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
 ])
 def test_check_rejects_cluster(cfg, problem, needle):
     assert needle in (check(cfg, problem, HOPPER) or "")
+
+
+def test_check_accepts_16_bit_exchange():
+    assert check(replace(CL, cluster=2), GemmProblem(128, 256, 768), HOPPER) is None
+    assert check(replace(CL, cluster=2, split_k=2), GemmProblem(128, 256, 768), HOPPER) is None
 
 
 def test_check_cluster_few_rows():
@@ -108,6 +113,47 @@ def test_cluster_linear_odd_shapes(dtype, split, stages, knobs, epilogue):
     torch.cuda.synchronize()
     ref = linear_ref(x, w, bias, **kw)
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    if stats is not None:
+        of = out.float()
+        rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
+        torch.testing.assert_close(stats.sum(0)[:, 0], of.sum(1), rtol=rtol, atol=5e-2)
+        torch.testing.assert_close(stats.sum(0)[:, 1], (of * of).sum(1), rtol=rtol * 4, atol=5e-1)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("tile, split, epilogue", [
+    ((64, 64), 4, "plain"), ((64, 64), 4, "bias-gelu-res-stats"), ((64, 64), 2, "layernorm"),
+    ((128, 128), 2, "bias-gelu-res-stats"), ((64, 128), 4, "layernorm"), ((128, 64), 2, "plain"),
+], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_cluster_linear_16_bit_exchange(dtype, tile, split, epilogue):
+    # cluster=2: the partials pushed through distributed shared memory in the operands' 16-bit type. Odd M, N, K
+    # (partial row and column tiles, splits of unequal length), poisoned outputs; the error stays within the same
+    # tolerance as the fp32 exchange (each partial is rounded once, like the output).
+    bm, bn = tile
+    m, k, n = 150, 456, 330
+    x, w, b, r = _inputs(m, n, k, dtype, "cuda", seed=split * 1000 + bm + bn)
+    cfg = replace(CL, block_m=bm, block_n=bn, num_warps=4 * bm // 64, split_k=split, num_stages=3, cluster=2,
+                  overlap_ratio=0.0, prefetch_ratio=1.0)
+    assert check(cfg, GemmProblem(m, n, k), DeviceInfo.from_torch()) is None
+    out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+    stats = None
+    if epilogue == "layernorm":
+        lw, lb = _ln_params(k, dtype, bm + bn + split)
+        x = x * 3 + 0.5
+        wf, bf, u = fold_layernorm(w, b, lw, lb)
+        linear(x, wf, bf, config=cfg, out=out, ln_colsum=u, ln_stats=_row_sums(x, 13))
+        ref = linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)
+    else:
+        kw = dict(activation="gelu", residual=r) if epilogue != "plain" else {}
+        bias = b if kw else None
+        if kw:
+            stats = torch.full((stats_parts(cfg, n), m, 2), float("nan"), dtype=torch.float32, device="cuda")
+        linear(x, w, bias, config=cfg, out=out, stats_out=stats, **kw)
+        ref = linear_ref(x, w, bias, **kw)
+    torch.cuda.synchronize()
+    tol = 2e-2 if epilogue == "layernorm" else REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < tol
     if stats is not None:
         of = out.float()
         rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
@@ -217,6 +263,7 @@ def test_cluster_pdl_chain_in_a_graph():
     bufs = [torch.empty(m, d, dtype=dtype, device="cuda") for _ in range(3)]
     cfgs = [replace(CL, block_k=bk, num_stages=s, split_k=sk, overlap_ratio=0.0, prefetch_ratio=1.0)
             for bk, s, sk in ((64, 4, 4), (128, 2, 2), (64, 2, 4))]
+    cfgs[1] = replace(cfgs[1], cluster=2)  # (one of the three exchanges its partials in 16 bits)
     ref = x.float()
     for w in ws:
         ref = ref @ w.float().T

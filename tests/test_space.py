@@ -202,6 +202,7 @@ BAD_SPACES = [
     ("switch-not-0-or-1", _set("gemm", "tma", value=[0, 2]), ["gemm.tma:", "0 (off) or 1 (on)"]),
     ("layer-switch-3", _set("layer", "fuse", value=[0, 3]), ["layer.fuse:", "0 (off) or 1 or 2"]),
     ("norm-switch-3", _set("norm", "fuse", value=[0, 3]), ["norm.fuse:", "0 (off) or 1 or 2"]),
+    ("cluster-switch-3", _set("gemm", "cluster", value=[0, 3]), ["gemm.cluster:", "0 (off) or 1 or 2"]),
     ("ratio-1.5", _set("ratios", "overlap", value=[-1.0, 0.5, 1.5]), ["ratios.overlap:", "1.5"]),
     ("ratio-not-a-list", _set("ratios", "prefetch", value=0.5), ["ratios.prefetch:", "list"]),
     ("ratios-unknown-key", _set("ratios", "overlapp", value=[0.5]), ["'ratios'", "overlap"]),

@@ -31,8 +31,9 @@ PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline;
 # GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels). A file that leaves one out gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
-# The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows.
-SWITCH_VALUES = {"norm": (0, 1, 2), "layer": (0, 1, 2)}
+# The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows; so has the
+# GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits. Keys: a family, or (family, field).
+SWITCH_VALUES = {"norm": (0, 1, 2), "layer": (0, 1, 2), ("gemm", "cluster"): (0, 1, 2)}
 
 
 class SpaceError(ValueError):
@@ -176,7 +177,8 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
         dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
                                              else f"ratios.{f.removesuffix('_ratio')}"),
-                           v, f in RATIOS, SWITCH_VALUES.get(fam, (0, 1)) if f in SWITCHES else None, f in ZERO_OK)
+                           v, f in RATIOS, SWITCH_VALUES.get((fam, f), SWITCH_VALUES.get(fam, (0, 1)))
+                           if f in SWITCHES else None, f in ZERO_OK)
                    for f, v in raw.items()}
     return SearchSpace(source, dims)
 
