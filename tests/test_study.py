@@ -212,6 +212,18 @@ def test_first_trial_is_the_enqueued_baseline(tmp_path, replay):
     assert csv.loc[0, "is_baseline"] and csv.loc[0, "number"] == 0
 
 
+def test_a_space_without_the_16_bit_exchange_gets_the_fp32_cluster_seed(tmp_path, replay):
+    # A user's space written before gemm.cluster 2 (choices 0 and 1): the clustered seed exchanges in fp32, so that
+    # it lies inside the space and is still measured.
+    data = copy.deepcopy(default_data())
+    data["gemm"]["cluster"] = [0, 1]
+    run(tmp_path, replay, space.parse(data, "old space"), sampler="random", trials=3)
+    name = study_name(BERT_BASE, "float16", "NVIDIA H200", "cold", replayed=True)
+    trials = load_study(tmp_path, name).trials
+    assert trials[2].params == space.from_config(hand_picked_cluster(BERT_BASE, xchg16=False))
+    assert trials[2].params["ffn2.cluster"] == 1
+
+
 def recorded_config(row) -> DecoderConfig:
     """The DecoderConfig of a row of the recording's trials.csv."""
     params = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in row.items() if "." in k}

@@ -49,23 +49,26 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     return fit_config(cfg, shape).with_knobs(0.0, 1.0)
 
 
-def hand_picked_cluster(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
+def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True) -> DecoderConfig:
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
     a layer; bert-large, whose 128 FFN2 programs in clusters of four no longer launch as one wave: 25.7 -> 28.4).
+    ``xchg16``: the partials exchanged in 16 bits (cluster 2; H200, bert-base 19.68-19.79 -> 19.11-19.36 us, tiny
+    11.09-11.30 -> 10.16-10.18: perf notes section 22), else in fp32 (cluster 1).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
     from tuner.kernels.gemm import GemmProblem, check
 
     hp = hand_picked(shape, norms)
     gemms = shape.gemms()
-    want = {"out": replace(hp.out, block_n=64, block_k=64, num_stages=6, split_k=4, cluster=1),
-            "ffn2": replace(hp.ffn2, cluster=1)}
+    cl = 2 if xchg16 else 1
+    want = {"out": replace(hp.out, block_n=64, block_k=64, num_stages=6, split_k=4, cluster=cl),
+            "ffn2": replace(hp.ffn2, cluster=cl)}
     if shape.batch * shape.seq <= 64 and norms == 2:
         # A few tokens (tiny): QKV split four ways in clusters too, its LayerNorm applied in the cluster epilogue
         # from FFN2's row sums (H200, tiny: 11.12-11.34 -> 10.97 us). On 128 tokens every clustered QKV or FFN1
         # measured slower: the distributed-shared-memory exchange of a 128-wide partial costs more than the
         # split saves (docs/perf-notes.md section 16).
-        want["qkv"] = replace(hp.qkv, block_k=64, num_stages=2, split_k=4, cluster=1)
+        want["qkv"] = replace(hp.qkv, block_k=64, num_stages=2, split_k=4, cluster=cl)
     kw = {n: c for n, c in want.items() if check(c, GemmProblem(*gemms[n])) is None}
     return replace(hp, **kw)
 

@@ -181,6 +181,8 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     if pdl:
         seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
         clustered = hand_picked_cluster(shape)
+        if not space.contains(from_config(clustered, pdl), pdl):  # a space without the 16-bit exchange
+            clustered = hand_picked_cluster(shape, xchg16=False)
         if clustered != hp:
             seeds.insert(2, (clustered, None))
     study.set_user_attr("seeded", True)
