@@ -49,6 +49,7 @@ enum Flags {
   // the rest of the prefetch goes to L2 only
   EARLY_SHIFT = 8,
   NO_SPREAD = 4096,  // A/B only: request just the shared memory the kernel uses (two CTAs may share an SM)
+  ALL_SLABS = 16384,  // A/B only: push every row slab, also those whose rows all lie past M
 };
 
 struct Params {
@@ -133,8 +134,9 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     }
     mbar_init(red, 1);
     // The one arrival of `red`'s phase, with the bytes the SC-1 other CTAs will push (their complete_tx may
-    // come first: the phase cannot complete before this arrival).
-    mbar_expect_tx(red, (SC - 1) * SLAB);
+    // come first: the phase cannot complete before this arrival). A slab whose rows all lie past M is pushed by
+    // nobody (tiny's 32 tokens on 64-row tiles: half the exchange): its CTA waits for nothing and stores nothing.
+    mbar_expect_tx(red, (m0 + rank * R < p.M || (p.flags & ALL_SLABS)) ? (SC - 1) * SLAB : 0);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Every CTA's barriers must be initialised before any CTA of the cluster pushes into them.
@@ -266,7 +268,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 #pragma unroll
     for (int q = 1; q < SC; ++q) {
       const int dst = (rank + q) % SC;
-      bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
+      if (m0 + dst * R < p.M || (p.flags & ALL_SLABS))
+        bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
     }
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }

@@ -28,13 +28,16 @@ MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
-USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD = 64, 128, 8, 4096
+USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 128, 8, 4096, 16384
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
 SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
 EARLY_TILES: int | None = None
+# Push every row slab of a split tile, also those whose rows all lie past M (which nobody stores). False: skip them
+# (tiny's 32 tokens on 64-row tiles: half of the exchange). True: A/B only (switch cg_all_slabs=1 of timeline.py).
+ALL_SLABS_PUSHED = False
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
@@ -126,6 +129,8 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         flags |= NO_SPREAD
     if EARLY_TILES is not None:
         flags |= (min(EARLY_TILES, 14) + 1) << EARLY_SHIFT
+    if ALL_SLABS_PUSHED:
+        flags |= ALL_SLABS
     if launch_enter_hook is not None:
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
