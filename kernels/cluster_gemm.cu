@@ -126,6 +126,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const int k_first = rank * p.per_split;
   const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
   const bool pdl = (p.flags & USE_PDL) != 0;
+  // Whether row slab q of the tile is exchanged: not when all its rows lie past M (nobody stores them).
+  auto pushed = [&](int q) { return m0 + q * R < p.M || (p.flags & ALL_SLABS) != 0; };
 
   if (tid == CONSUMERS) {
     prefetch_tensormap(&p.a_map);
@@ -138,7 +140,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     // The one arrival of `red`'s phase, with the bytes the SC-1 other CTAs will push (their complete_tx may
     // come first: the phase cannot complete before this arrival). A slab whose rows all lie past M is pushed by
     // nobody (tiny's 32 tokens on 64-row tiles: half the exchange): its CTA waits for nothing and stores nothing.
-    mbar_expect_tx(red, (m0 + rank * R < p.M || (p.flags & ALL_SLABS)) ? (SC - 1) * SLAB : 0);
+    mbar_expect_tx(red, pushed(rank) ? (SC - 1) * SLAB : 0);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   // Every CTA's barriers must be initialised before any CTA of the cluster pushes into them.
@@ -270,7 +272,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 #pragma unroll
     for (int q = 1; q < SC; ++q) {
       const int dst = (rank + q) % SC;
-      if (m0 + dst * R < p.M || (p.flags & ALL_SLABS))
+      if (pushed(dst))
         bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
     }
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");

@@ -152,24 +152,25 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
     if c.cluster not in (1, 2):
         return (f"cluster={c.cluster} must be 0 (Triton kernels), 1 (split-K reduced in a cluster) or 2 (the same, "
                 f"partials exchanged in 16 bits)")
+    name = f"cluster={c.cluster}"  # (the rules below hold for both exchanges)
     if c.split_k not in cluster_gemm.SPLITS:
-        return f"cluster=1 needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
+        return f"{name} needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
     # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
     bm, bn = cluster_tile(c, p)
     if (bm not in cluster_gemm.TILES or bn not in cluster_gemm.TILES or c.num_warps != 4 * bm // 64
             or c.block_k < 64 or not c.tma):
-        return ("cluster=1 needs 64- or 128-row and -column tiles (or block_m >= M below 64), 4 warps a 64 rows, "
+        return (f"{name} needs 64- or 128-row and -column tiles (or block_m >= M below 64), 4 warps a 64 rows, "
                 "block_k >= 64 and tma=1")
     if p.dtype_bytes != 2:
-        return "cluster=1 needs 16-bit operands"
+        return f"{name} needs 16-bit operands"
     st = cluster_stages(c)
     why = cluster_gemm.stages_error(st, bm, bn)
     if why is None and cluster_gemm.smem_bytes(st, bm, bn) > smem_limit(device):
         why = f"need {cluster_gemm.smem_bytes(st, bm, bn)} B of shared memory"
     if why:
-        return f"cluster=1: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
+        return f"{name}: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
     if device is not None and device.capability != (9, 0):
-        return f"cluster=1 needs a Hopper GPU (compute capability 9.0), not {device.capability}"
+        return f"{name} needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return None
 
 
