@@ -48,7 +48,8 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
         cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", "-diag-suppress=177", *extra, *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
+               "-fPIC", "-diag-suppress=177", *extra, *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp,
+               str(source)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)

@@ -111,7 +111,8 @@ def trace(shape, name, hot=False):
     print("| GEMM | launched early | entry skew | wait skew | loop | epilogue | span | boundary | split skew |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for nm, v in rows.items():
-        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None for i in range(len(v[0]))]
+        med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None
+               for i in range(len(v[0]))]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
 
 
