@@ -25,6 +25,18 @@ from tuner.kernels._common import REL_TOLERANCE, rel_error, tile_cap
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
+# Experiment (A/B switch mlp=1 of scripts/timeline.py): FFN1, GELU and FFN2 as one kernel (kernels/mlp_cluster.cu)
+# where the shape fits it on a Hopper GPU; FFN1's (overlap) says whether it is launched with PDL.
+MLP_FUSED = False
+
+
+def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
+    """Whether the layer runs its feed-forward block as one kernel (MLP_FUSED, and the kernel fits)."""
+    from tuner.kernels import cluster_gemm, mlp_cluster
+
+    return (MLP_FUSED and not cfg.fused and cfg.norm2.fuse != 1 and cluster_gemm.usable(device)
+            and mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, torch.empty(0, dtype=dtype).element_size())
+            is None)
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -148,6 +160,7 @@ class LayerBuffers:
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.ws = {}
         self.fused = None
+        self.mlp = False
         self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
             self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
@@ -162,6 +175,11 @@ class LayerBuffers:
         st = lambda g: torch.empty((gemm_k.stats_parts(g, d), m, 2), dtype=torch.float32, device=device)  # noqa: E731
         self.h_stats = st(cfg.out) if cfg.norm2.fuse == 2 else None
         self.y_stats = st(cfg.ffn2) if cfg.norm1.fuse == 2 else None
+        self.mlp = mlp_fused(shape, cfg, dtype, device)
+        if self.mlp and self.y_stats is not None:
+            from tuner.kernels import mlp_cluster
+
+            self.y_stats = torch.empty((mlp_cluster.stats_parts(d, f), m, 2), dtype=torch.float32, device=device)
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
@@ -228,6 +246,14 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
+    if b.mlp:  # FFN1 + GELU + FFN2 in one kernel, launched in FFN1's place
+        from tuner.kernels import mlp_cluster
+
+        launches[5] = ("ffn1", lambda: mlp_cluster.launch(
+            b.h if ln2 else b.ln2, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, b.h, b.y, act=gemm_k.act_code("gelu", b.h),
+            stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"), ln_colsum=ln2.get("ln_colsum"),
+            ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0))
+        skip.add("ffn2")
     return [(n, f) for n, f in launches if n not in skip]
 
 

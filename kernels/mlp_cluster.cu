@@ -1,0 +1,377 @@
+// The feed-forward block in one kernel for a small d_model (tiny: 256), the hidden activations never in global memory:
+//
+//   y = act(LN(x) @ w1.T + b1) @ w2.T + b2 + residual     (x [M, D], w1 [F, D], w2 [D, F], 16-bit; fp32 accumulation)
+//
+// Why (docs/perf-notes.md, section 23): at tiny's 32 tokens every kernel of the layer is latency (a boundary, a first
+// load, an epilogue: ~2 us each against floors of 0.01-0.17 us), so one kernel fewer is worth ~2 us if its work stays
+// short. The F hidden columns are split over the SC = F / 128 CTAs of a thread-block cluster; CTA `rank` computes
+// its 128 hidden columns for all tokens of its token tile and multiplies them by its 128 columns of w2, and the SC
+// partial outputs are reduced inside the cluster through distributed shared memory, in 16 bits, as cluster_gemm.cu
+// does for split-K.
+//
+// Both GEMMs are computed transposed (swap AB), so that the token count is wgmma's N (32 or 64) and not its fixed
+// M = 64: hT = w1_slice @ x.T (A: 128 rows of w1, B: the token tile of x) and yT = w2_slice @ hT (A: 128 rows of w2's
+// column slice, B: h as written by the first GEMM's epilogue into shared memory, K-major, 128-byte swizzled). Each
+// of the two consumer warpgroups owns 64 of the 128 rows. All of a CTA's weights (128 x D of w1, 128 x 128 of w2)
+// are loaded into shared memory before griddepcontrol.wait; after it only the token tile of x is loaded.
+//
+// Grid: (D / 128 output column groups, token tiles, SC); a cluster spans the SC hidden slices of one (column group,
+// token tile). Built at run time by kernels/mlp_cluster.py (nvcc, sm_90a), one library per variant.
+
+#include "hopper.cuh"
+
+namespace {
+
+constexpr int FS = 128;       // hidden columns a CTA (two consumer warpgroups of 64)
+constexpr int NG = 128;       // output columns a CTA group (two consumer warpgroups of 64)
+constexpr int CONSUMERS = 256;
+constexpr int THREADS = CONSUMERS + 32;  // + the producer warp
+constexpr int MAX_LN_PARTS = 32;
+constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight tile
+
+// Epilogue bits (compile time; the activation in bits 6-7).
+enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16 };
+enum Flags { USE_PDL = 64 };
+
+struct Params {
+  CUtensorMap x_map;   // x [M, D]: box {64, BT}
+  CUtensorMap w1_map;  // w1 [F, D]: box {64, 128}
+  CUtensorMap w2_map;  // w2 [D, F]: box {64, 128}
+  const void* b1;      // [F] (fp32 when B1_F32: LayerNorm-folded)
+  const void* b2;      // [D]
+  const void* res;     // [M, D]
+  void* out;           // [M, D]
+  float* stats_out;    // [D / R, M, 2]: the output rows' sums of y and y^2 over each CTA's R = 128 / SC columns
+  const float* ln_stats;   // LN_IN: [ln_parts, M, 2] sums of x and x^2 from x's producer
+  const float* ln_colsum;  // LN_IN: [F] colsum of the folded w1
+  float ln_eps;
+  int ln_parts;
+  int M, D, F;
+  int res_stride, out_stride;
+  int flags;
+};
+
+template <bool BF16, int SC, int EPI, int BT, int KT1>
+__global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__ Params p) {
+  static_assert(SC == 2 || SC == 4 || SC == 8, "hidden slices: 2, 4 or 8 CTAs a cluster");
+  static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
+  using E = Elem<BF16>;
+  using T = typename E::T;
+  using B1T = std::conditional_t<(EPI & B1_F32) != 0, float, T>;
+  constexpr int ACT = (EPI >> 6) & 3;
+  constexpr bool LN = (EPI & LN_IN) != 0;
+  constexpr int NACC = BT / 2;           // accumulator registers a thread (wgmma m64nBT, fp32)
+  constexpr int XT = BT * 128;           // bytes of one 64-wide K tile of the token tile (and of h)
+  constexpr int XR = BT + 8;             // the partial's row pitch, 16-bit elements (16-byte rows)
+  constexpr int R = NG / SC;             // output columns (rows of yT) this CTA reduces and stores
+  constexpr int SLAB = R * XR * 2;       // bytes of one slab of the partial
+  constexpr int TPT = CONSUMERS / BT;    // epilogue threads a token
+  constexpr int CPT = R / TPT;           // output columns a thread (adjacent)
+  static_assert(CPT >= 1 && CPT % 2 == 0 && TPT <= 32, "epilogue mapping");
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  constexpr int kt1 = KT1;  // 64-wide K tiles of the first GEMM (D / 64)
+  const uint32_t w1s = base;
+  const uint32_t w2s = w1s + kt1 * TILE_BYTES;
+  const uint32_t xs = w2s + 2 * TILE_BYTES;
+  const uint32_t hs = xs + kt1 * XT;
+  const uint32_t part = hs + 2 * XT;
+  const uint32_t recv = part + NG * XR * 2;
+  const uint32_t wbar = recv + SC * SLAB;
+  const uint32_t xbar = wbar + 8;
+  const uint32_t red = xbar + 8;
+  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (red + 8 - raw));  // BT (rstd, mean * rstd)
+  T* const part16 = reinterpret_cast<T*>(smem_raw + (part - raw));
+  const T* const recv16 = reinterpret_cast<const T*>(smem_raw + (recv - raw));
+
+  const int tid = threadIdx.x;
+  const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
+  const int rank = blockIdx.z;
+  const int f0 = rank * FS;
+  const bool pdl = (p.flags & USE_PDL) != 0;
+
+  if (tid == CONSUMERS) {
+    prefetch_tensormap(&p.x_map);
+    prefetch_tensormap(&p.w1_map);
+    prefetch_tensormap(&p.w2_map);
+    mbar_init(wbar, 1);
+    mbar_init(xbar, 1);
+    mbar_init(red, 1);
+    mbar_expect_tx(red, (SC - 1) * SLAB);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();
+
+  if (tid >= CONSUMERS) {
+    if (tid == CONSUMERS) {
+      // The weights never depend on the predecessor: all of them before the wait.
+      mbar_expect_tx(wbar, (kt1 + 2) * TILE_BYTES);
+      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * TILE_BYTES, &p.w1_map, wbar, k * 64, f0);
+      for (int k = 0; k < 2; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, wbar, f0 + k * 64, n0);
+      gdc_wait();
+      if (pdl) gdc_launch();
+      mbar_expect_tx(xbar, kt1 * XT);
+      for (int k = 0; k < kt1; ++k) tma_load(xs + k * XT, &p.x_map, xbar, k * 64, t0);
+    } else {
+      gdc_wait();
+    }
+    return;
+  }
+
+  const int warp = tid / 32, lane = tid % 32, wg = tid / 128;
+  const int r_lo = (warp % 4) * 16 + lane / 4, c_lo = (lane % 4) * 2;  // fragment row and column within a warpgroup
+  // The first epilogue's per-row inputs (weights: before the wait): hidden columns f0 + 64 wg + r_lo (+8).
+  float b1v[2], uv[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int f = f0 + 64 * wg + r_lo + 8 * h;
+    if constexpr ((EPI & B1_F32) != 0) {
+      b1v[h] = static_cast<const float*>(p.b1)[f];
+    } else {
+      b1v[h] = E::f(static_cast<const T*>(p.b1)[f]);
+    }
+    uv[h] = LN ? p.ln_colsum[f] : 0.f;
+  }
+  gdc_wait();
+  if (pdl) gdc_launch();
+
+  // The second epilogue's inputs for this thread's token and columns, in flight during both GEMMs.
+  const int et = tid / TPT;                     // token within the tile
+  const int ec = (tid % TPT) * CPT;             // first column within this CTA's R
+  const int row = t0 + et, rrow = min(row, p.M - 1);
+  const int col = n0 + rank * R + ec;
+  T b2_raw[CPT], res_raw[CPT];
+#pragma unroll
+  for (int e = 0; e < CPT; ++e) {
+    b2_raw[e] = static_cast<const T*>(p.b2)[col + e];
+    res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + col + e];
+  }
+  if constexpr (LN) {
+    if (tid < BT) {
+      const int r = min(t0 + tid, p.M - 1);
+      float s1 = 0.f, s2 = 0.f;
+      for (int q = 0; q < p.ln_parts; ++q) {
+        const float2 v = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + r) * 2);
+        s1 += v.x, s2 += v.y;
+      }
+      const float mean = s1 / p.D;
+      const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.ln_eps);
+      lnrow[tid] = make_float2(rstd, mean * rstd);
+    }
+  }
+
+  // GEMM 1: hT[f, t] = sum_k w1[f0 + f, k] x[t0 + t, k], this warpgroup's 64 rows f.
+  float acc[NACC];
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  mbar_wait(wbar, 0);
+  mbar_wait(xbar, 0);
+  fence_acc<NACC>(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kt1; ++k) {
+    const uint64_t da = smem_desc(w1s + k * TILE_BYTES + wg * (64 * 128));
+    const uint64_t db = smem_desc(xs + k * XT);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, BT>(acc, da + 2 * kk, db + 2 * kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc<NACC>(acc);
+  consumer_sync<CONSUMERS>();  // lnrow
+
+  // Its epilogue: h = act(LN(x) w1 + b1) in 16 bits, stored as the second GEMM's B operand: h[t, f] K-major, the
+  // 64-wide tile of this warpgroup's f, 128-byte swizzled as TMA would have written it.
+  {
+    const uint32_t tile = hs + wg * XT;
+#pragma unroll
+    for (int j = 0; j < BT / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int t = 8 * j + c_lo + e;
+        float2 ln = make_float2(1.f, 0.f);
+        if constexpr (LN) ln = lnrow[t];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float v = acc[4 * j + 2 * h + e];
+          if constexpr (LN) v = ln.x * v - ln.y * uv[h];
+          v = activate<ACT>(v + b1v[h]);
+          const T hv = E::one(v);
+          asm volatile("st.shared.b16 [%0], %1;" ::"r"(swz(tile, t, r_lo + 8 * h)),
+                       "h"(*reinterpret_cast<const unsigned short*>(&hv))
+                       : "memory");
+        }
+      }
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  consumer_sync<CONSUMERS>();
+
+  // GEMM 2: yT[n, t] = sum_f w2[n0 + n, f0 + f] h[t, f], this warpgroup's 64 rows n.
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
+  fence_acc<NACC>(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint64_t da = smem_desc(w2s + k * TILE_BYTES + wg * (64 * 128));
+    const uint64_t db = smem_desc(hs + k * XT);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, BT>(acc, da + 2 * kk, db + 2 * kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc<NACC>(acc);
+
+  // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
+#pragma unroll
+  for (int j = 0; j < BT / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      alignas(4) T pk[2] = {E::one(acc[4 * j + 2 * h]), E::one(acc[4 * j + 2 * h + 1])};
+      *reinterpret_cast<uint32_t*>(part16 + (64 * wg + r_lo + 8 * h) * XR + 8 * j + c_lo) =
+          *reinterpret_cast<const uint32_t*>(pk);
+    }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  consumer_sync<CONSUMERS>();
+  if (tid == 0) {
+#pragma unroll
+    for (int q = 1; q < SC; ++q) {
+      const int dst = (rank + q) % SC;
+      bulk_push(map_to_cta(recv + rank * SLAB, dst), part + dst * SLAB, SLAB, map_to_cta(red, dst));
+    }
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  }
+  mbar_wait(red, 0);
+
+  // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.
+  float y[CPT];
+#pragma unroll
+  for (int e = 0; e < CPT; ++e) y[e] = E::f(part16[(rank * R + ec + e) * XR + et]);
+#pragma unroll
+  for (int q = 0; q < SC; ++q) {
+    if (q == rank) continue;
+#pragma unroll
+    for (int e = 0; e < CPT; ++e) y[e] += E::f(recv16[q * (SLAB / 2) + (ec + e) * XR + et]);
+  }
+  float rs1 = 0.f, rs2 = 0.f;
+#pragma unroll
+  for (int e = 0; e < CPT; ++e) {
+    y[e] += E::f(b2_raw[e]) + E::f(res_raw[e]);
+    rs1 += y[e];
+    rs2 += y[e] * y[e];
+  }
+  if (row < p.M) {
+    T* op = static_cast<T*>(p.out) + static_cast<long long>(row) * p.out_stride + col;
+#pragma unroll
+    for (int e = 0; e < CPT; e += 2) {
+      alignas(4) T pk[2] = {E::one(y[e]), E::one(y[e + 1])};
+      *reinterpret_cast<uint32_t*>(op + e) = *reinterpret_cast<const uint32_t*>(pk);
+    }
+  }
+  if constexpr ((EPI & STATS_OUT) != 0) {
+    // One part per CTA (its R columns; D / R parts): the TPT threads of a token are adjacent lanes.
+#pragma unroll
+    for (int o = 1; o < TPT; o *= 2) {
+      rs1 += __shfl_xor_sync(0xffffffffu, rs1, o);
+      rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
+    }
+    if ((tid % TPT) == 0 && row < p.M)
+      *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>((n0 + rank * R) / R) * p.M + row) * 2) =
+          make_float2(rs1, rs2);
+  }
+  if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+
+}  // namespace
+
+#ifndef MLP_BF16
+#define MLP_BF16 0
+#endif
+#ifndef MLP_SC
+#define MLP_SC 8
+#endif
+#ifndef MLP_EPI
+#define MLP_EPI 0
+#endif
+#ifndef MLP_BT
+#define MLP_BT 32
+#endif
+#ifndef MLP_D
+#define MLP_D 256
+#endif
+
+extern "C" int mlp_variant() {
+  return MLP_BF16 | (MLP_SC << 1) | (MLP_EPI << 8) | (MLP_BT << 16) | ((MLP_D / 64) << 24);
+}
+
+extern "C" int mlp_smem_bytes() {
+  constexpr int d = MLP_D;
+  constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
+  return 1024 + (d / 64) * TILE_BYTES + 2 * TILE_BYTES + (d / 64) * BT * 128 + 2 * BT * 128 + NG * XR * 2 +
+         MLP_SC * R * XR * 2 + 24 + BT * 8;
+}
+
+extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
+                          float* stats_out, const float* ln_stats, const float* ln_colsum, int M, int D, int F,
+                          int x_stride, int w1_stride, int w2_stride, int res_stride, int out_stride, int flags,
+                          int ln_parts, float ln_eps, void* stream, char* err, int errlen) {
+  constexpr int SC = MLP_SC, BT = MLP_BT;
+  if (F != SC * FS || D != MLP_D) {
+    snprintf(err, errlen, "mlp: F=%d must be %d x %d and D=%d must be %d (this build)", F, SC, FS, D, MLP_D);
+    return 1;
+  }
+  if ((MLP_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
+    snprintf(err, errlen, "ln_parts=%d must be in 1..%d", ln_parts, MAX_LN_PARTS);
+    return 1;
+  }
+  Params p;
+  memset(&p, 0, sizeof(p));
+  if (encode(&p.x_map, MLP_BF16, x, M, D, x_stride, BT, err, errlen) ||
+      encode(&p.w1_map, MLP_BF16, w1, F, D, w1_stride, 128, err, errlen) ||
+      encode(&p.w2_map, MLP_BF16, w2, D, F, w2_stride, 128, err, errlen))
+    return 1;
+  p.b1 = b1;
+  p.b2 = b2;
+  p.res = res;
+  p.out = out;
+  p.stats_out = stats_out;
+  p.ln_stats = ln_stats;
+  p.ln_colsum = ln_colsum;
+  p.ln_eps = ln_eps;
+  p.ln_parts = ln_parts;
+  p.M = M;
+  p.D = D;
+  p.F = F;
+  p.res_stride = res_stride;
+  p.out_stride = out_stride;
+  p.flags = flags;
+  static_assert(MLP_D % NG == 0 && MLP_D <= 512, "D: a multiple of 128 up to 512");
+  auto kernel = mlp_kernel<MLP_BF16 != 0, SC, MLP_EPI, BT, MLP_D / 64>;
+  const int smem = mlp_smem_bytes();
+  static int configured = 0;
+  if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(D / NG, (M + BT - 1) / BT, SC);
+  cfg.blockDim = dim3(THREADS, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = static_cast<cudaStream_t>(stream);
+  cudaLaunchAttribute attrs[2];
+  int n = 0;
+  attrs[n].id = cudaLaunchAttributeClusterDimension;
+  attrs[n].val.clusterDim.x = 1;
+  attrs[n].val.clusterDim.y = 1;
+  attrs[n].val.clusterDim.z = SC;
+  ++n;
+  if (flags & USE_PDL) add_pdl(attrs, n);
+  cfg.attrs = attrs;
+  cfg.numAttrs = n;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (e != cudaSuccess) {
+    snprintf(err, errlen, "mlp launch (grid %d x %d x %d, cluster 1x1x%d, %d B shared memory): %s", D / NG,
+             (M + BT - 1) / BT, SC, SC, smem, cudaGetErrorString(e));
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,117 @@
+"""The feed-forward block in one kernel (``mlp_cluster.cu``; Hopper): FFN1, its activation and FFN2 with the hidden
+activations kept on chip, the hidden dimension split over a thread-block cluster.
+
+For a small d_model with F = 128 x (2, 4 or 8) hidden columns (tiny: d 256, F 1024). Built with nvcc on first use
+and called through ctypes like ``cluster_gemm``; :func:`mlp_ref` is its torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import _nvcc
+
+SOURCE = Path(__file__).with_name("mlp_cluster.cu")
+HIDDEN_PER_CTA = 128  # mlp_cluster.cu's FS
+COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
+SPLITS = (2, 4, 8)
+MAX_LN_PARTS = 32
+B1_F32, LN_IN, STATS_OUT = 2, 8, 16
+USE_PDL = 64
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_int] * 10
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
+_LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
+
+
+def token_tile(m: int) -> int:
+    return 32 if m <= 32 else 64
+
+
+def smem_bytes(d: int, sc: int, bt: int) -> int:
+    """mlp_cluster.cu's mlp_smem_bytes: the weights (128 x d of w1, 128 x 128 of w2), the token tile, h, the partial
+    and the slabs received, mbarriers and the LayerNorm's row factors."""
+    xr, r = bt + 8, COLUMNS_PER_GROUP // sc
+    return (1024 + (d // 64) * 16384 + 2 * 16384 + (d // 64) * bt * 128 + 2 * bt * 128 + COLUMNS_PER_GROUP * xr * 2
+            + sc * r * xr * 2 + 24 + bt * 8)
+
+
+def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448) -> str | None:
+    """Why the kernel cannot run this feed-forward block; None when it can."""
+    if dtype_bytes != 2:
+        return "needs 16-bit operands"
+    if f % HIDDEN_PER_CTA or f // HIDDEN_PER_CTA not in SPLITS:
+        return f"needs ffn = 128 x {SPLITS} hidden columns, not {f}"
+    if d % COLUMNS_PER_GROUP or d > 512:
+        return f"needs d_model a multiple of 128 up to 512, not {d}"
+    need = smem_bytes(d, f // HIDDEN_PER_CTA, token_tile(m))
+    if need > smem_limit:
+        return f"needs {need} B of shared memory (> {smem_limit})"
+    return None
+
+
+def stats_parts(d: int, f: int) -> int:
+    """How many column parts its row sums come in (one a CTA: 128 / SC columns each)."""
+    return d // (COLUMNS_PER_GROUP // (f // HIDDEN_PER_CTA))
+
+
+def library(bf16: int, sc: int, epi: int, bt: int, d: int) -> ctypes.CDLL:
+    key = (bf16, sc, epi, bt, d)
+    if key in _LIBS:
+        return _LIBS[key]
+    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d}, "mlp")
+    lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
+    lib.mlp_launch.restype = ctypes.c_int
+    lib.mlp_smem_bytes.restype = ctypes.c_int
+    if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt)
+            or lib.mlp_variant() != bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24)):
+        raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
+    _LIBS[key] = lib
+    return lib
+
+
+def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
+           pdl=False) -> None:
+    """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
+    ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
+    (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
+    output rows' sums for the next LayerNorm. ``act``: 0 none, 1 GELU (tanh form), 2 SiLU, 3 GELU by tanh.approx."""
+    M, D = x.shape
+    Fh = w1.shape[0]
+    why = error(M, D, Fh, x.element_size())
+    if why:
+        raise ValueError(f"mlp: {why}")
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("residual", residual), ("out", out)):
+        if t.stride(-1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+            raise ValueError(f"mlp: {name} must have unit column stride, 16-byte aligned rows")
+    if (ln_stats is None) != (ln_colsum is None):
+        raise ValueError("mlp: ln_stats and ln_colsum go together")
+    if ln_stats is not None and not 1 <= ln_stats.shape[0] <= MAX_LN_PARTS:
+        raise ValueError(f"mlp: ln_stats has {ln_stats.shape[0]} parts (1..{MAX_LN_PARTS})")
+    sc = Fh // HIDDEN_PER_CTA
+    if stats_out is not None and stats_out.shape != (stats_parts(D, Fh), M, 2):
+        raise ValueError(f"mlp: stats_out must be [{stats_parts(D, Fh)}, {M}, 2]")
+    epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
+           | (STATS_OUT if stats_out is not None else 0) | (act << 6))
+    bt = token_tile(M)
+    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D)
+    err = ctypes.create_string_buffer(512)
+    p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
+    rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
+                        p(ln_colsum), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0), residual.stride(0),
+                        out.stride(0), USE_PDL if pdl else 0, ln_stats.shape[0] if ln_stats is not None else 0,
+                        ln_eps, torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
+    if rc != 0:
+        raise RuntimeError(err.value.decode(errors="replace"))
+
+
+def mlp_ref(x, w1, b1, w2, b2, residual, *, ln=None, eps=1e-5) -> torch.Tensor:
+    """fp32 reference: ``residual + gelu_tanh(LN(x) @ w1.T + b1) @ w2.T + b2``, ``ln`` = (gamma, beta) or None."""
+    x32 = x.float()
+    if ln is not None:
+        x32 = F.layer_norm(x32, (x.shape[1],), ln[0].float(), ln[1].float(), eps)
+    h = F.gelu(F.linear(x32, w1.float(), b1.float()), approximate="tanh")
+    return residual.float() + F.linear(h, w2.float(), b2.float())
