@@ -31,10 +31,13 @@ constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight ti
 
 // Epilogue bits (compile time; the activation in bits 6-7).
 enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16 };
-enum Flags { USE_PDL = 64 };
+enum Flags {
+  USE_PDL = 64,
+  RACY = 128,  // test-only defect: the token tile is loaded before griddepcontrol.wait
+};
 
 struct Params {
-  CUtensorMap x_map;   // x [M, D]: box {64, BT}
+  CUtensorMap x_map;   // x [M, D] as [D / 64][M][64] (encode3): one box {64, BT, D / 64} brings the token tile
   CUtensorMap w1_map;  // w1 [F, D]: box {64, 128}
   CUtensorMap w2_map;  // w2 [D, F]: box {64, 128}
   const void* b1;      // [F] (fp32 when B1_F32: LayerNorm-folded)
@@ -79,9 +82,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t hs = xs + kt1 * XT;
   const uint32_t part = hs + 2 * XT;
   const uint32_t recv = part + NG * XR * 2;
-  const uint32_t wbar = recv + SC * SLAB;
-  const uint32_t xbar = wbar + 8;
-  const uint32_t red = xbar + 8;
+  const uint32_t w1bar = recv + SC * SLAB;  // w1's slice has landed
+  const uint32_t w2bar = w1bar + 8;         // w2's slice has landed
+  const uint32_t xbar = w2bar + 8;          // the token tile has landed
+  const uint32_t red = xbar + 8;            // the other CTAs' slabs have landed
   float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (red + 8 - raw));  // BT (rstd, mean * rstd)
   T* const part16 = reinterpret_cast<T*>(smem_raw + (part - raw));
   const T* const recv16 = reinterpret_cast<const T*>(smem_raw + (recv - raw));
@@ -96,7 +100,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     prefetch_tensormap(&p.x_map);
     prefetch_tensormap(&p.w1_map);
     prefetch_tensormap(&p.w2_map);
-    mbar_init(wbar, 1);
+    mbar_init(w1bar, 1);
+    mbar_init(w2bar, 1);
     mbar_init(xbar, 1);
     mbar_init(red, 1);
     mbar_expect_tx(red, (SC - 1) * SLAB);
@@ -106,14 +111,22 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   if (tid >= CONSUMERS) {
     if (tid == CONSUMERS) {
-      // The weights never depend on the predecessor: all of them before the wait.
-      mbar_expect_tx(wbar, (kt1 + 2) * TILE_BYTES);
-      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * TILE_BYTES, &p.w1_map, wbar, k * 64, f0);
-      for (int k = 0; k < 2; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, wbar, f0 + k * 64, n0);
+      // The weights never depend on the predecessor: all of them before the wait, w1's first.
+      mbar_expect_tx(w1bar, kt1 * TILE_BYTES);
+      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * TILE_BYTES, &p.w1_map, w1bar, k * 64, f0);
+      mbar_expect_tx(w2bar, 2 * TILE_BYTES);
+      for (int k = 0; k < 2; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
+      const bool racy = (p.flags & RACY) != 0;
+      if (racy) {
+        mbar_expect_tx(xbar, kt1 * XT);
+        tma_load3(xs, &p.x_map, xbar, t0, 0);
+      }
       gdc_wait();
       if (pdl) gdc_launch();
-      mbar_expect_tx(xbar, kt1 * XT);
-      for (int k = 0; k < kt1; ++k) tma_load(xs + k * XT, &p.x_map, xbar, k * 64, t0);
+      if (!racy) {
+        mbar_expect_tx(xbar, kt1 * XT);
+        tma_load3(xs, &p.x_map, xbar, t0, 0);
+      }
     } else {
       gdc_wait();
     }
@@ -149,16 +162,30 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + col + e];
   }
   if constexpr (LN) {
-    if (tid < BT) {
-      const int r = min(t0 + tid, p.M - 1);
-      float s1 = 0.f, s2 = 0.f;
-      for (int q = 0; q < p.ln_parts; ++q) {
-        const float2 v = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + r) * 2);
-        s1 += v.x, s2 += v.y;
-      }
+    // The token's row sums from the producer's parts: LPT adjacent lanes a token, every load issued at once
+    // (a loop of dependent loads would hold the first epilogue ~0.4 us a part).
+    constexpr int LPT = CONSUMERS / BT, LNP = MAX_LN_PARTS / LPT;
+    const int lt = tid / LPT, lj = tid % LPT;
+    const int r = min(t0 + lt, p.M - 1);
+    float2 v[LNP];
+#pragma unroll
+    for (int i = 0; i < LNP; ++i) {
+      const int q = min(lj + LPT * i, p.ln_parts - 1);
+      v[i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + r) * 2);
+    }
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < LNP; ++i)
+      if (lj + LPT * i < p.ln_parts) s1 += v[i].x, s2 += v[i].y;
+#pragma unroll
+    for (int o = 1; o < LPT; o *= 2) {
+      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    }
+    if (lj == 0) {
       const float mean = s1 / p.D;
       const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.ln_eps);
-      lnrow[tid] = make_float2(rstd, mean * rstd);
+      lnrow[lt] = make_float2(rstd, mean * rstd);
     }
   }
 
@@ -166,7 +193,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   float acc[NACC];
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  mbar_wait(wbar, 0);
+  mbar_wait(w1bar, 0);
   mbar_wait(xbar, 0);
   fence_acc<NACC>(acc);
   wgmma_fence();
@@ -209,6 +236,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   consumer_sync<CONSUMERS>();
 
   // GEMM 2: yT[n, t] = sum_f w2[n0 + n, f0 + f] h[t, f], this warpgroup's 64 rows n.
+  mbar_wait(w2bar, 0);
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   fence_acc<NACC>(acc);
@@ -310,7 +338,7 @@ extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
   return 1024 + (d / 64) * TILE_BYTES + 2 * TILE_BYTES + (d / 64) * BT * 128 + 2 * BT * 128 + NG * XR * 2 +
-         MLP_SC * R * XR * 2 + 24 + BT * 8;
+         MLP_SC * R * XR * 2 + 32 + BT * 8;
 }
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
@@ -328,7 +356,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  if (encode(&p.x_map, MLP_BF16, x, M, D, x_stride, BT, err, errlen) ||
+  if (encode3(&p.x_map, MLP_BF16, x, M, D, x_stride, BT, D / 64, err, errlen) ||
       encode(&p.w1_map, MLP_BF16, w1, F, D, w1_stride, 128, err, errlen) ||
       encode(&p.w2_map, MLP_BF16, w2, D, F, w2_stride, 128, err, errlen))
     return 1;

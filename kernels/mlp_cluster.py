@@ -21,7 +21,10 @@ COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = (2, 4, 8)
 MAX_LN_PARTS = 32
 B1_F32, LN_IN, STATS_OUT = 2, 8, 16
-USE_PDL = 64
+USE_PDL, RACY = 64, 128
+# Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
+# cluster_gemm.launch_enter_hook); None: no hook.
+launch_enter_hook = None
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_int] * 10
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
@@ -36,7 +39,7 @@ def smem_bytes(d: int, sc: int, bt: int) -> int:
     and the slabs received, mbarriers and the LayerNorm's row factors."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
     return (1024 + (d // 64) * 16384 + 2 * 16384 + (d // 64) * bt * 128 + 2 * bt * 128 + COLUMNS_PER_GROUP * xr * 2
-            + sc * r * xr * 2 + 24 + bt * 8)
+            + sc * r * xr * 2 + 32 + bt * 8)
 
 
 def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448) -> str | None:
@@ -74,11 +77,13 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int) -> ctypes.CDLL:
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False) -> None:
+           pdl=False, racy=False) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
-    output rows' sums for the next LayerNorm. ``act``: 0 none, 1 GELU (tanh form), 2 SiLU, 3 GELU by tanh.approx."""
+    output rows' sums for the next LayerNorm. ``act``: 0 none, 1 GELU (tanh form), 2 SiLU, 3 GELU by tanh.approx.
+    ``pdl``: launched with PDL (griddepcontrol.wait before x and residual are read; the dependents launched right
+    after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it)."""
     M, D = x.shape
     Fh = w1.shape[0]
     why = error(M, D, Fh, x.element_size())
@@ -97,13 +102,15 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
            | (STATS_OUT if stats_out is not None else 0) | (act << 6))
     bt = token_tile(M)
+    if launch_enter_hook is not None:
+        launch_enter_hook("mlp_kernel", pdl)
     lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D)
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
                         p(ln_colsum), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0), residual.stride(0),
-                        out.stride(0), USE_PDL if pdl else 0, ln_stats.shape[0] if ln_stats is not None else 0,
-                        ln_eps, torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
+                        out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
+                        ln_stats.shape[0] if ln_stats is not None else 0, ln_eps, torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
 

@@ -73,3 +73,67 @@ def test_mlp_layernorm_folded_and_stats(m, d, f, pdl):
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
     o = out.float()
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
+
+
+def _small():
+    """A shape the one-kernel feed-forward block fits (d 128, ffn 256: a cluster of two), 17 tokens."""
+    from tuner.shapes import DecoderShape
+
+    return DecoderShape(1, 17, 128, 2, 256, name="mlp-small")
+
+
+def test_layer_rules():
+    from dataclasses import replace
+
+    from tuner.bench import hand_picked, hand_picked_cluster
+    from tuner.layer import check_config, repair_config
+    from tuner.shapes import resolve
+
+    tiny, base = resolve("tiny"), resolve("bert-base")
+    cfg = hand_picked_cluster(tiny)
+    assert cfg.ffn2.fuse == 1 and hand_picked_cluster(tiny, mlp=False).ffn2.fuse == 0
+    assert hand_picked_cluster(base).ffn2.fuse == 0  # d_model 768: the block does not fit
+    assert check_config(cfg, tiny) == {}
+    fused_base = replace(hand_picked(base), ffn2=replace(hand_picked(base).ffn2, fuse=1))
+    assert "hidden columns" in check_config(fused_base, base)["ffn2"]
+    assert repair_config(fused_base, base).ffn2.fuse == 0  # the search measures the two GEMMs instead
+    assert "norm2.fuse 0 or 2" in check_config(replace(cfg, norm2=replace(cfg.norm2, fuse=1)), tiny)["ffn2"]
+    assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), tiny)["ffn1"]
+    from tuner.report import format_tiles
+
+    tiles = format_tiles(cfg.to_dict()["kernels"])
+    assert tiles.endswith("; ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")
+
+
+def test_stack_with_the_feed_forward_block_as_one_kernel(device):
+    # On a Hopper GPU one launch computes FFN1, GELU and FFN2 (no FFN2 launch); elsewhere (the interpreter) the two
+    # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (16-column parts).
+    from tuner.bench import hand_picked_cluster
+    from tuner.layer import DecoderStack
+
+    shape = _small()
+    cfg = hand_picked_cluster(shape)
+    assert cfg.ffn2.fuse == 1 and cfg.norm1.fuse == 2 and cfg.norm2.fuse == 2
+    st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=5)
+    one = st.bufs[0].mlp
+    assert one == (device == "cuda" and torch.cuda.get_device_capability() == (9, 0))
+    assert len(st.launches("ffn2")) == (0 if one else 3)
+    err = st.check(seed=3)
+    assert err < st.tolerance(), err
+
+
+@gpu
+def test_racy_fused_block_is_caught():
+    # The test-only defect (the token tile loaded before griddepcontrol.wait) in layer 1 of a graphed stack: the
+    # correctness gate sees it; the same stack without it passes every time.
+    _hopper()
+    from tuner.bench import hand_picked_cluster
+    from tuner.layer import DecoderStack
+    from tuner.shapes import resolve
+    from tuner.verify import race_detection
+
+    shape = resolve("tiny")
+    st = DecoderStack(shape, hand_picked_cluster(shape), n_layers=4, dtype=torch.float16, device="cuda", seed=6)
+    assert st.bufs[0].mlp
+    r = race_detection(st, "ffn1", layer=1, trials=10)
+    assert r["caught"] >= 5 and r["false_alarms"] == 0, r

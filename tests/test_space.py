@@ -82,15 +82,29 @@ def test_params_without_pdl_drop_the_ratios():
 
 
 @pytest.mark.parametrize("shape", list(PRESETS), ids=list(PRESETS))
-@pytest.mark.parametrize("which", ["default", "hand_picked", "hand_picked_knobs_off"])
+@pytest.mark.parametrize("which", ["default", "hand_picked", "hand_picked_knobs_off", "hand_picked_cluster"])
 def test_enqueued_configs_lie_inside_the_default_space(shape, which):
     """The study enqueues these as its first trials; a value outside a categorical's choices would make
     Optuna reject the enqueued trial."""
-    cfg = {"default": default_config, "hand_picked": hand_picked,
+    from tuner.bench import hand_picked_cluster
+
+    cfg = {"default": default_config, "hand_picked": hand_picked, "hand_picked_cluster": hand_picked_cluster,
            "hand_picked_knobs_off": lambda s: hand_picked(s).without_knobs()}[which](PRESETS[shape])
     values = space.from_config(cfg)
     for name, dim in space.load().params().items():
         assert values[name] in dim.choices, (name, values[name], dim.choices)
+
+
+def test_gemm_fuse_is_ffn2s_alone(tmp_path):
+    # The gemm family's fuse choices apply to FFN2 (computed by FFN1's kernel); the other GEMMs keep 0, and an
+    # override that gives them 1 is an error that names it.
+    sp = space.load()
+    assert sp.dims["ffn2"]["fuse"].choices == (0, 1)
+    assert all(sp.dims[k]["fuse"].choices == (0,) for k in ("qkv", "out", "ffn1"))
+    old = load_edit(tmp_path, lambda d: d["gemm"].pop("fuse"))  # a file written before the switch
+    assert old.dims["ffn2"]["fuse"].choices == (0,)
+    with pytest.raises(SpaceError, match=r"kernels.qkv.fuse: only ffn2 can be fused"):
+        load_edit(tmp_path, lambda d: d.update(kernels={"qkv": {"fuse": [0, 1]}}))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -142,7 +142,9 @@ def cmd_verify(args) -> int:
 
     from tuner import bench, manifest, verify
     from tuner.device import DeviceInfo
-    from tuner.layer import check_config
+    from dataclasses import replace
+
+    from tuner.layer import check_config, mlp_fused
 
     shapes = _shapes(args.shape)
     dtype = _dtype(args.dtype)
@@ -158,6 +160,10 @@ def cmd_verify(args) -> int:
         if clustered != hp and not check_config(clustered, shape, torch.tensor([], dtype=dtype).element_size(), dev):
             res["clustered"] = verify.run_verify(shape, clustered, dtype=dtype, race_trials=args.trials,
                                                  racy_kernels=("out", "ffn2"))
+        # And the feed-forward block as one kernel (ffn2.fuse 1, kernels/mlp_cluster.cu) where it runs.
+        mlp = replace(clustered, ffn2=replace(clustered.ffn2, fuse=1))
+        if mlp_fused(shape, mlp, dtype, "cuda"):
+            res["mlp"] = verify.run_verify(shape, mlp, dtype=dtype, race_trials=args.trials, racy_kernels=("ffn1",))
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))

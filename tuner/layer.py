@@ -25,19 +25,30 @@ from tuner.kernels._common import REL_TOLERANCE, rel_error, tile_cap
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
-# Experiment (A/B switch mlp=1 of scripts/timeline.py): FFN1, GELU and FFN2 as one kernel (kernels/mlp_cluster.cu)
-# where the shape fits it on a Hopper GPU; FFN1's (overlap) says whether it is launched with PDL.
-MLP_FUSED = False
+
+
+def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
+              device: DeviceInfo | None = None) -> str | None:
+    """Why ``ffn2.fuse`` 1 (the feed-forward block as one kernel, kernels/mlp_cluster.cu) cannot run this shape; None
+    when it can (``device`` None: the GPU is not checked)."""
+    from tuner.kernels import mlp_cluster
+
+    if cfg.norm2.fuse == 1:
+        return "needs norm2.fuse 0 or 2 (the row sums from the out-projection), not 1"
+    why = mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, dtype_bytes,
+                            device.smem_per_block_bytes if device is not None else 232448)
+    if why is None and device is not None and device.capability != (9, 0):
+        why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
+    return why
 
 
 def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
-    """Whether the layer runs its feed-forward block as one kernel (MLP_FUSED, and the kernel fits)."""
-    from tuner.kernels import cluster_gemm, mlp_cluster
+    """Whether the layer runs its feed-forward block as one kernel: ``ffn2.fuse`` 1 where it can run (mlp_error),
+    on a Hopper GPU and not in the interpreter. Elsewhere FFN1 and FFN2 run their own configs."""
+    from tuner.kernels import cluster_gemm
 
-    return (MLP_FUSED and not cfg.fused and cfg.norm2.fuse != 1 and cluster_gemm.usable(device)
-            and mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, torch.empty(0, dtype=dtype).element_size())
-            is None)
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    return (cfg.ffn2.fuse == 1 and not cfg.fused and cluster_gemm.usable(device)
+            and mlp_error(shape, cfg, torch.empty(0, dtype=dtype).element_size()) is None)
 
 
 def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
@@ -55,6 +66,11 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
             bad[name] = why
     for name, (gm, gn, gk) in shape.gemms().items():
         why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
+        if why is None and name != "ffn2" and getattr(cfg, name).fuse:
+            why = "fuse=1 is FFN2's (FFN2 computed by FFN1's kernel); it must be 0 here"
+        if why is None and name == "ffn2" and cfg.ffn2.fuse:
+            why = mlp_error(shape, cfg, dtype_bytes, device)
+            why = why and f"fuse=1 (the feed-forward block as one kernel) {why}"
         if why:
             bad[name] = why
     why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
@@ -81,12 +97,16 @@ def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
 def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                   device: DeviceInfo | None = None) -> DecoderConfig:
     """fit_config, then each GEMM moved to its nearest config within shared memory and registers
-    (gemm_k.repair): what the search measures for a sampled combination of tiles."""
+    (gemm_k.repair), and FFN2 unfused where the one-kernel feed-forward block cannot run (mlp_error): what the
+    search measures for a sampled combination of tiles."""
     from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
-    return replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
-                           for n, (m, nn, k) in shape.gemms().items()})
+    cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
+                          for n, (m, nn, k) in shape.gemms().items()})
+    if cfg.ffn2.fuse and mlp_error(shape, cfg, dtype_bytes, device):  # FFN1 and FFN2 run their own configs
+        cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=0))
+    return cfg
 
 
 def default_config(shape: DecoderShape) -> DecoderConfig:
@@ -252,7 +272,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         launches[5] = ("ffn1", lambda: mlp_cluster.launch(
             b.h if ln2 else b.ln2, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, b.h, b.y, act=gemm_k.act_code("gelu", b.h),
             stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"), ln_colsum=ln2.get("ln_colsum"),
-            ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0))
+            ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1")))
         skip.add("ffn2")
     return [(n, f) for n, f in launches if n not in skip]
 

@@ -180,9 +180,12 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
              (layer if pdl else layer.without_knobs(), None)]
     if pdl:
         seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
-        clustered = hand_picked_cluster(shape)
-        if not space.contains(from_config(clustered, pdl), pdl):  # a space without the 16-bit exchange
-            clustered = hand_picked_cluster(shape, xchg16=False)
+        # The clustered seed as far as the space holds it: without the fused feed-forward block, then without the
+        # 16-bit exchange.
+        for kw in ({}, {"mlp": False}, {"mlp": False, "xchg16": False}):
+            clustered = hand_picked_cluster(shape, **kw)
+            if space.contains(from_config(clustered, pdl), pdl):
+                break
         if clustered != hp:
             seeds.insert(2, (clustered, None))
     study.set_user_attr("seeded", True)
