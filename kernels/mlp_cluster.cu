@@ -49,6 +49,7 @@ struct Params {
   const float* ln_colsum;  // LN_IN: [F] colsum of the folded w1
   float ln_eps;
   int ln_parts;
+  long long* trace;    // diagnostics: %globaltimer [programs, 4]: entry, wait returned, both GEMMs done, end
   int M, D, F;
   int res_stride, out_stride;
   int flags;
@@ -91,6 +92,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const T* const recv16 = reinterpret_cast<const T*>(smem_raw + (recv - raw));
 
   const int tid = threadIdx.x;
+  const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 0] = globaltimer();
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
   const int f0 = rank * FS;
@@ -111,16 +114,17 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   if (tid >= CONSUMERS) {
     if (tid == CONSUMERS) {
-      // The weights never depend on the predecessor: all of them before the wait, w1's first.
-      mbar_expect_tx(w1bar, kt1 * TILE_BYTES);
-      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * TILE_BYTES, &p.w1_map, w1bar, k * 64, f0);
-      mbar_expect_tx(w2bar, 2 * TILE_BYTES);
-      for (int k = 0; k < 2; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
+      // The weights never depend on the predecessor: all of them before the wait, w1's first. (The test-only racy
+      // variant loads the token tile before them, so that nothing queued ahead of it in the TMA unit hides the race.)
       const bool racy = (p.flags & RACY) != 0;
       if (racy) {
         mbar_expect_tx(xbar, kt1 * XT);
         tma_load3(xs, &p.x_map, xbar, t0, 0);
       }
+      mbar_expect_tx(w1bar, kt1 * TILE_BYTES);
+      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * TILE_BYTES, &p.w1_map, w1bar, k * 64, f0);
+      mbar_expect_tx(w2bar, 2 * TILE_BYTES);
+      for (int k = 0; k < 2; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
       gdc_wait();
       if (pdl) gdc_launch();
       if (!racy) {
@@ -148,6 +152,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     uv[h] = LN ? p.ln_colsum[f] : 0.f;
   }
   gdc_wait();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 1] = globaltimer();
   if (pdl) gdc_launch();
 
   // The second epilogue's inputs for this thread's token and columns, in flight during both GEMMs.
@@ -251,6 +256,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   wgmma_commit();
   wgmma_wait<0>();
   fence_acc<NACC>(acc);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
 #pragma unroll
@@ -309,7 +315,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>((n0 + rank * R) / R) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
-  if (tid == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  if (tid == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+  }
 }
 
 }  // namespace
@@ -342,7 +351,8 @@ extern "C" int mlp_smem_bytes() {
 }
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
-                          float* stats_out, const float* ln_stats, const float* ln_colsum, int M, int D, int F,
+                          float* stats_out, const float* ln_stats, const float* ln_colsum, long long* trace, int M,
+                          int D, int F,
                           int x_stride, int w1_stride, int w2_stride, int res_stride, int out_stride, int flags,
                           int ln_parts, float ln_eps, void* stream, char* err, int errlen) {
   constexpr int SC = MLP_SC, BT = MLP_BT;
@@ -369,6 +379,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   p.ln_colsum = ln_colsum;
   p.ln_eps = ln_eps;
   p.ln_parts = ln_parts;
+  p.trace = trace;
   p.M = M;
   p.D = D;
   p.F = F;

@@ -25,7 +25,7 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 10 + [ctypes.c_int] * 10
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 11 + [ctypes.c_int] * 10
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
@@ -56,6 +56,11 @@ def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448
     return None
 
 
+def programs(m: int, d: int, f: int) -> tuple[int, int]:
+    """(tiles, splits) of a launch: (column groups x token tiles, CTAs a cluster); program = tile + tiles * split."""
+    return d // COLUMNS_PER_GROUP * -(-m // token_tile(m)), f // HIDDEN_PER_CTA
+
+
 def stats_parts(d: int, f: int) -> int:
     """How many column parts its row sums come in (one a CTA: 128 / SC columns each)."""
     return d // (COLUMNS_PER_GROUP // (f // HIDDEN_PER_CTA))
@@ -77,13 +82,15 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int) -> ctypes.CDLL:
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False) -> None:
+           pdl=False, racy=False, trace=None) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
     output rows' sums for the next LayerNorm. ``act``: 0 none, 1 GELU (tanh form), 2 SiLU, 3 GELU by tanh.approx.
     ``pdl``: launched with PDL (griddepcontrol.wait before x and residual are read; the dependents launched right
-    after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it)."""
+    after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it).
+    ``trace``: int64 [programs, 4] %globaltimer stamps (entry, wait returned, both GEMMs done, end; programs:
+    :func:`programs`), for scripts/trace_gemms.py."""
     M, D = x.shape
     Fh = w1.shape[0]
     why = error(M, D, Fh, x.element_size())
@@ -108,7 +115,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
-                        p(ln_colsum), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0), residual.stride(0),
+                        p(ln_colsum), p(trace), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0), residual.stride(0),
                         out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
                         ln_stats.shape[0] if ln_stats is not None else 0, ln_eps, torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
