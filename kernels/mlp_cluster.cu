@@ -49,7 +49,8 @@ struct Params {
   const float* ln_colsum;  // LN_IN: [F] colsum of the folded w1
   float ln_eps;
   int ln_parts;
-  long long* trace;    // diagnostics: %globaltimer [programs, 4]: entry, wait returned, both GEMMs done, end
+  long long* trace;    // diagnostics: %globaltimer [programs, 8]: entry, wait returned, both GEMMs done, end, then
+                       // w1 landed, the token tile landed, the first GEMM done, the exchange done
   int M, D, F;
   int res_stride, out_stride;
   int flags;
@@ -93,7 +94,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 0] = globaltimer();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 0] = globaltimer();
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
   const int f0 = rank * FS;
@@ -152,7 +153,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     uv[h] = LN ? p.ln_colsum[f] : 0.f;
   }
   gdc_wait();
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 1] = globaltimer();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
   if (pdl) gdc_launch();
 
   // The second epilogue's inputs for this thread's token and columns, in flight during both GEMMs.
@@ -199,7 +200,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mbar_wait(w1bar, 0);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
   fence_acc<NACC>(acc);
   wgmma_fence();
 #pragma unroll
@@ -212,6 +215,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   wgmma_commit();
   wgmma_wait<0>();
   fence_acc<NACC>(acc);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
   // Its epilogue: h = act(LN(x) w1 + b1) in 16 bits, stored as the second GEMM's B operand: h[t, f] K-major, the
@@ -256,7 +260,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   wgmma_commit();
   wgmma_wait<0>();
   fence_acc<NACC>(acc);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 2] = globaltimer();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
 #pragma unroll
@@ -278,6 +282,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   mbar_wait(red, 0);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
 
   // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.
   float y[CPT];
@@ -317,7 +322,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
   if (tid == 0) {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+    if (p.trace != nullptr) p.trace[prog * 8 + 3] = globaltimer();
   }
 }
 

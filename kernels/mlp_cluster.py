@@ -89,8 +89,8 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     output rows' sums for the next LayerNorm. ``act``: 0 none, 1 GELU (tanh form), 2 SiLU, 3 GELU by tanh.approx.
     ``pdl``: launched with PDL (griddepcontrol.wait before x and residual are read; the dependents launched right
     after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it).
-    ``trace``: int64 [programs, 4] %globaltimer stamps (entry, wait returned, both GEMMs done, end; programs:
-    :func:`programs`), for scripts/trace_gemms.py."""
+    ``trace``: int64 [programs, 8] %globaltimer stamps (entry, wait returned, both GEMMs done, end, then w1 landed,
+    x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py."""
     M, D = x.shape
     Fh = w1.shape[0]
     why = error(M, D, Fh, x.element_size())

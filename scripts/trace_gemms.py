@@ -75,14 +75,17 @@ def trace(shape, name, hot=False):
         return real(x, weight, bias, _trace=traces[key], **kw)
 
     real_mlp = mlp_cluster.launch
+    fused_keys = set()
+    steps = []  # the fused block's own steps, per layer
 
     def traced_mlp(x, w1, b1, w2, b2, residual, out, **kw):  # the feed-forward block as one kernel (ffn2.fuse)
         key = (out.data_ptr(), w1.data_ptr())
         if key not in traces:
             tiles, splits = mlp_cluster.programs(x.shape[0], x.shape[1], w1.shape[0])
-            traces[key] = torch.zeros(tiles * splits, 4, dtype=torch.int64, device=x.device)
+            traces[key] = torch.zeros(tiles * splits, 8, dtype=torch.int64, device=x.device)
             order.append(key)
             tiling[key] = (tiles, splits)
+            fused_keys.add(key)
         return real_mlp(x, w1, b1, w2, b2, residual, out, trace=traces[key], **kw)
 
     gemm_k.linear, mlp_cluster.launch = traced, traced_mlp
@@ -120,6 +123,10 @@ def trace(shape, name, hot=False):
                              float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None,
                              skew))
             prev_end = float(end.max())
+            if key in fused_keys:
+                w1, xl, g1, red = t[:, 4], t[:, 5], t[:, 6], t[:, 7]
+                steps.append([float(v.median()) for v in (w1 - wait, xl - wait, g1 - torch.maximum(w1, xl),
+                                                          loop - g1, red - loop, end - red)])
     tag = " (weights hot)" if hot else ""
     print(f"## {shape.name}{tag} {name}: {t_plain:.2f} us/layer un-traced, {t_traced:.2f} traced; {n} layers")
     print("| GEMM | launched early | entry skew | wait skew | loop | epilogue | span | boundary | split skew |")
@@ -128,6 +135,9 @@ def trace(shape, name, hot=False):
         med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None
                for i in range(len(v[0]))]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
+    if steps:
+        print("feed-forward block (us, medians; from the wait's return): w1 landed, x landed; then first GEMM, h and "
+              "second GEMM, exchange, epilogue: " + ", ".join(f"{statistics.median(c):.2f}" for c in zip(*steps)))
 
 
 if __name__ == "__main__":
