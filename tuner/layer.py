@@ -25,6 +25,7 @@ from tuner.kernels._common import REL_TOLERANCE, rel_error, tile_cap
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
