@@ -486,26 +486,6 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   const int smem = pad ? max(cluster_gemm_smem_bytes(stages), spread) : cluster_gemm_smem_bytes(stages);
   static int configured = 0;
   if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(n_tiles, m_tiles, SC);
-  cfg.blockDim = dim3(TV::THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attrs[2];
-  int n = 0;
-  attrs[n].id = cudaLaunchAttributeClusterDimension;
-  attrs[n].val.clusterDim.x = 1;
-  attrs[n].val.clusterDim.y = 1;
-  attrs[n].val.clusterDim.z = SC;
-  ++n;
-  if (flags & USE_PDL) add_pdl(attrs, n);
-  cfg.attrs = attrs;
-  cfg.numAttrs = n;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "cluster_gemm launch (grid %d x %d x %d, cluster 1x1x%d, %d B shared memory): %s", n_tiles,
-             m_tiles, SC, SC, smem, cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
+  return launch_z_clusters(kernel, p, dim3(n_tiles, m_tiles, SC), TV::THREADS, smem, stream, (flags & USE_PDL) != 0,
+                           "cluster_gemm", err, errlen);
 }

@@ -56,6 +56,23 @@ struct Params {
   int flags;
 };
 
+// acc += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k TILE_BYTES (this warpgroup's 64 rows of a
+// 128-row weight tile), B's at b + k BT * 128 (BT rows), both K-major and 128-byte swizzled.
+template <bool BF16, int BT, int KT>
+__device__ __forceinline__ void mma_tiles(float* acc, uint32_t a, uint32_t b) {
+  fence_acc<BT / 2>(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < KT; ++k) {
+    const uint64_t da = smem_desc(a + k * TILE_BYTES), db = smem_desc(b + k * BT * 128);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, BT>(acc, da + 2 * kk, db + 2 * kk);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc<BT / 2>(acc);
+}
+
 template <bool BF16, int SC, int EPI, int BT, int KT1>
 __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__ Params p) {
   static_assert(SC == 2 || SC == 4 || SC == 8, "hidden slices: 2, 4 or 8 CTAs a cluster");
@@ -168,8 +185,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + col + e];
   }
   if constexpr (LN) {
-    // The token's row sums from the producer's parts: LPT adjacent lanes a token, every load issued at once
-    // (a loop of dependent loads would hold the first epilogue ~0.4 us a part).
+    // The token's row sums from the producer's parts: LPT adjacent lanes a token, every load issued at once, not a
+    // loop that waits for each (the Triton GEMMs measured ~1 us for such a loop over 12 parts; with tiny's 4 parts
+    // this kernel measured the same either way, perf notes 23).
     constexpr int LPT = CONSUMERS / BT, LNP = MAX_LN_PARTS / LPT;
     const int lt = tid / LPT, lj = tid % LPT;
     const int r = min(t0 + lt, p.M - 1);
@@ -203,18 +221,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-  fence_acc<NACC>(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < kt1; ++k) {
-    const uint64_t da = smem_desc(w1s + k * TILE_BYTES + wg * (64 * 128));
-    const uint64_t db = smem_desc(xs + k * XT);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, BT>(acc, da + 2 * kk, db + 2 * kk);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_acc<NACC>(acc);
+  mma_tiles<BF16, BT, kt1>(acc, w1s + wg * (64 * 128), xs);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
@@ -248,18 +255,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   mbar_wait(w2bar, 0);
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  fence_acc<NACC>(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const uint64_t da = smem_desc(w2s + k * TILE_BYTES + wg * (64 * 128));
-    const uint64_t db = smem_desc(hs + k * XT);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, BT>(acc, da + 2 * kk, db + 2 * kk);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_acc<NACC>(acc);
+  mma_tiles<BF16, BT, 2>(acc, w2s + wg * (64 * 128), hs);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
@@ -396,26 +392,6 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   const int smem = mlp_smem_bytes();
   static int configured = 0;
   if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(D / NG, (M + BT - 1) / BT, SC);
-  cfg.blockDim = dim3(THREADS, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attrs[2];
-  int n = 0;
-  attrs[n].id = cudaLaunchAttributeClusterDimension;
-  attrs[n].val.clusterDim.x = 1;
-  attrs[n].val.clusterDim.y = 1;
-  attrs[n].val.clusterDim.z = SC;
-  ++n;
-  if (flags & USE_PDL) add_pdl(attrs, n);
-  cfg.attrs = attrs;
-  cfg.numAttrs = n;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p);
-  if (e != cudaSuccess) {
-    snprintf(err, errlen, "mlp launch (grid %d x %d x %d, cluster 1x1x%d, %d B shared memory): %s", D / NG,
-             (M + BT - 1) / BT, SC, SC, smem, cudaGetErrorString(e));
-    return 1;
-  }
-  return 0;
+  return launch_z_clusters(kernel, p, dim3(D / NG, (M + BT - 1) / BT, SC), THREADS, smem, stream,
+                           (flags & USE_PDL) != 0, "mlp", err, errlen);
 }
