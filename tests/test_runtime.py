@@ -90,6 +90,21 @@ def test_a_config_tuned_for_a_larger_shape_is_fitted(device):
     assert _rel(layer(x), layer.reference(x)) < 5e-3
 
 
+def test_a_clustered_fused_config_is_repaired_for_a_small_shape(device):
+    """tiny's clustered seed (split-K in clusters, the feed-forward block as one kernel) on a layer whose K is one
+    tile: the splits and the fused block no longer fit, so they are switched off (as the search does), not refused
+    (the README snippet failed this way on tiny's best.json before)."""
+    from tuner.bench import hand_picked_cluster
+    from tuner.shapes import PRESETS
+
+    cfg = hand_picked_cluster(PRESETS["tiny"])
+    assert cfg.qkv.cluster and cfg.ffn2.fuse
+    layer = TunedLayer(cfg, SMALL, _module(), dtype=torch.float16, device=device)
+    assert layer.config.qkv.cluster == 0 and layer.config.ffn2.fuse == 0
+    x = torch.randn(SMALL.tokens, SMALL.d_model, device=device, dtype=torch.float16)
+    assert _rel(layer(x), layer.reference(x)) < 1e-2
+
+
 def test_the_output_buffer_is_reused(device):
     layer = TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=torch.float32, device=device)
     x1, x2 = (torch.randn(SMALL.tokens, SMALL.d_model, device=device) for _ in range(2))

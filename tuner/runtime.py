@@ -20,7 +20,7 @@ import torch
 
 from tuner.config import ConfigError, DecoderConfig
 from tuner.device import DeviceInfo
-from tuner.layer import LayerBuffers, LayerWeights, check_config, fit_config, layer_forward, layer_ref
+from tuner.layer import LayerBuffers, LayerWeights, check_config, layer_forward, layer_ref, repair_config
 from tuner.shapes import DecoderShape, resolve
 
 # Each LayerWeights field, and the state-dict name of the same tensor in a module laid out as
@@ -86,8 +86,10 @@ class TunedLayer:
     ``config``: a DecoderConfig (``tuner.load_config("results/<shape>/<run>/best.json")``). ``shape``: a
     DecoderShape, a preset name or ``BxSxDxHxF``; the input is ``[batch, seq, d_model]`` or
     ``[batch*seq, d_model]`` of exactly that size (the buffers are preallocated). Tiles larger than the
-    shape are shrunk to it (``fit_config``), so a config tuned on one shape runs on another: correctly, but
-    its timings do not transfer. PDL and prefetch switch themselves off where the device cannot do them
+    shape are shrunk to it, and what no longer fits is moved to the nearest config that runs, as the search does
+    (``repair_config``: e.g. split-K in clusters, or the one-kernel feed-forward block, switched off where the
+    shape leaves too few K tiles or does not fit the kernel), so a config tuned on one shape runs on another:
+    correctly, but its timings do not transfer. PDL and prefetch switch themselves off where the device cannot do them
     (before Hopper, in the Triton interpreter).
 
     ``layer(x)`` returns the layer's output buffer, which the next call overwrites (as a CUDA graph's
@@ -98,8 +100,8 @@ class TunedLayer:
         self.shape = resolve(shape) if isinstance(shape, str) else shape
         self.weights = as_layer_weights(weights, self.shape, dtype=dtype, device=device)
         self.dtype, self.device = self.weights.w_qkv.dtype, self.weights.w_qkv.device
-        self.config = fit_config(config, self.shape)
         info = DeviceInfo.from_torch(self.device) if self.device.type == "cuda" else DeviceInfo.interpreter()
+        self.config = repair_config(config, self.shape, self.weights.w_qkv.element_size(), info)
         bad = check_config(self.config, self.shape, self.weights.w_qkv.element_size(), info)
         if bad:
             raise ConfigError(f"config does not run shape {self.shape.spec}: "
