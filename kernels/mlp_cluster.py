@@ -117,7 +117,8 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
                         p(ln_colsum), p(trace), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0), residual.stride(0),
                         out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
-                        ln_stats.shape[0] if ln_stats is not None else 0, ln_eps, torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
+                        ln_stats.shape[0] if ln_stats is not None else 0, ln_eps,
+                        torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
 

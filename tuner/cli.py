@@ -137,13 +137,12 @@ def _bench_config(path: str, **expect):
 
 def cmd_verify(args) -> int:
     import json
+    from dataclasses import replace
 
     import torch
 
     from tuner import bench, manifest, verify
     from tuner.device import DeviceInfo
-    from dataclasses import replace
-
     from tuner.layer import check_config, mlp_fused
 
     shapes = _shapes(args.shape)

@@ -89,8 +89,8 @@ class TunedLayer:
     shape are shrunk to it, and what no longer fits is moved to the nearest config that runs, as the search does
     (``repair_config``: e.g. split-K in clusters, or the one-kernel feed-forward block, switched off where the
     shape leaves too few K tiles or does not fit the kernel), so a config tuned on one shape runs on another:
-    correctly, but its timings do not transfer. PDL and prefetch switch themselves off where the device cannot do them
-    (before Hopper, in the Triton interpreter).
+    correctly, but its timings do not transfer. PDL and prefetch switch themselves off where the device cannot do
+    them (before Hopper, in the Triton interpreter).
 
     ``layer(x)`` returns the layer's output buffer, which the next call overwrites (as a CUDA graph's
     static output would): ``.clone()`` it to keep it.
