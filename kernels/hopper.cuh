@@ -167,6 +167,14 @@ __device__ __forceinline__ void fence_acc(float* d) {
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
   "}, %64, %65, p, 1, 1, 0, 0;\n\t}"
 
+#define CG_ACC8(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+
+#define CG_WGMMA16(TYPE) \
+  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %10, 0;\n\t" \
+  "wgmma.mma_async.sync.aligned.m64n16k16.f32." TYPE "." TYPE " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7" \
+  "}, %8, %9, p, 1, 1, 0, 0;\n\t}"
+
 #define CG_ACC16(d) \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
@@ -179,8 +187,14 @@ __device__ __forceinline__ void fence_acc(float* d) {
 
 template <bool BF16, int N>
 __device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db) {
-  static_assert(N == 32 || N == 64 || N == 128, "wgmma tile width: 32, 64 or 128");
-  if constexpr (N == 32) {
+  static_assert(N == 16 || N == 32 || N == 64 || N == 128, "wgmma tile width: 16, 32, 64 or 128");
+  if constexpr (N == 16) {
+    if constexpr (BF16) {
+      asm volatile(CG_WGMMA16("bf16") : CG_ACC8(d) : "l"(da), "l"(db), "r"(1));
+    } else {
+      asm volatile(CG_WGMMA16("f16") : CG_ACC8(d) : "l"(da), "l"(db), "r"(1));
+    }
+  } else if constexpr (N == 32) {
     if constexpr (BF16) {
       asm volatile(CG_WGMMA32("bf16") : CG_ACC16(d) : "l"(da), "l"(db), "r"(1));
     } else {

@@ -4,8 +4,9 @@
 //
 // Why (docs/perf-notes.md, section 23): at tiny's 32 tokens every kernel of the layer is latency (a boundary, a first
 // load, an epilogue: ~2 us each against floors of 0.01-0.17 us), so one kernel fewer is worth ~2 us if its work stays
-// short. The F hidden columns are split over the SC = F / 128 CTAs of a thread-block cluster; CTA `rank` computes
-// its 128 hidden columns for all tokens of its token tile and multiplies them by its 128 columns of w2, and the SC
+// short. The F hidden columns are split over the SC = F / FS CTAs of a thread-block cluster (FS = 128, or 64 for a
+// cluster of up to 16: half the work a CTA); CTA `rank` computes its FS hidden columns for all tokens of its token
+// tile and multiplies them by its FS columns of w2, and the SC
 // partial outputs are reduced inside the cluster through distributed shared memory, in 16 bits, as cluster_gemm.cu
 // does for split-K.
 //
@@ -22,12 +23,11 @@
 
 namespace {
 
-constexpr int FS = 128;       // hidden columns a CTA (two consumer warpgroups of 64)
 constexpr int NG = 128;       // output columns a CTA group (two consumer warpgroups of 64)
 constexpr int CONSUMERS = 256;
 constexpr int THREADS = CONSUMERS + 32;  // + the producer warp
 constexpr int MAX_LN_PARTS = 32;
-constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight tile
+constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight tile (w2's)
 
 // Epilogue bits (compile time; the activation in bits 6-7).
 enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16 };
@@ -56,50 +56,56 @@ struct Params {
   int flags;
 };
 
-// acc += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k TILE_BYTES (this warpgroup's 64 rows of a
-// 128-row weight tile), B's at b + k BT * 128 (BT rows), both K-major and 128-byte swizzled.
-template <bool BF16, int BT, int KT>
+// acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
+// tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
+template <bool BF16, int N, int KT, int A_STRIDE, int B_STRIDE>
 __device__ __forceinline__ void mma_tiles(float* acc, uint32_t a, uint32_t b) {
-  fence_acc<BT / 2>(acc);
+  fence_acc<N / 2>(acc);
   wgmma_fence();
 #pragma unroll
   for (int k = 0; k < KT; ++k) {
-    const uint64_t da = smem_desc(a + k * TILE_BYTES), db = smem_desc(b + k * BT * 128);
+    const uint64_t da = smem_desc(a + k * A_STRIDE), db = smem_desc(b + k * B_STRIDE);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, BT>(acc, da + 2 * kk, db + 2 * kk);
+    for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, N>(acc, da + 2 * kk, db + 2 * kk);
   }
   wgmma_commit();
   wgmma_wait<0>();
-  fence_acc<BT / 2>(acc);
+  fence_acc<N / 2>(acc);
 }
 
-template <bool BF16, int SC, int EPI, int BT, int KT1>
+// FS hidden columns a CTA: 128 (the two warpgroups split them in the first GEMM) or 64 (they split the tokens).
+template <bool BF16, int SC, int EPI, int BT, int KT1, int FS>
 __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 2 || SC == 4 || SC == 8, "hidden slices: 2, 4 or 8 CTAs a cluster");
+  static_assert(SC >= 2 && SC <= 16 && (SC & (SC - 1)) == 0, "hidden slices: 2 to 16 CTAs a cluster");
   static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
+  static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
   using E = Elem<BF16>;
   using T = typename E::T;
   using B1T = std::conditional_t<(EPI & B1_F32) != 0, float, T>;
   constexpr int ACT = (EPI >> 6) & 3;
   constexpr bool LN = (EPI & LN_IN) != 0;
   constexpr int NACC = BT / 2;           // accumulator registers a thread (wgmma m64nBT, fp32)
+  constexpr int N1 = FS == 128 ? BT : BT / 2;  // the first GEMM's N a warpgroup (its tokens)
+  constexpr int FT = FS / 64;            // 64-wide tiles of the hidden slice (the second GEMM's K tiles)
+  constexpr int W1T = FS * 128;          // bytes of one 64-wide K tile of the w1 slice
   constexpr int XT = BT * 128;           // bytes of one 64-wide K tile of the token tile (and of h)
   constexpr int XR = BT + 8;             // the partial's row pitch, 16-bit elements (16-byte rows)
   constexpr int R = NG / SC;             // output columns (rows of yT) this CTA reduces and stores
   constexpr int SLAB = R * XR * 2;       // bytes of one slab of the partial
-  constexpr int TPT = CONSUMERS / BT;    // epilogue threads a token
+  constexpr int TPT = (CONSUMERS / BT < R / 2) ? CONSUMERS / BT : R / 2;  // epilogue threads a token
   constexpr int CPT = R / TPT;           // output columns a thread (adjacent)
-  static_assert(CPT >= 1 && CPT % 2 == 0 && TPT <= 32, "epilogue mapping");
+  constexpr int ACTIVE = BT * TPT;       // epilogue threads (whole warps)
+  static_assert(CPT >= 2 && CPT % 2 == 0 && TPT <= 32 && ACTIVE % 32 == 0, "epilogue mapping");
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   constexpr int kt1 = KT1;  // 64-wide K tiles of the first GEMM (D / 64)
   const uint32_t w1s = base;
-  const uint32_t w2s = w1s + kt1 * TILE_BYTES;
-  const uint32_t xs = w2s + 2 * TILE_BYTES;
+  const uint32_t w2s = w1s + kt1 * W1T;
+  const uint32_t xs = w2s + FT * TILE_BYTES;
   const uint32_t hs = xs + kt1 * XT;
-  const uint32_t part = hs + 2 * XT;
+  const uint32_t part = hs + FT * XT;
   const uint32_t recv = part + NG * XR * 2;
   const uint32_t w1bar = recv + SC * SLAB;  // w1's slice has landed
   const uint32_t w2bar = w1bar + 8;         // w2's slice has landed
@@ -139,10 +145,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         mbar_expect_tx(xbar, kt1 * XT);
         tma_load3(xs, &p.x_map, xbar, t0, 0);
       }
-      mbar_expect_tx(w1bar, kt1 * TILE_BYTES);
-      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * TILE_BYTES, &p.w1_map, w1bar, k * 64, f0);
-      mbar_expect_tx(w2bar, 2 * TILE_BYTES);
-      for (int k = 0; k < 2; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
+      mbar_expect_tx(w1bar, kt1 * W1T);
+      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
+      mbar_expect_tx(w2bar, FT * TILE_BYTES);
+      for (int k = 0; k < FT; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
       gdc_wait();
       if (pdl) gdc_launch();
       if (!racy) {
@@ -157,11 +163,13 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   const int warp = tid / 32, lane = tid % 32, wg = tid / 128;
   const int r_lo = (warp % 4) * 16 + lane / 4, c_lo = (lane % 4) * 2;  // fragment row and column within a warpgroup
-  // The first epilogue's per-row inputs (weights: before the wait): hidden columns f0 + 64 wg + r_lo (+8).
+  // The first GEMM's share of this warpgroup: hidden rows fw.. (64) and tokens tw.. (N1).
+  const int fw = FS == 128 ? 64 * wg : 0, tw = FS == 128 ? 0 : N1 * wg;
+  // The first epilogue's per-row inputs (weights: before the wait): hidden columns f0 + fw + r_lo (+8).
   float b1v[2], uv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int f = f0 + 64 * wg + r_lo + 8 * h;
+    const int f = f0 + fw + r_lo + 8 * h;
     if constexpr ((EPI & B1_F32) != 0) {
       b1v[h] = static_cast<const float*>(p.b1)[f];
     } else {
@@ -178,11 +186,13 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const int ec = (tid % TPT) * CPT;             // first column within this CTA's R
   const int row = t0 + et, rrow = min(row, p.M - 1);
   const int col = n0 + rank * R + ec;
+  const bool active = tid < ACTIVE;
+  const int ccol = active ? col : n0;  // (the idle threads' loads stay in bounds)
   T b2_raw[CPT], res_raw[CPT];
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
-    b2_raw[e] = static_cast<const T*>(p.b2)[col + e];
-    res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + col + e];
+    b2_raw[e] = static_cast<const T*>(p.b2)[ccol + e];
+    res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
   }
   if constexpr (LN) {
     // The token's row sums from the producer's parts: LPT adjacent lanes a token, every load issued at once, not a
@@ -214,26 +224,26 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
 
   // GEMM 1: hT[f, t] = sum_k w1[f0 + f, k] x[t0 + t, k], this warpgroup's 64 rows f.
-  float acc[NACC];
+  float acc[NACC];  // (the first GEMM uses N1 / 2 of them)
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mbar_wait(w1bar, 0);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-  mma_tiles<BF16, BT, kt1>(acc, w1s + wg * (64 * 128), xs);
+  mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, xs + tw * 128);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
   // Its epilogue: h = act(LN(x) w1 + b1) in 16 bits, stored as the second GEMM's B operand: h[t, f] K-major, the
   // 64-wide tile of this warpgroup's f, 128-byte swizzled as TMA would have written it.
   {
-    const uint32_t tile = hs + wg * XT;
+    const uint32_t tile = hs + (fw / 64) * XT;
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j)
+    for (int j = 0; j < N1 / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int t = 8 * j + c_lo + e;
+        const int t = tw + 8 * j + c_lo + e;
         float2 ln = make_float2(1.f, 0.f);
         if constexpr (LN) ln = lnrow[t];
 #pragma unroll
@@ -255,7 +265,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   mbar_wait(w2bar, 0);
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  mma_tiles<BF16, BT, 2>(acc, w2s + wg * (64 * 128), hs);
+  mma_tiles<BF16, BT, FT, TILE_BYTES, XT>(acc, w2s + wg * (64 * 128), hs);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
@@ -281,6 +291,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
 
   // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.
+  if (!active) return;  // (whole warps: the shuffles below stay within active ones)
   float y[CPT];
 #pragma unroll
   for (int e = 0; e < CPT; ++e) y[e] = E::f(part16[(rank * R + ec + e) * XR + et]);
@@ -339,16 +350,19 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #ifndef MLP_D
 #define MLP_D 256
 #endif
+#ifndef MLP_FS
+#define MLP_FS 128
+#endif
 
 extern "C" int mlp_variant() {
-  return MLP_BF16 | (MLP_SC << 1) | (MLP_EPI << 8) | (MLP_BT << 16) | ((MLP_D / 64) << 24);
+  return MLP_BF16 | (MLP_SC << 1) | (MLP_EPI << 8) | (MLP_BT << 16) | ((MLP_D / 64) << 24) | ((MLP_FS / 64) << 29);
 }
 
 extern "C" int mlp_smem_bytes() {
-  constexpr int d = MLP_D;
+  constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
-  return 1024 + (d / 64) * TILE_BYTES + 2 * TILE_BYTES + (d / 64) * BT * 128 + 2 * BT * 128 + NG * XR * 2 +
-         MLP_SC * R * XR * 2 + 32 + BT * 8;
+  return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
+         NG * XR * 2 + MLP_SC * R * XR * 2 + 32 + BT * 8;
 }
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
@@ -356,7 +370,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
                           int D, int F,
                           int x_stride, int w1_stride, int w2_stride, int res_stride, int out_stride, int flags,
                           int ln_parts, float ln_eps, void* stream, char* err, int errlen) {
-  constexpr int SC = MLP_SC, BT = MLP_BT;
+  constexpr int SC = MLP_SC, BT = MLP_BT, FS = MLP_FS;
   if (F != SC * FS || D != MLP_D) {
     snprintf(err, errlen, "mlp: F=%d must be %d x %d and D=%d must be %d (this build)", F, SC, FS, D, MLP_D);
     return 1;
@@ -368,7 +382,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   Params p;
   memset(&p, 0, sizeof(p));
   if (encode3(&p.x_map, MLP_BF16, x, M, D, x_stride, BT, D / 64, err, errlen) ||
-      encode(&p.w1_map, MLP_BF16, w1, F, D, w1_stride, 128, err, errlen) ||
+      encode(&p.w1_map, MLP_BF16, w1, F, D, w1_stride, FS, err, errlen) ||
       encode(&p.w2_map, MLP_BF16, w2, D, F, w2_stride, 128, err, errlen))
     return 1;
   p.b1 = b1;
@@ -388,7 +402,18 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   p.out_stride = out_stride;
   p.flags = flags;
   static_assert(MLP_D % NG == 0 && MLP_D <= 512, "D: a multiple of 128 up to 512");
-  auto kernel = mlp_kernel<MLP_BF16 != 0, SC, MLP_EPI, BT, MLP_D / 64>;
+  auto kernel = mlp_kernel<MLP_BF16 != 0, SC, MLP_EPI, BT, MLP_D / 64, FS>;
+  if (SC > 8) {  // a cluster of 16: beyond the portable 8 (Hopper allows it on request)
+    static bool allowed = false;
+    if (!allowed) {
+      cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      if (e != cudaSuccess) {
+        snprintf(err, errlen, "mlp: a cluster of %d: %s", SC, cudaGetErrorString(e));
+        return 1;
+      }
+      allowed = true;
+    }
+  }
   const int smem = mlp_smem_bytes();
   static int configured = 0;
   if (allow_smem(kernel, smem, configured, err, errlen)) return 1;

@@ -1,8 +1,10 @@
 """The feed-forward block in one kernel (``mlp_cluster.cu``; Hopper): FFN1, its activation and FFN2 with the hidden
 activations kept on chip, the hidden dimension split over a thread-block cluster.
 
-For a small d_model with F = 128 x (2, 4 or 8) hidden columns (tiny: d 256, F 1024). Built with nvcc on first use
-and called through ctypes like ``cluster_gemm``; :func:`mlp_ref` is its torch reference.
+For a small d_model with F = fs x SC hidden columns: fs = 128 hidden columns a CTA and a cluster of SC = 2, 4 or 8,
+or fs = 64 and SC = 2 to 16 (half the work a CTA, twice the CTAs; a cluster of 16 is beyond the portable 8). tiny
+(d 256, F 1024): 8 CTAs of 128 or 16 of 64, each times 2 column groups. Built with nvcc on first use and called through
+ctypes like ``cluster_gemm``; :func:`mlp_ref` is its torch reference.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import torch.nn.functional as F
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("mlp_cluster.cu")
-HIDDEN_PER_CTA = 128  # mlp_cluster.cu's FS
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
-SPLITS = (2, 4, 8)
+SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 MAX_LN_PARTS = 32
 B1_F32, LN_IN, STATS_OUT = 2, 8, 16
 USE_PDL, RACY = 64, 128
@@ -34,55 +35,58 @@ def token_tile(m: int) -> int:
     return 32 if m <= 32 else 64
 
 
-def smem_bytes(d: int, sc: int, bt: int) -> int:
-    """mlp_cluster.cu's mlp_smem_bytes: the weights (128 x d of w1, 128 x 128 of w2), the token tile, h, the partial
+def smem_bytes(d: int, sc: int, bt: int, fs: int = 128) -> int:
+    """mlp_cluster.cu's mlp_smem_bytes: the weights (fs x d of w1, 128 x fs of w2), the token tile, h, the partial
     and the slabs received, mbarriers and the LayerNorm's row factors."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
-    return (1024 + (d // 64) * 16384 + 2 * 16384 + (d // 64) * bt * 128 + 2 * bt * 128 + COLUMNS_PER_GROUP * xr * 2
-            + sc * r * xr * 2 + 32 + bt * 8)
+    return (1024 + (d // 64) * fs * 128 + (fs // 64) * 16384 + (d // 64) * bt * 128 + (fs // 64) * bt * 128
+            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + 32 + bt * 8)
 
 
-def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448) -> str | None:
-    """Why the kernel cannot run this feed-forward block; None when it can."""
+def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128) -> str | None:
+    """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA; None when it can."""
     if dtype_bytes != 2:
         return "needs 16-bit operands"
-    if f % HIDDEN_PER_CTA or f // HIDDEN_PER_CTA not in SPLITS:
-        return f"needs ffn = 128 x {SPLITS} hidden columns, not {f}"
+    if fs not in SPLITS:
+        return f"needs {sorted(SPLITS)} hidden columns a CTA, not {fs}"
+    if f % fs or f // fs not in SPLITS[fs]:
+        return f"needs ffn = {fs} x {SPLITS[fs]} hidden columns, not {f}"
     if d % COLUMNS_PER_GROUP or d > 512:
         return f"needs d_model a multiple of 128 up to 512, not {d}"
-    need = smem_bytes(d, f // HIDDEN_PER_CTA, token_tile(m))
+    need = smem_bytes(d, f // fs, token_tile(m), fs)
     if need > smem_limit:
         return f"needs {need} B of shared memory (> {smem_limit})"
     return None
 
 
-def programs(m: int, d: int, f: int) -> tuple[int, int]:
+def programs(m: int, d: int, f: int, fs: int = 128) -> tuple[int, int]:
     """(tiles, splits) of a launch: (column groups x token tiles, CTAs a cluster); program = tile + tiles * split."""
-    return d // COLUMNS_PER_GROUP * -(-m // token_tile(m)), f // HIDDEN_PER_CTA
+    return d // COLUMNS_PER_GROUP * -(-m // token_tile(m)), f // fs
 
 
-def stats_parts(d: int, f: int) -> int:
+def stats_parts(d: int, f: int, fs: int = 128) -> int:
     """How many column parts its row sums come in (one a CTA: 128 / SC columns each)."""
-    return d // (COLUMNS_PER_GROUP // (f // HIDDEN_PER_CTA))
+    return d // (COLUMNS_PER_GROUP // (f // fs))
 
 
-def library(bf16: int, sc: int, epi: int, bt: int, d: int) -> ctypes.CDLL:
-    key = (bf16, sc, epi, bt, d)
+def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> ctypes.CDLL:
+    key = (bf16, sc, epi, bt, d, fs)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d}, "mlp")
+    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs},
+                      "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int
-    if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt)
-            or lib.mlp_variant() != bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24)):
+    variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
+    if lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs) or lib.mlp_variant() != variant:
         raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None) -> None:
+           pdl=False, racy=False, trace=None, fs=128) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -90,10 +94,11 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     ``pdl``: launched with PDL (griddepcontrol.wait before x and residual are read; the dependents launched right
     after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it).
     ``trace``: int64 [programs, 8] %globaltimer stamps (entry, wait returned, both GEMMs done, end, then w1 landed,
-    x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py."""
+    x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py.
+    ``fs``: hidden columns a CTA, 128 or 64 (:data:`SPLITS`)."""
     M, D = x.shape
     Fh = w1.shape[0]
-    why = error(M, D, Fh, x.element_size())
+    why = error(M, D, Fh, x.element_size(), fs=fs)
     if why:
         raise ValueError(f"mlp: {why}")
     for name, t in (("x", x), ("w1", w1), ("w2", w2), ("residual", residual), ("out", out)):
@@ -103,15 +108,15 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
         raise ValueError("mlp: ln_stats and ln_colsum go together")
     if ln_stats is not None and not 1 <= ln_stats.shape[0] <= MAX_LN_PARTS:
         raise ValueError(f"mlp: ln_stats has {ln_stats.shape[0]} parts (1..{MAX_LN_PARTS})")
-    sc = Fh // HIDDEN_PER_CTA
-    if stats_out is not None and stats_out.shape != (stats_parts(D, Fh), M, 2):
-        raise ValueError(f"mlp: stats_out must be [{stats_parts(D, Fh)}, {M}, 2]")
+    sc = Fh // fs
+    if stats_out is not None and stats_out.shape != (stats_parts(D, Fh, fs), M, 2):
+        raise ValueError(f"mlp: stats_out must be [{stats_parts(D, Fh, fs)}, {M}, 2]")
     epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
            | (STATS_OUT if stats_out is not None else 0) | (act << 6))
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
-    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D)
+    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs)
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),

@@ -81,7 +81,7 @@ def trace(shape, name, hot=False):
     def traced_mlp(x, w1, b1, w2, b2, residual, out, **kw):  # the feed-forward block as one kernel (ffn2.fuse)
         key = (out.data_ptr(), w1.data_ptr())
         if key not in traces:
-            tiles, splits = mlp_cluster.programs(x.shape[0], x.shape[1], w1.shape[0])
+            tiles, splits = mlp_cluster.programs(x.shape[0], x.shape[1], w1.shape[0], kw.get("fs", 128))
             traces[key] = torch.zeros(tiles * splits, 8, dtype=torch.int64, device=x.device)
             order.append(key)
             tiling[key] = (tiles, splits)

@@ -20,7 +20,9 @@ def test_error(m, d, f, needle):
 
 
 def test_error_accepts_tiny():
-    assert mlp_cluster.error(32, 256, 1024) is None
+    assert mlp_cluster.error(32, 256, 1024) is None and mlp_cluster.error(32, 256, 1024, fs=64) is None
+    assert "64 x (2, 4, 8, 16)" in mlp_cluster.error(32, 256, 2048, fs=64)
+    assert mlp_cluster.stats_parts(256, 1024, 64) == 32  # a cluster of 16: 8 columns a CTA
     assert mlp_cluster.stats_parts(256, 1024) == 16  # one part a CTA: 128 / 8 columns
     assert mlp_cluster.stats_parts(256, 512) == 8
 
@@ -41,21 +43,26 @@ def _hopper():
 
 
 @gpu
-@pytest.mark.parametrize("m, d, f", [(32, 256, 1024), (17, 256, 1024), (64, 256, 512), (45, 128, 256),
-                                     (100, 256, 1024), (32, 384, 1024), (32, 512, 512)])
+@pytest.mark.parametrize("m, d, f, fs", [(32, 256, 1024, 128), (17, 256, 1024, 128), (64, 256, 512, 128),
+                                         (45, 128, 256, 128), (100, 256, 1024, 128), (32, 384, 1024, 128),
+                                         (32, 512, 512, 128),
+                                         # 64 hidden columns a CTA: tiny's in a cluster of 16, and odd ones
+                                         (32, 256, 1024, 64), (64, 256, 1024, 64), (17, 256, 512, 64),
+                                         (45, 128, 256, 64), (100, 384, 512, 64)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mlp_matches_reference(m, d, f, dtype):
+def test_mlp_matches_reference(m, d, f, fs, dtype):
     _hopper()
     x, w1, b1, w2, b2, res, _, _ = _inputs(m, d, f, dtype)
     out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-    mlp_cluster.launch(x, w1, b1, w2, b2, res, out, act=1)
+    mlp_cluster.launch(x, w1, b1, w2, b2, res, out, act=1, fs=fs)
     torch.cuda.synchronize()
     assert rel_error(out, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res)) < REL_TOLERANCE[dtype]
 
 
 @gpu
-@pytest.mark.parametrize("m, d, f, pdl", [(32, 256, 1024, False), (32, 256, 1024, True), (77, 256, 512, True)])
-def test_mlp_layernorm_folded_and_stats(m, d, f, pdl):
+@pytest.mark.parametrize("m, d, f, pdl, fs", [(32, 256, 1024, False, 128), (32, 256, 1024, True, 128),
+                                              (77, 256, 512, True, 128), (32, 256, 1024, True, 64)])
+def test_mlp_layernorm_folded_and_stats(m, d, f, pdl, fs):
     """norm2 fused (fuse 2): LN applied from the producer's row sums with folded w1; row sums of y written."""
     _hopper()
     dtype = torch.float16
@@ -63,11 +70,11 @@ def test_mlp_layernorm_folded_and_stats(m, d, f, pdl):
     w1f, b1f, u = fold_layernorm(w1, b1, gamma, beta)
     xf = x.float()
     ln_stats = torch.stack([xf.sum(1), (xf * xf).sum(1)], dim=1)[None].contiguous()  # one part
-    parts = mlp_cluster.stats_parts(d, f)
+    parts = mlp_cluster.stats_parts(d, f, fs)
     stats = torch.full((parts, m, 2), float("nan"), device="cuda")
     out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
     mlp_cluster.launch(x, w1f, b1f, w2, b2, res, out, act=3, stats_out=stats, ln_stats=ln_stats, ln_colsum=u,
-                       pdl=pdl)
+                       pdl=pdl, fs=fs)
     torch.cuda.synchronize()
     ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta))
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
@@ -105,15 +112,19 @@ def test_layer_rules():
     assert tiles.endswith("; ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")
 
 
-def test_stack_with_the_feed_forward_block_as_one_kernel(device):
+@pytest.mark.parametrize("fuse", [1, 2], ids=["128-a-cta", "64-a-cta"])
+def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, device):
     # On a Hopper GPU one launch computes FFN1, GELU and FFN2 (no FFN2 launch); elsewhere (the interpreter) the two
-    # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (16-column parts).
+    # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (one part a CTA).
+    from dataclasses import replace
+
     from tuner.bench import hand_picked_cluster
     from tuner.layer import DecoderStack
 
     shape = _small()
     cfg = hand_picked_cluster(shape)
     assert cfg.ffn2.fuse == 1 and cfg.norm1.fuse == 2 and cfg.norm2.fuse == 2
+    cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse))
     st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=5)
     one = st.bufs[0].mlp
     assert one == (device == "cuda" and torch.cuda.get_device_capability() == (9, 0))

@@ -30,17 +30,22 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
               device: DeviceInfo | None = None) -> str | None:
-    """Why ``ffn2.fuse`` 1 (the feed-forward block as one kernel, kernels/mlp_cluster.cu) cannot run this shape; None
-    when it can (``device`` None: the GPU is not checked)."""
+    """Why ``ffn2.fuse`` 1 or 2 (the feed-forward block as one kernel, kernels/mlp_cluster.cu, with 128 or 64 hidden
+    columns a CTA) cannot run this shape; None when it can (``device`` None: the GPU is not checked)."""
     from tuner.kernels import mlp_cluster
 
     if cfg.norm2.fuse == 1:
         return "needs norm2.fuse 0 or 2 (the row sums from the out-projection), not 1"
     why = mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, dtype_bytes,
-                            device.smem_per_block_bytes if device is not None else 232448)
+                            device.smem_per_block_bytes if device is not None else 232448, mlp_fs(cfg))
     if why is None and device is not None and device.capability != (9, 0):
         why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return why
+
+
+def mlp_fs(cfg: DecoderConfig) -> int:
+    """Hidden columns a CTA of the one-kernel feed-forward block: ``ffn2.fuse`` 1 -> 128, 2 -> 64."""
+    return 64 if cfg.ffn2.fuse == 2 else 128
 
 
 def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
@@ -48,7 +53,7 @@ def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
     on a Hopper GPU and not in the interpreter. Elsewhere FFN1 and FFN2 run their own configs."""
     from tuner.kernels import cluster_gemm
 
-    return (cfg.ffn2.fuse == 1 and not cfg.fused and cluster_gemm.usable(device)
+    return (cfg.ffn2.fuse in (1, 2) and not cfg.fused and cluster_gemm.usable(device)
             and mlp_error(shape, cfg, torch.empty(0, dtype=dtype).element_size()) is None)
 
 
@@ -71,7 +76,7 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
             why = "fuse=1 is FFN2's (FFN2 computed by FFN1's kernel); it must be 0 here"
         if why is None and name == "ffn2" and cfg.ffn2.fuse:
             why = mlp_error(shape, cfg, dtype_bytes, device)
-            why = why and f"fuse=1 (the feed-forward block as one kernel) {why}"
+            why = why and f"fuse={cfg.ffn2.fuse} (the feed-forward block as one kernel) {why}"
         if why:
             bad[name] = why
     why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
@@ -200,7 +205,8 @@ class LayerBuffers:
         if self.mlp and self.y_stats is not None:
             from tuner.kernels import mlp_cluster
 
-            self.y_stats = torch.empty((mlp_cluster.stats_parts(d, f), m, 2), dtype=torch.float32, device=device)
+            self.y_stats = torch.empty((mlp_cluster.stats_parts(d, f, mlp_fs(cfg)), m, 2), dtype=torch.float32,
+                                       device=device)
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
@@ -273,7 +279,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         launches[5] = ("ffn1", lambda: mlp_cluster.launch(
             b.h if ln2 else b.ln2, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, b.h, b.y, act=gemm_k.act_code("gelu", b.h),
             stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"), ln_colsum=ln2.get("ln_colsum"),
-            ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1")))
+            ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1"), fs=mlp_fs(cfg)))
         skip.add("ffn2")
     return [(n, f) for n, f in launches if n not in skip]
 

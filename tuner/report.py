@@ -282,8 +282,8 @@ def format_tiles(kernels: dict) -> str:
         c = kernels.get(g)
         if not isinstance(c, dict):
             continue
-        if g == "ffn2" and _num(c.get("fuse")) == 1:  # computed by FFN1's kernel where it fits (its tiles: elsewhere)
-            parts.append("ffn2 in ffn1 (mlp)")
+        if g == "ffn2" and _num(c.get("fuse")) in (1, 2):  # computed by FFN1's kernel where it fits
+            parts.append("ffn2 in ffn1 (mlp" + (", 64 a CTA)" if _num(c.get("fuse")) == 2 else ")"))
             continue
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"

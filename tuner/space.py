@@ -35,8 +35,10 @@ PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows; so has the
-# GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits. Keys: a family, or (family, field).
-SWITCH_VALUES = {"norm": (0, 1, 2), "layer": (0, 1, 2), ("gemm", "cluster"): (0, 1, 2)}
+# GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits; and FFN2's fuse: 2 runs the one-kernel
+# feed-forward block with 64 hidden columns a CTA. Keys: a family, or (family, field).
+SWITCH_VALUES = {"norm": (0, 1, 2), "layer": (0, 1, 2), ("gemm", "cluster"): (0, 1, 2),
+                 ("gemm", "fuse"): (0, 1, 2)}
 
 
 class SpaceError(ValueError):
