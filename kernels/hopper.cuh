@@ -185,33 +185,25 @@ __device__ __forceinline__ void fence_acc(float* d) {
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
   "}, %16, %17, p, 1, 1, 0, 0;\n\t}"
 
+// One wgmma of the operand type (bf16 or f16): INSTR is a CG_WGMMA* string macro, ACC the matching CG_ACC* list.
+#define CG_WGMMA_TYPED(INSTR, ACC)                                                  \
+  if constexpr (BF16) {                                                             \
+    asm volatile(INSTR("bf16") : ACC(d) : "l"(da), "l"(db), "r"(1));                \
+  } else {                                                                          \
+    asm volatile(INSTR("f16") : ACC(d) : "l"(da), "l"(db), "r"(1));                 \
+  }
+
 template <bool BF16, int N>
 __device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db) {
   static_assert(N == 16 || N == 32 || N == 64 || N == 128, "wgmma tile width: 16, 32, 64 or 128");
   if constexpr (N == 16) {
-    if constexpr (BF16) {
-      asm volatile(CG_WGMMA16("bf16") : CG_ACC8(d) : "l"(da), "l"(db), "r"(1));
-    } else {
-      asm volatile(CG_WGMMA16("f16") : CG_ACC8(d) : "l"(da), "l"(db), "r"(1));
-    }
+    CG_WGMMA_TYPED(CG_WGMMA16, CG_ACC8)
   } else if constexpr (N == 32) {
-    if constexpr (BF16) {
-      asm volatile(CG_WGMMA32("bf16") : CG_ACC16(d) : "l"(da), "l"(db), "r"(1));
-    } else {
-      asm volatile(CG_WGMMA32("f16") : CG_ACC16(d) : "l"(da), "l"(db), "r"(1));
-    }
+    CG_WGMMA_TYPED(CG_WGMMA32, CG_ACC16)
   } else if constexpr (N == 64) {
-    if constexpr (BF16) {
-      asm volatile(CG_WGMMA64("bf16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
-    } else {
-      asm volatile(CG_WGMMA64("f16") : CG_ACC32(d) : "l"(da), "l"(db), "r"(1));
-    }
+    CG_WGMMA_TYPED(CG_WGMMA64, CG_ACC32)
   } else {
-    if constexpr (BF16) {
-      asm volatile(CG_WGMMA128("bf16") : CG_ACC64(d) : "l"(da), "l"(db), "r"(1));
-    } else {
-      asm volatile(CG_WGMMA128("f16") : CG_ACC64(d) : "l"(da), "l"(db), "r"(1));
-    }
+    CG_WGMMA_TYPED(CG_WGMMA128, CG_ACC64)
   }
 }
 
