@@ -108,8 +108,12 @@ def test_layer_rules():
     assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), tiny)["ffn1"]
     from tuner.report import format_tiles
 
-    tiles = format_tiles(cfg.to_dict()["kernels"])
+    from tuner.report import gemm_op
+
+    kernels = cfg.to_dict()["kernels"]
+    tiles = format_tiles(kernels)
     assert tiles.endswith("; ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")
+    assert gemm_op(kernels, "ffn2") == "-" and gemm_op(kernels, "ffn1") == "(0.0,1.0)"  # FFN2's pair is unused
 
 
 @pytest.mark.parametrize("fuse", [1, 2], ids=["128-a-cta", "64-a-cta"])
