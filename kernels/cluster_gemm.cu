@@ -330,14 +330,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     for (int i = 0; i < LNP; ++i) {
       if ((tid % TPR) + TPR * i < p.ln_parts) s1 += ln_st[i].x, s2 += ln_st[i].y;
     }
-#pragma unroll
-    for (int o = 1; o < TPR; o *= 2) {
-      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
-    }
-    const float mean = s1 / p.K;
-    ln_rstd = 1.0f / sqrtf(fmaxf(s2 / p.K - mean * mean, 0.f) + p.ln_eps);
-    ln_mr = mean * ln_rstd;
+    lane_sum2<TPR>(s1, s2);
+    const float2 f = ln_factors(s1, s2, p.K, p.ln_eps);
+    ln_rstd = f.x;
+    ln_mr = f.y;
   }
   float rs1 = 0.f, rs2 = 0.f;
 #pragma unroll
@@ -378,11 +374,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     // threads of a row's 64 columns are adjacent lanes.
     constexpr int TPH = TPR / (BN / 64);
     static_assert(TPH >= 1 && CPT <= 64, "a thread's columns lie in one 64-column part");
-#pragma unroll
-    for (int o = 1; o < TPH; o *= 2) {
-      rs1 += __shfl_xor_sync(0xffffffffu, rs1, o);
-      rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
-    }
+    lane_sum2<TPH>(rs1, rs2);
     const int part = n_tile * (BN / 64) + (tid % TPR) / TPH;
     if ((tid % TPH) == 0 && row < p.M && part * 64 < p.N)
       *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row) * 2) =

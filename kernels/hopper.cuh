@@ -110,6 +110,23 @@ __device__ __forceinline__ long long globaltimer() {
   return t;
 }
 
+// a and b each summed over N adjacent lanes (N a power of two up to 32): a butterfly over the low lane bits.
+template <int N>
+__device__ __forceinline__ void lane_sum2(float& a, float& b) {
+#pragma unroll
+  for (int o = 1; o < N; o *= 2) {
+    a += __shfl_xor_sync(0xffffffffu, a, o);
+    b += __shfl_xor_sync(0xffffffffu, b, o);
+  }
+}
+
+// A LayerNorm's row factors from the row's sums of x and x^2 over n elements: (rstd, mean * rstd).
+__device__ __forceinline__ float2 ln_factors(float s1, float s2, int n, float eps) {
+  const float mean = s1 / n;
+  const float rstd = 1.0f / sqrtf(fmaxf(s2 / n - mean * mean, 0.f) + eps);
+  return make_float2(rstd, mean * rstd);
+}
+
 // The consumer warpgroups' own barrier (the producer warp does not take part).
 template <int N>
 __device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(N) : "memory"); }

@@ -597,11 +597,9 @@ __device__ void consumer(const Params& p, const Smem& sm, int tid, uint8_t* smem
 
       // LayerNorm: the row's statistics (threads tid and tid ^ 1 hold its two halves) for the row pass below.
       if (ln) {
-        s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-        s2 += __shfl_xor_sync(0xffffffffu, s2, 1);
-        const float mean = s1 / p.D;
-        const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.eps);
-        if (tid % 2 == 0) ln_row[tid / 2] = make_float2(mean * rstd, rstd);
+        lane_sum2<2>(s1, s2);
+        const float2 f = ln_factors(s1, s2, p.D, p.eps);
+        if (tid % 2 == 0) ln_row[tid / 2] = make_float2(f.y, f.x);
       }
       // The accumulators into the staging tile (fragment layout: rows ra, ra + 8, columns 8j + cq).
 #pragma unroll

@@ -81,7 +81,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
   using E = Elem<BF16>;
   using T = typename E::T;
-  using B1T = std::conditional_t<(EPI & B1_F32) != 0, float, T>;
   constexpr int ACT = (EPI >> 6) & 3;
   constexpr bool LN = (EPI & LN_IN) != 0;
   constexpr int NACC = BT / 2;           // accumulator registers a thread (wgmma m64nBT, fp32)
@@ -211,16 +210,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
     for (int i = 0; i < LNP; ++i)
       if (lj + LPT * i < p.ln_parts) s1 += v[i].x, s2 += v[i].y;
-#pragma unroll
-    for (int o = 1; o < LPT; o *= 2) {
-      s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-      s2 += __shfl_xor_sync(0xffffffffu, s2, o);
-    }
-    if (lj == 0) {
-      const float mean = s1 / p.D;
-      const float rstd = 1.0f / sqrtf(fmaxf(s2 / p.D - mean * mean, 0.f) + p.ln_eps);
-      lnrow[lt] = make_float2(rstd, mean * rstd);
-    }
+    lane_sum2<LPT>(s1, s2);
+    if (lj == 0) lnrow[lt] = ln_factors(s1, s2, p.D, p.ln_eps);
   }
 
   // GEMM 1: hT[f, t] = sum_k w1[f0 + f, k] x[t0 + t, k], this warpgroup's 64 rows f.
@@ -318,11 +309,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
   if constexpr ((EPI & STATS_OUT) != 0) {
     // One part per CTA (its R columns; D / R parts): the TPT threads of a token are adjacent lanes.
-#pragma unroll
-    for (int o = 1; o < TPT; o *= 2) {
-      rs1 += __shfl_xor_sync(0xffffffffu, rs1, o);
-      rs2 += __shfl_xor_sync(0xffffffffu, rs2, o);
-    }
+    lane_sum2<TPT>(rs1, rs2);
     if ((tid % TPT) == 0 && row < p.M)
       *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>((n0 + rank * R) / R) * p.M + row) * 2) =
           make_float2(rs1, rs2);
