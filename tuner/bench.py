@@ -65,7 +65,8 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     cl = 2 if xchg16 else 1
     want = {"out": replace(hp.out, block_n=64, block_k=64, num_stages=6, split_k=4, cluster=cl),
             "ffn2": replace(hp.ffn2, cluster=cl)}
-    if shape.batch * shape.seq <= 64 and norms == 2:
+    few = shape.batch * shape.seq <= 64 and norms == 2
+    if few:
         # A few tokens (tiny): QKV split four ways in clusters too, its LayerNorm applied in the cluster epilogue
         # from FFN2's row sums (H200, tiny: 11.12-11.34 -> 10.97 us). On 128 tokens every clustered QKV or FFN1
         # measured slower: the distributed-shared-memory exchange of a 128-wide partial costs more than the
@@ -73,8 +74,7 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
         want["qkv"] = replace(hp.qkv, block_k=64, num_stages=2, split_k=4, cluster=cl)
     kw = {n: c for n, c in want.items() if check(c, GemmProblem(*gemms[n])) is None}
     out = replace(hp, **kw)
-    if shape.batch * shape.seq <= 64 and norms == 2 and mlp and mlp_cluster.error(shape.tokens, shape.d_model,
-                                                                                   shape.ffn) is None:
+    if few and mlp and mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn) is None:
         # and the feed-forward block as one kernel (H200, tiny: 10.16-10.21 -> 9.23-9.28 us)
         out = replace(out, ffn2=replace(out.ffn2, fuse=1))
     return out

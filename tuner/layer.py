@@ -197,16 +197,18 @@ class LayerBuffers:
         self.ln1, self.qkv, self.attn, self.h, self.ln2, self.ffn1, self.y = (
             e(d), e(3 * d), e(d), e(d), e(d), e(f), e(d))
         # A norm with fuse 2 reads its rows' sums from the GEMM that wrote the rows: h's from the
-        # out-projection (norm2), y's from FFN2 (the next layer's norm1).
-        st = lambda g: torch.empty((gemm_k.stats_parts(g, d), m, 2), dtype=torch.float32, device=device)  # noqa: E731
-        self.h_stats = st(cfg.out) if cfg.norm2.fuse == 2 else None
-        self.y_stats = st(cfg.ffn2) if cfg.norm1.fuse == 2 else None
+        # out-projection (norm2), y's from FFN2 (the next layer's norm1), or from the one-kernel feed-forward block
+        # (one part a CTA).
         self.mlp = mlp_fused(shape, cfg, dtype, device)
-        if self.mlp and self.y_stats is not None:
+        if self.mlp:
             from tuner.kernels import mlp_cluster
 
-            self.y_stats = torch.empty((mlp_cluster.stats_parts(d, f, mlp_fs(cfg)), m, 2), dtype=torch.float32,
-                                       device=device)
+            y_parts = mlp_cluster.stats_parts(d, f, mlp_fs(cfg))
+        else:
+            y_parts = gemm_k.stats_parts(cfg.ffn2, d)
+        st = lambda parts: torch.empty((parts, m, 2), dtype=torch.float32, device=device)  # noqa: E731
+        self.h_stats = st(gemm_k.stats_parts(cfg.out, d)) if cfg.norm2.fuse == 2 else None
+        self.y_stats = st(y_parts) if cfg.norm1.fuse == 2 else None
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None

@@ -257,8 +257,9 @@ def fused_layer(kernels: dict) -> dict | None:
 def gemm_op(kernels: dict, g: str) -> str:
     """A GEMM's '(o,p)'; in a fused layer every GEMM runs under the layer's one pair; '-' for FFN2 computed by FFN1's
     kernel (``ffn2.fuse``: a run keeps it only where it ran), whose pair is unused."""
-    c = fused_layer(kernels) or kernels.get(g) or {}
-    if g == "ffn2" and not fused_layer(kernels) and _num(c.get("fuse")) in (1, 2):
+    f = fused_layer(kernels)
+    c = f or kernels.get(g) or {}
+    if g == "ffn2" and not f and _num(c.get("fuse")) in (1, 2):
         return "-"
     return format_op(c.get("overlap_ratio"), c.get("prefetch_ratio")) if c else "-"
 
