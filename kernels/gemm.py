@@ -71,7 +71,9 @@ class GemmConfig(KnobConfig):
     # block, FFN1, its activation and FFN2, as one kernel (mlp_cluster.cu: Hopper, d_model a multiple of 128 up to
     # 512, ffn 256, 512 or 1024: 128 hidden columns a CTA), under FFN1's overlap ratio, its weights all in shared
     # memory before the wait. 2: the same with 64 hidden columns a CTA (ffn 128 to 1024, clusters of up to 16).
-    # Where it does not fit, the two GEMMs run their own configs.
+    # Where it does not fit, the two GEMMs run their own configs. On the out-projection, 1 launches no out-projection
+    # kernel either: the same kernel computes it in front of the block (with FFN2's fuse 1 or 2 and norm2's fuse 2,
+    # the cluster a multiple of d_model / 64 CTAs).
     fuse: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0

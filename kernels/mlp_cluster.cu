@@ -16,6 +16,16 @@
 // of the two consumer warpgroups owns 64 of the 128 rows. All of a CTA's weights (128 x D of w1, 128 x 128 of w2)
 // are loaded into shared memory before griddepcontrol.wait; after it only the token tile of x is loaded.
 //
+// With OUT_IN the block also computes the attention's out-projection in front (out.fuse 1; perf notes section 24):
+//
+//   x = xres + a @ wo.T + bo    (a: the attention output [M, D], wo [D, D]; xres: the layer's input, its residual)
+//
+// so that the layer has one kernel fewer again. Each CTA computes one 64-column tile jt = rank % (D / 64) of x for the
+// token tile (swapped: xT = wo_rows @ a.T, its 64 rows of wo in shared memory before the wait), writes it into its
+// copy of the token tile of x in GEMM 1's B layout, and pushes it with its rows' sums to the D / 64 - 1 other CTAs of
+// its group of D / 64 consecutive ranks (bulk copies, as the reduce-scatter). After that exchange every CTA holds all
+// of x for GEMM 1, the LayerNorm's row sums of x from the parts, and x as the block's residual.
+//
 // Grid: (D / 128 output column groups, token tiles, SC); a cluster spans the SC hidden slices of one (column group,
 // token tile). Built at run time by kernels/mlp_cluster.py (nvcc, sm_90a), one library per variant.
 
@@ -30,7 +40,7 @@ constexpr int MAX_LN_PARTS = 32;
 constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight tile (w2's)
 
 // Epilogue bits (compile time; the activation in bits 6-7).
-enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16 };
+enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the token tile is loaded before griddepcontrol.wait
@@ -40,6 +50,9 @@ struct Params {
   CUtensorMap x_map;   // x [M, D] as [D / 64][M][64] (encode3): one box {64, BT, D / 64} brings the token tile
   CUtensorMap w1_map;  // w1 [F, D]: box {64, 128}
   CUtensorMap w2_map;  // w2 [D, F]: box {64, 128}
+  CUtensorMap wo_map;  // OUT_IN: wo [D, D]: box {64, 64}
+  const void* bo;      // OUT_IN: [D]
+  const void* xres;    // OUT_IN: [M, D] the out-projection's residual
   const void* b1;      // [F] (fp32 when B1_F32: LayerNorm-folded)
   const void* b2;      // [D]
   const void* res;     // [M, D]
@@ -52,7 +65,7 @@ struct Params {
   long long* trace;    // diagnostics: %globaltimer [programs, 8]: entry, wait returned, both GEMMs done, end, then
                        // w1 landed, the token tile landed, the first GEMM done, the exchange done
   int M, D, F;
-  int res_stride, out_stride;
+  int res_stride, out_stride, xres_stride;
   int flags;
 };
 
@@ -79,6 +92,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   static_assert(SC >= 2 && SC <= 16 && (SC & (SC - 1)) == 0, "hidden slices: 2 to 16 CTAs a cluster");
   static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
   static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
+  constexpr bool OUTP = (EPI & OUT_IN) != 0;
+  static_assert(!OUTP || SC % KT1 == 0, "OUT_IN: the cluster a whole number of groups of D / 64 CTAs");
   using E = Elem<BF16>;
   using T = typename E::T;
   constexpr int ACT = (EPI >> 6) & 3;
@@ -106,11 +121,17 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t hs = xs + kt1 * XT;
   const uint32_t part = hs + FT * XT;
   const uint32_t recv = part + NG * XR * 2;
-  const uint32_t w1bar = recv + SC * SLAB;  // w1's slice has landed
+  constexpr int WOT = 64 * 128;             // OUT_IN: bytes of a 64-wide K tile of the 64 rows of wo
+  const uint32_t wos = recv + SC * SLAB;    // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
+  const uint32_t x1s = wos + (OUTP ? kt1 * WOT : 0);  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B)
+  const uint32_t x1st = x1s + (OUTP ? kt1 * XT : 0);  // OUT_IN: x's row sums, [D / 64][BT] (s1, s2) a 64-column tile
+  const uint32_t w1bar = x1st + (OUTP ? kt1 * BT * 8 : 0);  // w1's slice has landed
   const uint32_t w2bar = w1bar + 8;         // w2's slice has landed
   const uint32_t xbar = w2bar + 8;          // the token tile has landed
   const uint32_t red = xbar + 8;            // the other CTAs' slabs have landed
-  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (red + 8 - raw));  // BT (rstd, mean * rstd)
+  const uint32_t wobar = red + 8;           // OUT_IN: wo's rows have landed
+  const uint32_t x1bar = wobar + 8;         // OUT_IN: the other tiles of x (and their row sums) have landed
+  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (x1bar + 8 - raw));  // BT (rstd, mean * rstd)
   T* const part16 = reinterpret_cast<T*>(smem_raw + (part - raw));
   const T* const recv16 = reinterpret_cast<const T*>(smem_raw + (recv - raw));
 
@@ -120,6 +141,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
   const int f0 = rank * FS;
+  const int jt = rank % kt1;  // OUT_IN: the 64-column tile of x this CTA computes
   const bool pdl = (p.flags & USE_PDL) != 0;
 
   if (tid == CONSUMERS) {
@@ -131,6 +153,12 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     mbar_init(xbar, 1);
     mbar_init(red, 1);
     mbar_expect_tx(red, (SC - 1) * SLAB);
+    if constexpr (OUTP) {
+      prefetch_tensormap(&p.wo_map);
+      mbar_init(wobar, 1);
+      mbar_init(x1bar, 1);
+      mbar_expect_tx(x1bar, (kt1 - 1) * (XT + BT * 8));
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();
@@ -143,6 +171,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       if (racy) {
         mbar_expect_tx(xbar, kt1 * XT);
         tma_load3(xs, &p.x_map, xbar, t0, 0);
+      }
+      if constexpr (OUTP) {  // wo's rows first: the first thing needed after the wait
+        mbar_expect_tx(wobar, kt1 * WOT);
+        for (int k = 0; k < kt1; ++k) tma_load(wos + k * WOT, &p.wo_map, wobar, k * 64, jt * 64);
       }
       mbar_expect_tx(w1bar, kt1 * W1T);
       for (int k = 0; k < kt1; ++k) tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
@@ -191,9 +223,100 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
     b2_raw[e] = static_cast<const T*>(p.b2)[ccol + e];
-    res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
+    if constexpr (!OUTP)
+      res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
   }
-  if constexpr (LN) {
+  if constexpr (OUTP) {
+    // The out-projection: xT[c, t] = sum_k wo[64 jt + c, k] a[t0 + t, k], both warpgroups on all 64 rows c, each on
+    // half the tokens; + bo + xres, into tile jt of x1s as GEMM 1's B operand.
+    constexpr int NO = BT / 2;
+    const int to = NO * wg;
+    float bov[2];
+    T xr[NO / 8][2][2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) bov[h] = E::f(static_cast<const T*>(p.bo)[64 * jt + r_lo + 8 * h]);
+#pragma unroll
+    for (int j = 0; j < NO / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int xrow = min(t0 + to + 8 * j + c_lo + e, p.M - 1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          xr[j][e][h] = static_cast<const T*>(p.xres)[static_cast<long long>(xrow) * p.xres_stride + 64 * jt + r_lo +
+                                                      8 * h];
+      }
+    float oacc[NO / 2];
+#pragma unroll
+    for (int i = 0; i < NO / 2; ++i) oacc[i] = 0.f;
+    mbar_wait(wobar, 0);
+    mbar_wait(xbar, 0);
+    mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
+    const uint32_t tile = x1s + jt * XT;
+#pragma unroll
+    for (int j = 0; j < NO / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const T xv = E::one(oacc[4 * j + 2 * h + e] + bov[h] + E::f(xr[j][e][h]));
+          asm volatile("st.shared.b16 [%0], %1;" ::"r"(swz(tile, to + 8 * j + c_lo + e, r_lo + 8 * h)),
+                       "h"(*reinterpret_cast<const unsigned short*>(&xv))
+                       : "memory");
+        }
+    consumer_sync<CONSUMERS>();
+    {  // the tile's row sums (of x as rounded): TPX adjacent threads a token, CPX columns each
+      constexpr int TPX = CONSUMERS / BT, CPX = 64 / TPX;
+      const int t = tid / TPX, q = tid % TPX;
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int c = 0; c < CPX; c += 8) {
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(swz(tile, t, q * CPX + c)));
+        const T* vv = reinterpret_cast<const T*>(&v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float f = E::f(vv[i]);
+          s1 += f;
+          s2 += f * f;
+        }
+      }
+      lane_sum2<TPX>(s1, s2);
+      if (q == 0) reinterpret_cast<float2*>(smem_raw + (x1st - raw))[jt * BT + t] = make_float2(s1, s2);
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    consumer_sync<CONSUMERS>();
+    if (tid == 0) {  // to the other CTAs of this group of kt1 ranks: each gets one tile (and its sums) from each
+      const int g = rank - jt;
+#pragma unroll 1
+      for (int j = 1; j < kt1; ++j) {
+        const int dst = g + (jt + j) % kt1;
+        bulk_push(map_to_cta(tile, dst), tile, XT, map_to_cta(x1bar, dst));
+        bulk_push(map_to_cta(x1st + jt * BT * 8, dst), x1st + jt * BT * 8, BT * 8, map_to_cta(x1bar, dst));
+      }
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    mbar_wait(x1bar, 0);
+    if (tid < BT) {  // the LayerNorm's row factors from the kt1 parts (lnrow: read after GEMM 1's barrier)
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int j = 0; j < kt1; ++j) {
+        const float2 v = reinterpret_cast<const float2*>(smem_raw + (x1st - raw))[j * BT + tid];
+        s1 += v.x;
+        s2 += v.y;
+      }
+      lnrow[tid] = ln_factors(s1, s2, p.D, p.ln_eps);
+    }
+#pragma unroll
+    for (int e = 0; e < CPT; ++e) {  // the block's residual: x itself
+      const int c = ccol + e;
+      unsigned short v;
+      asm volatile("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(swz(x1s + (c / 64) * XT, active ? et : 0, c % 64)));
+      res_raw[e] = *reinterpret_cast<const T*>(&v);
+    }
+  }
+  if constexpr (LN && !OUTP) {
     // The token's row sums from the producer's parts: LPT adjacent lanes a token, every load issued at once, not a
     // loop that waits for each (the Triton GEMMs measured ~1 us for such a loop over 12 parts; with tiny's 4 parts
     // this kernel measured the same either way, perf notes 23).
@@ -222,7 +345,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-  mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, xs + tw * 128);
+  mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
@@ -348,21 +471,22 @@ extern "C" int mlp_variant() {
 extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
+  constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + BT * 8) : 0;
   return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
-         NG * XR * 2 + MLP_SC * R * XR * 2 + 32 + BT * 8;
+         NG * XR * 2 + MLP_SC * R * XR * 2 + out_in + 48 + BT * 8;
 }
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
-                          float* stats_out, const float* ln_stats, const float* ln_colsum, long long* trace, int M,
-                          int D, int F,
-                          int x_stride, int w1_stride, int w2_stride, int res_stride, int out_stride, int flags,
-                          int ln_parts, float ln_eps, void* stream, char* err, int errlen) {
+                          float* stats_out, const float* ln_stats, const float* ln_colsum, long long* trace,
+                          void* wo, const void* bo, const void* xres, int M, int D, int F, int x_stride,
+                          int w1_stride, int w2_stride, int res_stride, int out_stride, int flags, int ln_parts,
+                          int wo_stride, int xres_stride, float ln_eps, void* stream, char* err, int errlen) {
   constexpr int SC = MLP_SC, BT = MLP_BT, FS = MLP_FS;
   if (F != SC * FS || D != MLP_D) {
     snprintf(err, errlen, "mlp: F=%d must be %d x %d and D=%d must be %d (this build)", F, SC, FS, D, MLP_D);
     return 1;
   }
-  if ((MLP_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
+  if ((MLP_EPI & LN_IN) != 0 && (MLP_EPI & OUT_IN) == 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
     snprintf(err, errlen, "ln_parts=%d must be in 1..%d", ln_parts, MAX_LN_PARTS);
     return 1;
   }
@@ -372,6 +496,10 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
       encode(&p.w1_map, MLP_BF16, w1, F, D, w1_stride, FS, err, errlen) ||
       encode(&p.w2_map, MLP_BF16, w2, D, F, w2_stride, 128, err, errlen))
     return 1;
+  if ((MLP_EPI & OUT_IN) != 0 && encode(&p.wo_map, MLP_BF16, wo, D, D, wo_stride, 64, err, errlen)) return 1;
+  p.bo = bo;
+  p.xres = xres;
+  p.xres_stride = xres_stride;
   p.b1 = b1;
   p.b2 = b2;
   p.res = res;

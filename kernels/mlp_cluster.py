@@ -5,6 +5,9 @@ For a small d_model with F = fs x SC hidden columns: fs = 128 hidden columns a C
 or fs = 64 and SC = 2 to 16 (half the work a CTA, twice the CTAs; a cluster of 16 is beyond the portable 8). tiny
 (d 256, F 1024): 8 CTAs of 128 or 16 of 64, each times 2 column groups. Built with nvcc on first use and called through
 ctypes like ``cluster_gemm``; :func:`mlp_ref` is its torch reference.
+
+With ``wo`` (``out.fuse`` 1) the kernel also computes the attention's out-projection in front of the block, each CTA
+one 64-column tile of it, gathered in the cluster (needs the cluster a multiple of d / 64 CTAs).
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 MAX_LN_PARTS = 32
-B1_F32, LN_IN, STATS_OUT = 2, 8, 16
+B1_F32, LN_IN, STATS_OUT, OUT_IN = 2, 8, 16, 32
 USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 11 + [ctypes.c_int] * 10
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 14 + [ctypes.c_int] * 12
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
@@ -35,16 +38,20 @@ def token_tile(m: int) -> int:
     return 32 if m <= 32 else 64
 
 
-def smem_bytes(d: int, sc: int, bt: int, fs: int = 128) -> int:
+def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False) -> int:
     """mlp_cluster.cu's mlp_smem_bytes: the weights (fs x d of w1, 128 x fs of w2), the token tile, h, the partial
-    and the slabs received, mbarriers and the LayerNorm's row factors."""
+    and the slabs received, with ``out_proj`` 64 rows of wo, x's token tile and its row sums, then mbarriers and the
+    LayerNorm's row factors."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
+    out_in = (d // 64) * (64 * 128 + bt * 128 + bt * 8) if out_proj else 0
     return (1024 + (d // 64) * fs * 128 + (fs // 64) * 16384 + (d // 64) * bt * 128 + (fs // 64) * bt * 128
-            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + 32 + bt * 8)
+            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + out_in + 48 + bt * 8)
 
 
-def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128) -> str | None:
-    """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA; None when it can."""
+def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128,
+          out_proj: bool = False) -> str | None:
+    """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA (and with ``out_proj`` the
+    out-projection in front); None when it can."""
     if dtype_bytes != 2:
         return "needs 16-bit operands"
     if fs not in SPLITS:
@@ -53,7 +60,9 @@ def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448
         return f"needs ffn = {fs} x {SPLITS[fs]} hidden columns, not {f}"
     if d % COLUMNS_PER_GROUP or d > 512:
         return f"needs d_model a multiple of 128 up to 512, not {d}"
-    need = smem_bytes(d, f // fs, token_tile(m), fs)
+    if out_proj and (f // fs) % (d // 64):
+        return f"needs the cluster ({f // fs} CTAs) a multiple of d_model / 64 = {d // 64} for the out-projection"
+    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj)
     if need > smem_limit:
         return f"needs {need} B of shared memory (> {smem_limit})"
     return None
@@ -79,14 +88,14 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> cty
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int
     variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
-    if lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs) or lib.mlp_variant() != variant:
+    if lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN)) or lib.mlp_variant() != variant:
         raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None, fs=128) -> None:
+           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -95,24 +104,34 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it).
     ``trace``: int64 [programs, 8] %globaltimer stamps (entry, wait returned, both GEMMs done, end, then w1 landed,
     x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py.
-    ``fs``: hidden columns a CTA, 128 or 64 (:data:`SPLITS`)."""
+    ``fs``: hidden columns a CTA, 128 or 64 (:data:`SPLITS`).
+
+    With ``wo`` and ``bo`` ([D, D], [D]: the out-projection), ``x`` is the attention output and the block's input is
+    ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
+    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``."""
     M, D = x.shape
     Fh = w1.shape[0]
-    why = error(M, D, Fh, x.element_size(), fs=fs)
+    out_proj = wo is not None
+    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj)
     if why:
         raise ValueError(f"mlp: {why}")
-    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("residual", residual), ("out", out)):
-        if t.stride(-1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16:
+    if out_proj != (bo is not None):
+        raise ValueError("mlp: wo and bo go together")
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("residual", residual), ("out", out), ("wo", wo)):
+        if t is not None and (t.stride(-1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16):
             raise ValueError(f"mlp: {name} must have unit column stride, 16-byte aligned rows")
-    if (ln_stats is None) != (ln_colsum is None):
+    if out_proj:
+        if ln_stats is not None:
+            raise ValueError("mlp: with wo the LayerNorm's row sums come from the kernel: no ln_stats")
+    elif (ln_stats is None) != (ln_colsum is None):
         raise ValueError("mlp: ln_stats and ln_colsum go together")
     if ln_stats is not None and not 1 <= ln_stats.shape[0] <= MAX_LN_PARTS:
         raise ValueError(f"mlp: ln_stats has {ln_stats.shape[0]} parts (1..{MAX_LN_PARTS})")
     sc = Fh // fs
     if stats_out is not None and stats_out.shape != (stats_parts(D, Fh, fs), M, 2):
         raise ValueError(f"mlp: stats_out must be [{stats_parts(D, Fh, fs)}, {M}, 2]")
-    epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
-           | (STATS_OUT if stats_out is not None else 0) | (act << 6))
+    epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_colsum is not None else 0)
+           | (STATS_OUT if stats_out is not None else 0) | (OUT_IN if out_proj else 0) | (act << 6))
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
@@ -120,16 +139,22 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
-                        p(ln_colsum), p(trace), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0), residual.stride(0),
-                        out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
-                        ln_stats.shape[0] if ln_stats is not None else 0, ln_eps,
+                        p(ln_colsum), p(trace), p(wo), p(bo), p(residual), M, D, Fh, x.stride(0), w1.stride(0),
+                        w2.stride(0), residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
+                        ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0,
+                        residual.stride(0), ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
 
 
-def mlp_ref(x, w1, b1, w2, b2, residual, *, ln=None, eps=1e-5) -> torch.Tensor:
-    """fp32 reference: ``residual + gelu_tanh(LN(x) @ w1.T + b1) @ w2.T + b2``, ``ln`` = (gamma, beta) or None."""
+def mlp_ref(x, w1, b1, w2, b2, residual, *, ln=None, eps=1e-5, wo=None, bo=None) -> torch.Tensor:
+    """fp32 reference: ``residual + gelu_tanh(LN(x) @ w1.T + b1) @ w2.T + b2``, ``ln`` = (gamma, beta) or None. With
+    ``wo``, ``bo``: the input is first ``residual + x @ wo.T + bo``, rounded to x's dtype as the kernel keeps it, and
+    is the residual."""
+    if wo is not None:
+        x = (residual.float() + F.linear(x.float(), wo.float(), bo.float())).to(x.dtype)
+        residual = x
     x32 = x.float()
     if ln is not None:
         x32 = F.layer_norm(x32, (x.shape[1],), ln[0].float(), ln[1].float(), eps)

@@ -82,6 +82,48 @@ def test_mlp_layernorm_folded_and_stats(m, d, f, pdl, fs):
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
 
+def test_error_out_projection():
+    """The out-projection in front (out.fuse 1): each CTA one 64-column tile, so a cluster of d / 64 CTAs or more."""
+    assert mlp_cluster.error(32, 256, 1024, out_proj=True) is None  # tiny: 8 CTAs, 4 tiles
+    assert mlp_cluster.error(32, 256, 1024, fs=64, out_proj=True) is None
+    assert "multiple of d_model / 64 = 4" in mlp_cluster.error(32, 256, 256, out_proj=True)  # 2 CTAs
+    assert "multiple of d_model / 64 = 6" in mlp_cluster.error(32, 384, 1024, out_proj=True)
+    assert "shared memory" in mlp_cluster.error(32, 512, 1024, out_proj=True)
+    assert (mlp_cluster.smem_bytes(256, 8, 32, out_proj=True) - mlp_cluster.smem_bytes(256, 8, 32)
+            == 4 * (8192 + 32 * 128 + 32 * 8))
+
+
+@gpu
+@pytest.mark.parametrize("m, d, f, fs, ln, pdl", [
+    (32, 256, 1024, 128, True, True), (32, 256, 1024, 128, False, False), (17, 256, 1024, 128, True, False),
+    (64, 256, 512, 128, True, True), (100, 256, 1024, 128, True, False), (45, 128, 256, 128, True, True),
+    (77, 128, 512, 128, False, False), (32, 256, 1024, 64, True, True), (50, 128, 256, 64, True, False)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
+    """out.fuse 1: the attention's out-projection computed in front of the block, gathered in the cluster; its row
+    sums feed the folded LayerNorm; the output's row sums written for the next norm."""
+    _hopper()
+    x, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=2)
+    g = torch.Generator().manual_seed(3)
+    wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda()
+    bo = (torch.randn(d, generator=g) * 0.1).to(dtype).cuda()
+    kw = {}
+    if ln:
+        w1f, b1f, u = fold_layernorm(w1, b1, gamma, beta)
+        kw = dict(ln_colsum=u)
+    else:
+        w1f, b1f = w1, b1
+    parts = mlp_cluster.stats_parts(d, f, fs)
+    stats = torch.full((parts, m, 2), float("nan"), device="cuda")
+    out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
+    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, out, act=3, stats_out=stats, pdl=pdl, fs=fs, wo=wo, bo=bo, **kw)
+    torch.cuda.synchronize()
+    ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta) if ln else None, wo=wo, bo=bo)
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    o = out.float()
+    assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
+
+
 def _small():
     """A shape the one-kernel feed-forward block fits (d 128, ffn 256: a cluster of two), 17 tokens."""
     from tuner.shapes import DecoderShape
@@ -106,6 +148,13 @@ def test_layer_rules():
     assert repair_config(fused_base, base).ffn2.fuse == 0  # the search measures the two GEMMs instead
     assert "norm2.fuse 0 or 2" in check_config(replace(cfg, norm2=replace(cfg.norm2, fuse=1)), tiny)["ffn2"]
     assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), tiny)["ffn1"]
+    out = replace(cfg, out=replace(cfg.out, fuse=1))  # the out-projection in front of the block
+    assert check_config(out, tiny) == {} and repair_config(out, tiny).out.fuse == 1
+    unfused = replace(out, ffn2=replace(cfg.ffn2, fuse=0))
+    assert "needs ffn2.fuse 1 or 2" in check_config(unfused, tiny)["out"]
+    assert repair_config(unfused, tiny).out.fuse == 0
+    assert "norm2.fuse 2" in check_config(replace(out, norm2=replace(cfg.norm2, fuse=0)), tiny)["out"]
+    assert "the out-projection's is 0 or 1" in check_config(replace(cfg, out=replace(cfg.out, fuse=2)), tiny)["out"]
     from tuner.report import format_tiles
 
     from tuner.report import gemm_op
@@ -116,8 +165,9 @@ def test_layer_rules():
     assert gemm_op(kernels, "ffn2") == "-" and gemm_op(kernels, "ffn1") == "(0.0,1.0)"  # FFN2's pair is unused
 
 
-@pytest.mark.parametrize("fuse", [1, 2], ids=["128-a-cta", "64-a-cta"])
-def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, device):
+@pytest.mark.parametrize("fuse, out", [(1, 0), (2, 0), (1, 1), (2, 1)],
+                         ids=["128-a-cta", "64-a-cta", "128-a-cta-out", "64-a-cta-out"])
+def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, device):
     # On a Hopper GPU one launch computes FFN1, GELU and FFN2 (no FFN2 launch); elsewhere (the interpreter) the two
     # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (one part a CTA).
     from dataclasses import replace
@@ -128,11 +178,13 @@ def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, device):
     shape = _small()
     cfg = hand_picked_cluster(shape)
     assert cfg.ffn2.fuse == 1 and cfg.norm1.fuse == 2 and cfg.norm2.fuse == 2
-    cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse))
+    cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse), out=replace(cfg.out, fuse=out))
     st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=5)
     one = st.bufs[0].mlp
     assert one == (device == "cuda" and torch.cuda.get_device_capability() == (9, 0))
+    assert st.bufs[0].mlp_out == (one and out == 1)
     assert len(st.launches("ffn2")) == (0 if one else 3)
+    assert len(st.launches("out")) == (0 if one and out else 3)  # with out.fuse the block computes it too
     err = st.check(seed=3)
     assert err < st.tolerance(), err
 

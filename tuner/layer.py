@@ -31,13 +31,17 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
               device: DeviceInfo | None = None) -> str | None:
     """Why ``ffn2.fuse`` 1 or 2 (the feed-forward block as one kernel, kernels/mlp_cluster.cu, with 128 or 64 hidden
-    columns a CTA) cannot run this shape; None when it can (``device`` None: the GPU is not checked)."""
+    columns a CTA), with ``out.fuse`` 1 the out-projection in front of it, cannot run this shape; None when it can
+    (``device`` None: the GPU is not checked)."""
     from tuner.kernels import mlp_cluster
 
     if cfg.norm2.fuse == 1:
         return "needs norm2.fuse 0 or 2 (the row sums from the out-projection), not 1"
+    if cfg.out.fuse and cfg.norm2.fuse != 2:
+        return "with out.fuse 1 needs norm2.fuse 2 (LayerNorm 2 folded into the block), not 0"
     why = mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, dtype_bytes,
-                            device.smem_per_block_bytes if device is not None else 232448, mlp_fs(cfg))
+                            device.smem_per_block_bytes if device is not None else 232448, mlp_fs(cfg),
+                            out_proj=bool(cfg.out.fuse))
     if why is None and device is not None and device.capability != (9, 0):
         why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return why
@@ -46,6 +50,11 @@ def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
 def mlp_fs(cfg: DecoderConfig) -> int:
     """Hidden columns a CTA of the one-kernel feed-forward block: ``ffn2.fuse`` 1 -> 128, 2 -> 64."""
     return 64 if cfg.ffn2.fuse == 2 else 128
+
+
+def mlp_out_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
+    """Whether the one-kernel feed-forward block also computes the out-projection (``out.fuse`` 1 where it runs)."""
+    return bool(cfg.out.fuse) and mlp_fused(shape, cfg, dtype, device)
 
 
 def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
@@ -72,11 +81,20 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
             bad[name] = why
     for name, (gm, gn, gk) in shape.gemms().items():
         why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
-        if why is None and name != "ffn2" and getattr(cfg, name).fuse:
-            why = "fuse=1 is FFN2's (FFN2 computed by FFN1's kernel); it must be 0 here"
-        if why is None and name == "ffn2" and cfg.ffn2.fuse:
+        fuse = getattr(cfg, name).fuse
+        if why is None and name in ("qkv", "ffn1") and fuse:
+            why = "fuse is FFN2's and the out-projection's (computed by FFN1's kernel); it must be 0 here"
+        if why is None and name == "out" and fuse:
+            if fuse != 1:
+                why = f"fuse={fuse} is FFN2's; the out-projection's is 0 or 1 (computed by FFN1's kernel)"
+            elif not cfg.ffn2.fuse:
+                why = "fuse=1 (the out-projection in FFN1's kernel) needs ffn2.fuse 1 or 2"
+            else:
+                why = mlp_error(shape, cfg, dtype_bytes, device)
+                why = why and f"fuse=1 (the out-projection in FFN1's kernel) {why}"
+        if why is None and name == "ffn2" and fuse:
             why = mlp_error(shape, cfg, dtype_bytes, device)
-            why = why and f"fuse={cfg.ffn2.fuse} (the feed-forward block as one kernel) {why}"
+            why = why and f"fuse={fuse} (the feed-forward block as one kernel) {why}"
         if why:
             bad[name] = why
     why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
@@ -110,6 +128,8 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     cfg = fit_config(cfg, shape)
     cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
                           for n, (m, nn, k) in shape.gemms().items()})
+    if cfg.out.fuse and (not cfg.ffn2.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
+        cfg = replace(cfg, out=replace(cfg.out, fuse=0))  # the out-projection runs its own config
     if cfg.ffn2.fuse and mlp_error(shape, cfg, dtype_bytes, device):  # FFN1 and FFN2 run their own configs
         cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=0))
     return cfg
@@ -186,7 +206,7 @@ class LayerBuffers:
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.ws = {}
         self.fused = None
-        self.mlp = False
+        self.mlp = self.mlp_out = False
         self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
             self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
@@ -200,6 +220,7 @@ class LayerBuffers:
         # out-projection (norm2), y's from FFN2 (the next layer's norm1), or from the one-kernel feed-forward block
         # (one part a CTA).
         self.mlp = mlp_fused(shape, cfg, dtype, device)
+        self.mlp_out = self.mlp and bool(cfg.out.fuse)
         if self.mlp:
             from tuner.kernels import mlp_cluster
 
@@ -207,7 +228,7 @@ class LayerBuffers:
         else:
             y_parts = gemm_k.stats_parts(cfg.ffn2, d)
         st = lambda parts: torch.empty((parts, m, 2), dtype=torch.float32, device=device)  # noqa: E731
-        self.h_stats = st(gemm_k.stats_parts(cfg.out, d)) if cfg.norm2.fuse == 2 else None
+        self.h_stats = st(gemm_k.stats_parts(cfg.out, d)) if cfg.norm2.fuse == 2 and not self.mlp_out else None
         self.y_stats = st(y_parts) if cfg.norm1.fuse == 2 else None
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
@@ -278,11 +299,16 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     if b.mlp:  # FFN1 + GELU + FFN2 in one kernel, launched in FFN1's place
         from tuner.kernels import mlp_cluster
 
+        # With out.fuse 1 it starts from the attention's output and computes h = x + out-projection itself.
+        h_in, res, o = (b.attn, x, dict(wo=w.w_out, bo=w.b_out)) if b.mlp_out else (b.h if ln2 else b.ln2, b.h, {})
         launches[5] = ("ffn1", lambda: mlp_cluster.launch(
-            b.h if ln2 else b.ln2, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, b.h, b.y, act=gemm_k.act_code("gelu", b.h),
-            stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"), ln_colsum=ln2.get("ln_colsum"),
-            ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1"), fs=mlp_fs(cfg)))
+            h_in, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, res, b.y, act=gemm_k.act_code("gelu", b.h),
+            stats_out=ffn2_kw.get("stats_out"), ln_stats=None if b.mlp_out else ln2.get("ln_stats"),
+            ln_colsum=ln2.get("ln_colsum"), ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1"),
+            fs=mlp_fs(cfg), **o))
         skip.add("ffn2")
+        if b.mlp_out:
+            skip.add("out")
     return [(n, f) for n, f in launches if n not in skip]
 
 
