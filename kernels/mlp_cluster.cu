@@ -63,7 +63,8 @@ struct Params {
   float ln_eps;
   int ln_parts;
   long long* trace;    // diagnostics: %globaltimer [programs, 8]: entry, wait returned, both GEMMs done, end, then
-                       // w1 landed, the token tile landed, the first GEMM done, the exchange done
+                       // w1 landed, the token tile landed, the first GEMM done, the exchange done (OUT_IN: the
+                       // attention's token tile landed, x gathered, the first GEMM done, the exchange done)
   int M, D, F;
   int res_stride, out_stride, xres_stride;
   int flags;
@@ -250,6 +251,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     for (int i = 0; i < NO / 2; ++i) oacc[i] = 0.f;
     mbar_wait(wobar, 0);
     mbar_wait(xbar, 0);
+    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
     mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
     const uint32_t tile = x1s + jt * XT;
 #pragma unroll
@@ -298,6 +300,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
     mbar_wait(x1bar, 0);
+    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
     if (tid < BT) {  // the LayerNorm's row factors from the kt1 parts (lnrow: read after GEMM 1's barrier)
       float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -342,9 +345,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mbar_wait(w1bar, 0);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+  if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
+  if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
   mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow

@@ -16,7 +16,8 @@ entry, gdc_wait returned, K loop done, epilogue stored. Per GEMM of the middle l
   split skew      (split-K reduced in a cluster) median over tiles of the spread of its splits' K-loop ends: how long
                   the first split to finish waits for the last one's partial
 With ffn2.fuse 1 the row "ffn1" is the feed-forward block as one kernel (kernels/mlp_cluster.cu): its "loop" is
-both GEMMs (the token tile's load included), its "epilogue" the exchange and the stores.
+both GEMMs (the token tile's load included, and with out.fuse 1 the out-projection and its exchange), its "epilogue"
+the exchange and the stores.
 The stamps add a few instructions per program: compare the un-traced per-layer time printed beside.
 %globaltimer advances in coarse steps on the H200 (the medians land on multiples of 0.25 us): read the
 figures as +- 0.25 us.
@@ -76,6 +77,7 @@ def trace(shape, name, hot=False):
 
     real_mlp = mlp_cluster.launch
     fused_keys = set()
+    out_in = [False]  # the block computes the out-projection too (its stamps 4 and 5 differ)
     steps = []  # the fused block's own steps, per layer
 
     def traced_mlp(x, w1, b1, w2, b2, residual, out, **kw):  # the feed-forward block as one kernel (ffn2.fuse)
@@ -86,6 +88,7 @@ def trace(shape, name, hot=False):
             order.append(key)
             tiling[key] = (tiles, splits)
             fused_keys.add(key)
+            out_in[0] = kw.get("wo") is not None
         return real_mlp(x, w1, b1, w2, b2, residual, out, trace=traces[key], **kw)
 
     gemm_k.linear, mlp_cluster.launch = traced, traced_mlp
@@ -135,7 +138,11 @@ def trace(shape, name, hot=False):
         med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None
                for i in range(len(v[0]))]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
-    if steps:
+    if steps and out_in[0]:
+        print("feed-forward block with the out-projection (us, medians; from the wait's return): the attention's "
+              "tile landed, x gathered (out-projection, its exchange); then first GEMM (from the later of the two), "
+              "h and second GEMM, exchange, epilogue: " + ", ".join(f"{statistics.median(c):.2f}" for c in zip(*steps)))
+    elif steps:
         print("feed-forward block (us, medians; from the wait's return): w1 landed, x landed; then first GEMM, h and "
               "second GEMM, exchange, epilogue: " + ", ".join(f"{statistics.median(c):.2f}" for c in zip(*steps)))
 

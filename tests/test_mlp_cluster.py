@@ -96,13 +96,15 @@ def test_error_out_projection():
 @gpu
 @pytest.mark.parametrize("m, d, f, fs, ln, pdl", [
     (32, 256, 1024, 128, True, True), (32, 256, 1024, 128, False, False), (17, 256, 1024, 128, True, False),
-    (64, 256, 512, 128, True, True), (100, 256, 1024, 128, True, False), (45, 128, 256, 128, True, True),
-    (77, 128, 512, 128, False, False), (32, 256, 1024, 64, True, True), (50, 128, 256, 64, True, False)])
+    (64, 128, 512, 128, True, True), (100, 128, 256, 128, True, False), (45, 128, 256, 128, True, True),
+    (77, 128, 512, 128, False, False), (32, 256, 1024, 64, True, True), (50, 128, 256, 64, True, False),
+    (64, 256, 1024, 64, True, False), (100, 256, 512, 64, True, True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     """out.fuse 1: the attention's out-projection computed in front of the block, gathered in the cluster; its row
     sums feed the folded LayerNorm; the output's row sums written for the next norm."""
     _hopper()
+    assert mlp_cluster.error(m, d, f, fs=fs, out_proj=True) is None  # (64 tokens: a token tile of 64, more memory)
     x, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=2)
     g = torch.Generator().manual_seed(3)
     wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda()
@@ -163,6 +165,8 @@ def test_layer_rules():
     tiles = format_tiles(kernels)
     assert tiles.endswith("; ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")
     assert gemm_op(kernels, "ffn2") == "-" and gemm_op(kernels, "ffn1") == "(0.0,1.0)"  # FFN2's pair is unused
+    kernels = out.to_dict()["kernels"]
+    assert "; out in ffn1 (mlp); " in format_tiles(kernels) and gemm_op(kernels, "out") == "-"
 
 
 @pytest.mark.parametrize("fuse, out", [(1, 0), (2, 0), (1, 1), (2, 1)],
@@ -209,5 +213,24 @@ def test_racy_fused_block_is_caught():
     cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=1))
     st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
     assert st.bufs[0].mlp
+    r = race_detection(st, "ffn1", layer=1, trials=10)
+    assert r["caught"] >= 5 and r["false_alarms"] == 0, r
+
+
+@gpu
+def test_racy_fused_block_with_out_projection_is_caught():
+    # out.fuse 1: the block's racy variant loads the attention's output before its wait, right behind the attention
+    # kernel (tune verify's "mlp_out" check).
+    _hopper()
+    from tuner.bench import hand_picked_cluster
+    from tuner.layer import DecoderStack
+    from tuner.shapes import resolve
+    from tuner.verify import race_detection
+
+    shape = resolve("tiny")
+    cfg = hand_picked_cluster(shape)
+    assert cfg.out.fuse == 1 and cfg.ffn2.fuse == 1
+    st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
+    assert st.bufs[0].mlp_out and not st.launches("out")
     r = race_detection(st, "ffn1", layer=1, trials=10)
     assert r["caught"] >= 5 and r["false_alarms"] == 0, r

@@ -95,15 +95,18 @@ def test_enqueued_configs_lie_inside_the_default_space(shape, which):
         assert values[name] in dim.choices, (name, values[name], dim.choices)
 
 
-def test_gemm_fuse_is_ffn2s_alone(tmp_path):
-    # The gemm family's fuse choices apply to FFN2 (computed by FFN1's kernel); the other GEMMs keep 0, and an
+def test_gemm_fuse_is_ffn2s_and_outs(tmp_path):
+    # The gemm family's fuse choices apply to FFN2 and the out-projection (computed by FFN1's kernel); the other GEMMs keep 0, and an
     # override that gives them 1 is an error that names it.
     sp = space.load()
-    assert sp.dims["ffn2"]["fuse"].choices == (0, 1)
-    assert all(sp.dims[k]["fuse"].choices == (0,) for k in ("qkv", "out", "ffn1"))
+    assert sp.dims["ffn2"]["fuse"].choices == (0, 1) and sp.dims["out"]["fuse"].choices == (0, 1)
+    assert all(sp.dims[k]["fuse"].choices == (0,) for k in ("qkv", "ffn1"))
     old = load_edit(tmp_path, lambda d: d["gemm"].pop("fuse"))  # a file written before the switch
     assert old.dims["ffn2"]["fuse"].choices == (0,)
-    with pytest.raises(SpaceError, match=r"kernels.qkv.fuse: only ffn2 can be fused"):
+    assert load_edit(tmp_path, lambda d: d["gemm"].update(fuse=[0, 1, 2])).dims["out"]["fuse"].choices == (0, 1)
+    with pytest.raises(SpaceError, match=r"kernels.out.fuse: expected a list of 0 and 1"):
+        load_edit(tmp_path, lambda d: d.update(kernels={"out": {"fuse": [0, 2]}}))
+    with pytest.raises(SpaceError, match=r"kernels.qkv.fuse: only ffn2 and out can be fused"):
         load_edit(tmp_path, lambda d: d.update(kernels={"qkv": {"fuse": [0, 1]}}))
 
 

@@ -143,7 +143,7 @@ def cmd_verify(args) -> int:
 
     from tuner import bench, manifest, verify
     from tuner.device import DeviceInfo
-    from tuner.layer import check_config, mlp_fused
+    from tuner.layer import check_config, mlp_fused, mlp_out_fused
 
     shapes = _shapes(args.shape)
     dtype = _dtype(args.dtype)
@@ -163,6 +163,12 @@ def cmd_verify(args) -> int:
         mlp = replace(clustered, ffn2=replace(clustered.ffn2, fuse=1))
         if mlp_fused(shape, mlp, dtype, "cuda"):
             res["mlp"] = verify.run_verify(shape, mlp, dtype=dtype, race_trials=args.trials, racy_kernels=("ffn1",))
+        # And with the out-projection in front of the block (out.fuse 1; LayerNorm 2 folded in: norms 2), behind
+        # the attention kernel.
+        mlp_out = bench.hand_picked_cluster(shape)
+        if mlp_out_fused(shape, mlp_out, dtype, "cuda"):
+            res["mlp_out"] = verify.run_verify(shape, mlp_out, dtype=dtype, race_trials=args.trials,
+                                               racy_kernels=("ffn1",))
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))

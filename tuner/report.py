@@ -255,18 +255,20 @@ def fused_layer(kernels: dict) -> dict | None:
 
 
 def gemm_op(kernels: dict, g: str) -> str:
-    """A GEMM's '(o,p)'; in a fused layer every GEMM runs under the layer's one pair; '-' for FFN2 computed by FFN1's
-    kernel (``ffn2.fuse``: a run keeps it only where it ran), whose pair is unused."""
+    """A GEMM's '(o,p)'; in a fused layer every GEMM runs under the layer's one pair; '-' for FFN2 and the
+    out-projection computed by FFN1's kernel (``ffn2.fuse``, ``out.fuse``: a run keeps them only where they ran),
+    whose pairs are unused."""
     f = fused_layer(kernels)
     c = f or kernels.get(g) or {}
-    if g == "ffn2" and not f and _num(c.get("fuse")) in (1, 2):
+    if g in ("out", "ffn2") and not f and _num(c.get("fuse")) in ((1,) if g == "out" else (1, 2)):
         return "-"
     return format_op(c.get("overlap_ratio"), c.get("prefetch_ratio")) if c else "-"
 
 
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
-    '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel);
+    '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel, and
+    'out in ffn1 (mlp)' where the out-projection is too);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
     'layer cuda 64x64x64/10s out sk4; ffn2 sk4'."""
     f = fused_layer(kernels)
@@ -285,6 +287,9 @@ def format_tiles(kernels: dict) -> str:
     for g in GEMMS:
         c = kernels.get(g)
         if not isinstance(c, dict):
+            continue
+        if g == "out" and _num(c.get("fuse")) == 1:  # computed by FFN1's kernel, in front of the block
+            parts.append("out in ffn1 (mlp)")
             continue
         if g == "ffn2" and _num(c.get("fuse")) in (1, 2):  # computed by FFN1's kernel where it fits
             parts.append("ffn2 in ffn1 (mlp" + (", 64 a CTA)" if _num(c.get("fuse")) == 2 else ")"))

@@ -30,9 +30,9 @@ RATIOS = ("overlap_ratio", "prefetch_ratio")
 # Kernels whose weights can be prefetched (attention has none).
 PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline;
-# GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels; GemmConfig.fuse: 0 is FFN2's own
-# kernel, and only FFN2 has the choice: the gemm family's fuse applies to it alone). A file that leaves one out
-# gets [0].
+# GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels; GemmConfig.fuse: 0 is FFN2's and the
+# out-projection's own kernel, and only those two have the choice: the gemm family's fuse applies to them alone, its
+# 2 to FFN2 alone). A file that leaves one out gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows; so has the
 # GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits; and FFN2's fuse: 2 runs the one-kernel
@@ -179,11 +179,15 @@ def parse(data, source: str = "<space>") -> SearchSpace:
             if k not in PREFETCHING and f == "prefetch_ratio":
                 raise SpaceError(f"{source}: kernels.{k}.prefetch_ratio: attention has no weights to prefetch")
             raw[f] = v
-        if fam == "gemm" and k != "ffn2":  # fuse 1 is FFN2's (computed by FFN1's kernel)
+        if fam == "gemm" and k in ("qkv", "ffn1"):  # fuse is FFN2's and the out-projection's (FFN1's kernel)
             if any(v != 0 for v in (ov.get("fuse") or [0])):
-                raise SpaceError(f"{source}: kernels.{k}.fuse: only ffn2 can be fused (into FFN1's kernel); "
+                raise SpaceError(f"{source}: kernels.{k}.fuse: only ffn2 and out can be fused (into FFN1's kernel); "
                                  "expected [0]")
             raw["fuse"] = [0]
+        if k == "out" and isinstance(raw.get("fuse"), list):  # 0 or 1: 2 is FFN2's (64 hidden columns a CTA)
+            if "fuse" in ov and any(v not in (0, 1) for v in ov["fuse"]):
+                raise SpaceError(f"{source}: kernels.out.fuse: expected a list of 0 and 1, got {ov['fuse']!r}")
+            raw["fuse"] = [v for v in raw["fuse"] if v in (0, 1)] or [0]
         # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
         dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
                                              else f"ratios.{f.removesuffix('_ratio')}"),
