@@ -20,12 +20,11 @@
 //
 //   x = xres + a @ wo.T + bo    (a: the attention output [M, D], wo [D, D]; xres: the layer's input, its residual)
 //
-// so that the layer has one kernel fewer again. Each CTA computes OT (MLP_OT: 1, 2, .. D / 64) 64-column tiles of x
-// for the token tile, tiles OT jt .. with jt = rank % G, G = D / (64 OT) (swapped: xT = wo_rows @ a.T, its 64 OT rows
-// of wo in shared memory before the wait), writes them into its copy of the token tile of x in GEMM 1's B layout,
-// and pushes them with their rows' sums to the G - 1 other CTAs of its group of G consecutive ranks (bulk copies, as
-// the reduce-scatter). After that exchange every CTA holds all of x for GEMM 1, the LayerNorm's row sums of x from
-// the parts, and x as the block's residual. With OT = D / 64 there is no exchange: every CTA computes all of x.
+// so that the layer has one kernel fewer again. Each CTA computes one 64-column tile jt = rank % (D / 64) of x for the
+// token tile (swapped: xT = wo_rows @ a.T, its 64 rows of wo in shared memory before the wait), writes it into its
+// copy of the token tile of x in GEMM 1's B layout, and pushes it with its rows' sums to the D / 64 - 1 other CTAs of
+// its group of D / 64 consecutive ranks (bulk copies, as the reduce-scatter). After that exchange every CTA holds all
+// of x for GEMM 1, the LayerNorm's row sums of x from the parts, and x as the block's residual.
 //
 // Grid: (D / 128 output column groups, token tiles, SC); a cluster spans the SC hidden slices of one (column group,
 // token tile). Built at run time by kernels/mlp_cluster.py (nvcc, sm_90a), one library per variant.
@@ -73,38 +72,8 @@ struct Params {
 
 // acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
 // tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
-#ifndef MLP_CHAINS
-#define MLP_CHAINS 1
-#endif
-
 template <bool BF16, int N, int KT, int A_STRIDE, int B_STRIDE>
 __device__ __forceinline__ void mma_tiles(float* acc, uint32_t a, uint32_t b) {
-#if MLP_CHAINS == 2
-  // Experiment: two accumulator chains, alternate k16 steps into each (a chain of 16 dependent wgmma at N = 16-32
-  // may be bound by the MMA's latency rather than its rate), added at the end.
-  float acc2[N / 2];
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc2[i] = 0.f;
-  fence_acc<N / 2>(acc);
-  fence_acc<N / 2>(acc2);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < KT; ++k) {
-    const uint64_t da = smem_desc(a + k * A_STRIDE), db = smem_desc(b + k * B_STRIDE);
-#pragma unroll
-    for (int kk = 0; kk < 4; kk += 2) {
-      wgmma_64xNx16<BF16, N>(acc, da + 2 * kk, db + 2 * kk);
-      wgmma_64xNx16<BF16, N>(acc2, da + 2 * kk + 2, db + 2 * kk + 2);
-    }
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_acc<N / 2>(acc);
-  fence_acc<N / 2>(acc2);
-#pragma unroll
-  for (int i = 0; i < N / 2; ++i) acc[i] += acc2[i];
-  return;
-#endif
   fence_acc<N / 2>(acc);
   wgmma_fence();
 #pragma unroll
@@ -119,15 +88,13 @@ __device__ __forceinline__ void mma_tiles(float* acc, uint32_t a, uint32_t b) {
 }
 
 // FS hidden columns a CTA: 128 (the two warpgroups split them in the first GEMM) or 64 (they split the tokens).
-template <bool BF16, int SC, int EPI, int BT, int KT1, int FS, int OT>
+template <bool BF16, int SC, int EPI, int BT, int KT1, int FS>
 __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__ Params p) {
   static_assert(SC >= 2 && SC <= 16 && (SC & (SC - 1)) == 0, "hidden slices: 2 to 16 CTAs a cluster");
   static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
   static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
   constexpr bool OUTP = (EPI & OUT_IN) != 0;
-  constexpr int G = KT1 / OT;  // OUT_IN: CTAs a group: each computes OT of x's D / 64 tiles and pushes them
-  static_assert(!OUTP || (KT1 % OT == 0 && (OT == 1 || OT % 2 == 0) && SC % G == 0),
-                "OUT_IN: OT tiles of x a CTA (1 or even, dividing D / 64), the cluster a whole number of groups");
+  static_assert(!OUTP || SC % KT1 == 0, "OUT_IN: the cluster a whole number of groups of D / 64 CTAs");
   using E = Elem<BF16>;
   using T = typename E::T;
   constexpr int ACT = (EPI >> 6) & 3;
@@ -156,12 +123,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t part = hs + FT * XT;
   const uint32_t recv = part + NG * XR * 2;
   constexpr int WOT = 64 * 128;             // OUT_IN: bytes of a 64-wide K tile of the 64 rows of wo
-  const uint32_t wos = recv + SC * SLAB;    // OUT_IN: this CTA's 64 OT rows of wo (its 64 OT columns of x)
-  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B); in the attention's tile's place when a CTA computes
-  // all of it (G = 1)
-  const uint32_t x1t = wos + (OUTP ? OT * kt1 * WOT : 0);
-  const uint32_t x1s = G == 1 ? xs : x1t;
-  const uint32_t x1st = x1t + (OUTP && G > 1 ? kt1 * XT : 0);  // OUT_IN: x's row sums, [D / 64][BT] (s1, s2)
+  const uint32_t wos = recv + SC * SLAB;    // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
+  const uint32_t x1s = wos + (OUTP ? kt1 * WOT : 0);  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B)
+  const uint32_t x1st = x1s + (OUTP ? kt1 * XT : 0);  // OUT_IN: x's row sums, [D / 64][BT] (s1, s2) a 64-column tile
   const uint32_t w1bar = x1st + (OUTP ? kt1 * BT * 8 : 0);  // w1's slice has landed
   const uint32_t w2bar = w1bar + 8;         // w2's slice has landed
   const uint32_t xbar = w2bar + 8;          // the token tile has landed
@@ -178,7 +142,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
   const int f0 = rank * FS;
-  const int jt = rank % G;  // OUT_IN: this CTA computes x's 64-column tiles OT jt .. OT jt + OT - 1
+  const int jt = rank % kt1;  // OUT_IN: the 64-column tile of x this CTA computes
   const bool pdl = (p.flags & USE_PDL) != 0;
 
   if (tid == CONSUMERS) {
@@ -194,7 +158,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       prefetch_tensormap(&p.wo_map);
       mbar_init(wobar, 1);
       mbar_init(x1bar, 1);
-      mbar_expect_tx(x1bar, (kt1 - OT) * (XT + BT * 8));
+      mbar_expect_tx(x1bar, (kt1 - 1) * (XT + BT * 8));
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -210,10 +174,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         tma_load3(xs, &p.x_map, xbar, t0, 0);
       }
       if constexpr (OUTP) {  // wo's rows first: the first thing needed after the wait
-        mbar_expect_tx(wobar, OT * kt1 * WOT);
-        for (int o = 0; o < OT; ++o)
-          for (int k = 0; k < kt1; ++k)
-            tma_load(wos + (o * kt1 + k) * WOT, &p.wo_map, wobar, k * 64, (OT * jt + o) * 64);
+        mbar_expect_tx(wobar, kt1 * WOT);
+        for (int k = 0; k < kt1; ++k) tma_load(wos + k * WOT, &p.wo_map, wobar, k * 64, jt * 64);
       }
       mbar_expect_tx(w1bar, kt1 * W1T);
       for (int k = 0; k < kt1; ++k) tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
@@ -266,62 +228,46 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
   }
   if constexpr (OUTP) {
-    // The out-projection: xT[c, t] = sum_k wo[c, k] a[t0 + t, k] for this CTA's OT 64-row tiles of c (tiles
-    // OT jt ..): with one tile both warpgroups take all 64 rows, each half the tokens; with more, warpgroup wg takes
-    // tiles wg, wg + 2, .. for all tokens. + bo + xres, into x1s as GEMM 1's B operand.
-    constexpr int NO = OT == 1 ? BT / 2 : BT;  // tokens a warpgroup
-    constexpr int MT = OT == 1 ? 1 : OT / 2;   // 64-row tiles a warpgroup
-    const int to = OT == 1 ? NO * wg : 0;
-    float bov[MT][2];
-    T xr[MT][NO / 8][2][2];
+    // The out-projection: xT[c, t] = sum_k wo[64 jt + c, k] a[t0 + t, k], both warpgroups on all 64 rows c, each on
+    // half the tokens; + bo + xres, into tile jt of x1s as GEMM 1's B operand.
+    constexpr int NO = BT / 2;
+    const int to = NO * wg;
+    float bov[2];
+    T xr[NO / 8][2][2];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const int c0 = 64 * (OT * jt + (OT == 1 ? 0 : wg + 2 * m));
+    for (int h = 0; h < 2; ++h) bov[h] = E::f(static_cast<const T*>(p.bo)[64 * jt + r_lo + 8 * h]);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) bov[m][h] = E::f(static_cast<const T*>(p.bo)[c0 + r_lo + 8 * h]);
+    for (int j = 0; j < NO / 8; ++j)
 #pragma unroll
-      for (int j = 0; j < NO / 8; ++j)
+      for (int e = 0; e < 2; ++e) {
+        const int xrow = min(t0 + to + 8 * j + c_lo + e, p.M - 1);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int xrow = min(t0 + to + 8 * j + c_lo + e, p.M - 1);
+        for (int h = 0; h < 2; ++h)
+          xr[j][e][h] = static_cast<const T*>(p.xres)[static_cast<long long>(xrow) * p.xres_stride + 64 * jt + r_lo +
+                                                      8 * h];
+      }
+    float oacc[NO / 2];
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            xr[m][j][e][h] =
-                static_cast<const T*>(p.xres)[static_cast<long long>(xrow) * p.xres_stride + c0 + r_lo + 8 * h];
-        }
-    }
-    float oacc[MT][NO / 2];
-#pragma unroll
-    for (int m = 0; m < MT; ++m)
-#pragma unroll
-      for (int i = 0; i < NO / 2; ++i) oacc[m][i] = 0.f;
+    for (int i = 0; i < NO / 2; ++i) oacc[i] = 0.f;
     mbar_wait(wobar, 0);
     mbar_wait(xbar, 0);
     if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+    mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
+    const uint32_t tile = x1s + jt * XT;
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
-      mma_tiles<BF16, NO, KT1, WOT, XT>(oacc[m], wos + (OT == 1 ? 0 : wg + 2 * m) * KT1 * WOT, xs + to * 128);
-    if constexpr (G == 1) consumer_sync<CONSUMERS>();  // x1s is xs: every warpgroup's MMAs have read it
+    for (int j = 0; j < NO / 8; ++j)
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      const uint32_t tile = x1s + (OT * jt + (OT == 1 ? 0 : wg + 2 * m)) * XT;
+      for (int e = 0; e < 2; ++e)
 #pragma unroll
-      for (int j = 0; j < NO / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const T xv = E::one(oacc[m][4 * j + 2 * h + e] + bov[m][h] + E::f(xr[m][j][e][h]));
-            asm volatile("st.shared.b16 [%0], %1;" ::"r"(swz(tile, to + 8 * j + c_lo + e, r_lo + 8 * h)),
-                         "h"(*reinterpret_cast<const unsigned short*>(&xv))
-                         : "memory");
-          }
-    }
+        for (int h = 0; h < 2; ++h) {
+          const T xv = E::one(oacc[4 * j + 2 * h + e] + bov[h] + E::f(xr[j][e][h]));
+          asm volatile("st.shared.b16 [%0], %1;" ::"r"(swz(tile, to + 8 * j + c_lo + e, r_lo + 8 * h)),
+                       "h"(*reinterpret_cast<const unsigned short*>(&xv))
+                       : "memory");
+        }
     consumer_sync<CONSUMERS>();
-#pragma unroll
-    for (int o = 0; o < OT; ++o) {  // each tile's row sums (of x as rounded): TPX adjacent threads a token
+    {  // the tile's row sums (of x as rounded): TPX adjacent threads a token, CPX columns each
       constexpr int TPX = CONSUMERS / BT, CPX = 64 / TPX;
-      const int ti = OT * jt + o;
       const int t = tid / TPX, q = tid % TPX;
       float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -329,7 +275,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         uint4 v;
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
                      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(swz(x1s + ti * XT, t, q * CPX + c)));
+                     : "r"(swz(tile, t, q * CPX + c)));
         const T* vv = reinterpret_cast<const T*>(&v);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -339,18 +285,17 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         }
       }
       lane_sum2<TPX>(s1, s2);
-      if (q == 0) reinterpret_cast<float2*>(smem_raw + (x1st - raw))[ti * BT + t] = make_float2(s1, s2);
+      if (q == 0) reinterpret_cast<float2*>(smem_raw + (x1st - raw))[jt * BT + t] = make_float2(s1, s2);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     consumer_sync<CONSUMERS>();
-    if (G > 1 && tid == 0) {  // to the other CTAs of this group of G ranks: each gets OT tiles (and sums) from each
+    if (tid == 0) {  // to the other CTAs of this group of kt1 ranks: each gets one tile (and its sums) from each
       const int g = rank - jt;
-      const uint32_t tiles = x1s + OT * jt * XT, sums = x1st + OT * jt * BT * 8;
 #pragma unroll 1
-      for (int j = 1; j < G; ++j) {
-        const int dst = g + (jt + j) % G;
-        bulk_push(map_to_cta(tiles, dst), tiles, OT * XT, map_to_cta(x1bar, dst));
-        bulk_push(map_to_cta(sums, dst), sums, OT * BT * 8, map_to_cta(x1bar, dst));
+      for (int j = 1; j < kt1; ++j) {
+        const int dst = g + (jt + j) % kt1;
+        bulk_push(map_to_cta(tile, dst), tile, XT, map_to_cta(x1bar, dst));
+        bulk_push(map_to_cta(x1st + jt * BT * 8, dst), x1st + jt * BT * 8, BT * 8, map_to_cta(x1bar, dst));
       }
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
@@ -521,21 +466,15 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #ifndef MLP_FS
 #define MLP_FS 128
 #endif
-#ifndef MLP_OT
-#define MLP_OT 1
-#endif
 
 extern "C" int mlp_variant() {
   return MLP_BF16 | (MLP_SC << 1) | (MLP_EPI << 8) | (MLP_BT << 16) | ((MLP_D / 64) << 24) | ((MLP_FS / 64) << 29);
 }
 
-extern "C" int mlp_out_tiles() { return MLP_OT; }
-
 extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
-  constexpr int OT = MLP_OT, kt = d / 64;
-  constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? OT * kt * 64 * 128 + (kt == OT ? 0 : kt * BT * 128) + kt * BT * 8 : 0;
+  constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + BT * 8) : 0;
   return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
          NG * XR * 2 + MLP_SC * R * XR * 2 + out_in + 48 + BT * 8;
 }
@@ -581,7 +520,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   p.out_stride = out_stride;
   p.flags = flags;
   static_assert(MLP_D % NG == 0 && MLP_D <= 512, "D: a multiple of 128 up to 512");
-  auto kernel = mlp_kernel<MLP_BF16 != 0, SC, MLP_EPI, BT, MLP_D / 64, FS, MLP_OT>;
+  auto kernel = mlp_kernel<MLP_BF16 != 0, SC, MLP_EPI, BT, MLP_D / 64, FS>;
   if (SC > 8) {  // a cluster of 16: beyond the portable 8 (Hopper allows it on request)
     static bool allowed = false;
     if (!allowed) {

@@ -29,11 +29,6 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-# Experiment switch (scripts/timeline.py @mlp_chains=1): the block's GEMMs as two accumulator chains (MLP_CHAINS 2).
-CHAINS2 = False
-# x's 64-column tiles a CTA computes with the out-projection in front (mlp_cluster.cu's OT; default of launch's
-# out_tiles): 1, or an even divisor of d / 64 (d / 64: every CTA all of x, no exchange).
-OUT_TILES = 1
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 14 + [ctypes.c_int] * 12
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
@@ -43,19 +38,18 @@ def token_tile(m: int) -> int:
     return 32 if m <= 32 else 64
 
 
-def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False, out_tiles: int = 1) -> int:
+def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False) -> int:
     """mlp_cluster.cu's mlp_smem_bytes: the weights (fs x d of w1, 128 x fs of w2), the token tile, h, the partial
     and the slabs received, with ``out_proj`` 64 rows of wo, x's token tile and its row sums, then mbarriers and the
     LayerNorm's row factors."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
-    kt = d // 64
-    out_in = out_tiles * kt * 8192 + (0 if kt == out_tiles else kt * bt * 128) + kt * bt * 8 if out_proj else 0
+    out_in = (d // 64) * (64 * 128 + bt * 128 + bt * 8) if out_proj else 0
     return (1024 + (d // 64) * fs * 128 + (fs // 64) * 16384 + (d // 64) * bt * 128 + (fs // 64) * bt * 128
             + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + out_in + 48 + bt * 8)
 
 
 def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128,
-          out_proj: bool = False, out_tiles: int = 1) -> str | None:
+          out_proj: bool = False) -> str | None:
     """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA (and with ``out_proj`` the
     out-projection in front); None when it can."""
     if dtype_bytes != 2:
@@ -66,12 +60,9 @@ def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448
         return f"needs ffn = {fs} x {SPLITS[fs]} hidden columns, not {f}"
     if d % COLUMNS_PER_GROUP or d > 512:
         return f"needs d_model a multiple of 128 up to 512, not {d}"
-    if out_proj and (out_tiles < 1 or (d // 64) % out_tiles or (out_tiles > 1 and out_tiles % 2)):
-        return f"needs the out-projection's tiles a CTA 1 or an even divisor of d_model / 64 = {d // 64}, not {out_tiles}"
-    if out_proj and (f // fs) % (d // 64 // out_tiles):
-        return (f"needs the cluster ({f // fs} CTAs) a multiple of d_model / 64 / out_tiles = {d // 64 // out_tiles} "
-                "for the out-projection")
-    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj, out_tiles)
+    if out_proj and (f // fs) % (d // 64):
+        return f"needs the cluster ({f // fs} CTAs) a multiple of d_model / 64 = {d // 64} for the out-projection"
+    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj)
     if need > smem_limit:
         return f"needs {need} B of shared memory (> {smem_limit})"
     return None
@@ -87,26 +78,24 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
     return d // (COLUMNS_PER_GROUP // (f // fs))
 
 
-def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128, ot: int = 1) -> ctypes.CDLL:
-    chains = 2 if CHAINS2 else 1
-    key = (bf16, sc, epi, bt, d, fs, ot, chains)
+def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> ctypes.CDLL:
+    key = (bf16, sc, epi, bt, d, fs)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,
-                               "MLP_OT": ot, "MLP_CHAINS": chains}, "mlp")
+    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs},
+                      "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int
     variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
-    if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN), ot) or lib.mlp_variant() != variant
-            or lib.mlp_out_tiles() != ot):
+    if lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN)) or lib.mlp_variant() != variant:
         raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, out_tiles=None) -> None:
+           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -119,13 +108,11 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
 
     With ``wo`` and ``bo`` ([D, D], [D]: the out-projection), ``x`` is the attention output and the block's input is
     ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
-    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``. ``out_tiles``: x's
-    64-column tiles a CTA computes (None: :data:`OUT_TILES`)."""
+    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``."""
     M, D = x.shape
     Fh = w1.shape[0]
     out_proj = wo is not None
-    ot = (OUT_TILES if out_tiles is None else out_tiles) if out_proj else 1
-    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj, out_tiles=ot)
+    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj)
     if why:
         raise ValueError(f"mlp: {why}")
     if out_proj != (bo is not None):
@@ -148,7 +135,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
-    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs, ot)
+    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs)
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),

@@ -86,31 +86,25 @@ def test_error_out_projection():
     """The out-projection in front (out.fuse 1): each CTA one 64-column tile, so a cluster of d / 64 CTAs or more."""
     assert mlp_cluster.error(32, 256, 1024, out_proj=True) is None  # tiny: 8 CTAs, 4 tiles
     assert mlp_cluster.error(32, 256, 1024, fs=64, out_proj=True) is None
-    assert "multiple of d_model / 64 / out_tiles = 4" in mlp_cluster.error(32, 256, 256, out_proj=True)  # 2 CTAs
-    assert "multiple of d_model / 64 / out_tiles = 6" in mlp_cluster.error(32, 384, 1024, out_proj=True)
+    assert "multiple of d_model / 64 = 4" in mlp_cluster.error(32, 256, 256, out_proj=True)  # 2 CTAs
+    assert "multiple of d_model / 64 = 6" in mlp_cluster.error(32, 384, 1024, out_proj=True)
     assert "shared memory" in mlp_cluster.error(32, 512, 1024, out_proj=True)
-    assert "not 3" in mlp_cluster.error(32, 256, 1024, out_proj=True, out_tiles=3)
-    assert "shared memory" in mlp_cluster.error(32, 256, 1024, out_proj=True, out_tiles=4)  # all of wo: 128 KB
-    assert mlp_cluster.error(32, 256, 1024, fs=64, out_proj=True, out_tiles=4) is None  # xs holds x then
     assert (mlp_cluster.smem_bytes(256, 8, 32, out_proj=True) - mlp_cluster.smem_bytes(256, 8, 32)
             == 4 * (8192 + 32 * 128 + 32 * 8))
 
 
 @gpu
-@pytest.mark.parametrize("m, d, f, fs, ln, pdl, ot", [
-    (32, 256, 1024, 128, True, True, 1), (32, 256, 1024, 128, False, False, 1), (17, 256, 1024, 128, True, False, 1),
-    (64, 128, 512, 128, True, True, 1), (100, 128, 256, 128, True, False, 1), (45, 128, 256, 128, True, True, 1),
-    (77, 128, 512, 128, False, False, 1), (32, 256, 1024, 64, True, True, 1), (50, 128, 256, 64, True, False, 1),
-    (64, 256, 1024, 64, True, False, 1), (100, 256, 512, 64, True, True, 1),
-    # several of x's tiles a CTA (out_tiles): groups of 2, and every CTA all of x (no exchange)
-    (32, 256, 1024, 128, True, True, 2), (45, 128, 512, 128, True, False, 2), (32, 256, 1024, 64, True, True, 4),
-    (17, 256, 1024, 64, False, False, 2), (64, 128, 256, 64, True, True, 2)])
+@pytest.mark.parametrize("m, d, f, fs, ln, pdl", [
+    (32, 256, 1024, 128, True, True), (32, 256, 1024, 128, False, False), (17, 256, 1024, 128, True, False),
+    (64, 128, 512, 128, True, True), (100, 128, 256, 128, True, False), (45, 128, 256, 128, True, True),
+    (77, 128, 512, 128, False, False), (32, 256, 1024, 64, True, True), (50, 128, 256, 64, True, False),
+    (64, 256, 1024, 64, True, False), (100, 256, 512, 64, True, True)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, ot, dtype):
+def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     """out.fuse 1: the attention's out-projection computed in front of the block, gathered in the cluster; its row
     sums feed the folded LayerNorm; the output's row sums written for the next norm."""
     _hopper()
-    assert mlp_cluster.error(m, d, f, fs=fs, out_proj=True, out_tiles=ot) is None  # (64 tokens: more memory)
+    assert mlp_cluster.error(m, d, f, fs=fs, out_proj=True) is None  # (64 tokens: a token tile of 64, more memory)
     x, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=2)
     g = torch.Generator().manual_seed(3)
     wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda()
@@ -124,8 +118,7 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, ot, dtype):
     parts = mlp_cluster.stats_parts(d, f, fs)
     stats = torch.full((parts, m, 2), float("nan"), device="cuda")
     out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, out, act=3, stats_out=stats, pdl=pdl, fs=fs, wo=wo, bo=bo,
-                       out_tiles=ot, **kw)
+    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, out, act=3, stats_out=stats, pdl=pdl, fs=fs, wo=wo, bo=bo, **kw)
     torch.cuda.synchronize()
     ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta) if ln else None, wo=wo, bo=bo)
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
