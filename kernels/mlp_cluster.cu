@@ -70,10 +70,6 @@ struct Params {
   int flags;
 };
 
-#ifndef MLP_XCHG
-#define MLP_XCHG 0  // experiment: 1 reduces the partials by remote 32-bit stores and per-thread arrivals, not bulk copies
-#endif
-
 // acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
 // tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
 template <bool BF16, int N, int KT, int A_STRIDE, int B_STRIDE>
@@ -156,12 +152,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     mbar_init(w1bar, 1);
     mbar_init(w2bar, 1);
     mbar_init(xbar, 1);
-#if MLP_XCHG
-    mbar_init(red, (SC - 1) * (R >= 16 ? 2 * R : 4 * R));  // the threads of each other CTA holding this CTA's slab
-#else
     mbar_init(red, 1);
     mbar_expect_tx(red, (SC - 1) * SLAB);
-#endif
     if constexpr (OUTP) {
       prefetch_tensormap(&p.wo_map);
       mbar_init(wobar, 1);
@@ -394,29 +386,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
-#if MLP_XCHG
-  // Each thread stores its pairs straight into the owner's slab, then arrives (release) on the owner's barrier.
-#pragma unroll
-  for (int j = 0; j < BT / 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      alignas(4) T pk[2] = {E::one(acc[4 * j + 2 * h]), E::one(acc[4 * j + 2 * h + 1])};
-      const uint32_t v = *reinterpret_cast<const uint32_t*>(pk);
-      const int r = 64 * wg + r_lo + 8 * h, q = r / R;
-      if (q == rank) {
-        *reinterpret_cast<uint32_t*>(part16 + r * XR + 8 * j + c_lo) = v;
-      } else {
-        st_cluster_u32(map_to_cta(recv + rank * SLAB + ((r - q * R) * XR + 8 * j + c_lo) * 2, q), v);
-      }
-    }
-#pragma unroll
-  for (int h = 0; h < (R >= 16 ? 1 : 2); ++h) {
-    const int q = (64 * wg + r_lo + 8 * h) / R;
-    if (q != rank) mbar_arrive_cluster(map_to_cta(red, q));
-  }
-  consumer_sync<CONSUMERS>();  // this CTA's own slab
-  mbar_wait_cluster(red, 0);
-#else
 #pragma unroll
   for (int j = 0; j < BT / 8; ++j)
 #pragma unroll
@@ -436,7 +405,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   mbar_wait(red, 0);
-#endif
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
 
   // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.

@@ -126,26 +126,6 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
 
-@gpu
-@pytest.mark.parametrize("m, d, f, fs, out", [(32, 256, 1024, 128, True), (17, 256, 1024, 64, True),
-                                              (45, 128, 256, 128, False), (77, 128, 512, 128, False),
-                                              (100, 256, 512, 64, False), (64, 128, 512, 64, True)])
-def test_mlp_reduce_by_remote_stores(m, d, f, fs, out, monkeypatch):
-    """The experiment switch XCHG_STORES: the partials stored straight into the owner CTA's slab, with per-thread
-    arrivals, instead of bulk copies (clusters of 2 to 16: 64 down to 8 rows a slab)."""
-    _hopper()
-    monkeypatch.setattr(mlp_cluster, "XCHG_STORES", True)
-    dtype = torch.float16
-    x, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=4)
-    g = torch.Generator().manual_seed(5)
-    wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda() if out else None
-    bo = (torch.randn(d, generator=g) * 0.1).to(dtype).cuda() if out else None
-    o = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-    mlp_cluster.launch(x, w1, b1, w2, b2, res, o, act=1, fs=fs, wo=wo, bo=bo, pdl=True)
-    torch.cuda.synchronize()
-    assert rel_error(o, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, wo=wo, bo=bo)) < REL_TOLERANCE[dtype]
-
-
 def _small():
     """A shape the one-kernel feed-forward block fits (d 128, ffn 256: a cluster of two), 17 tokens."""
     from tuner.shapes import DecoderShape
