@@ -224,38 +224,6 @@ __device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db
   }
 }
 
-// wgmma m64nNk16 with A from registers (4 x b32 a thread: the m16n8k16 A fragment of its warp's 16 rows) and B from
-// shared memory (descriptor): N = 32 or 64.
-#define CG_WGMMA_RS32(TYPE) \
-  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %21, 0;\n\t" \
-  "wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15" \
-  "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n\t}"
-
-#define CG_WGMMA_RS64(TYPE) \
-  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t" \
-  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
-  "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n\t}"
-
-#define CG_WGMMA_RS_TYPED(INSTR, ACC)                                                                       \
-  if constexpr (BF16) {                                                                                   \
-    asm volatile(INSTR("bf16") : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));   \
-  } else {                                                                                                \
-    asm volatile(INSTR("f16") : ACC(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));    \
-  }
-
-template <bool BF16, int N>
-__device__ __forceinline__ void wgmma_rs_64xNx16(float* d, const uint32_t* a, uint64_t db) {
-  static_assert(N == 32 || N == 64, "wgmma with A in registers: N 32 or 64");
-  if constexpr (N == 32) {
-    CG_WGMMA_RS_TYPED(CG_WGMMA_RS32, CG_ACC16)
-  } else {
-    CG_WGMMA_RS_TYPED(CG_WGMMA_RS64, CG_ACC32)
-  }
-}
-
 // mma.sync m16n8k16 (A from registers, B fragments through ldmatrix.trans): attention's P @ V.
 template <bool BF16>
 __device__ __forceinline__ void mma_16x8x16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {

@@ -53,8 +53,6 @@ struct Params {
   CUtensorMap wo_map;  // OUT_IN: wo [D, D]: box {64, 64}
   const void* bo;      // OUT_IN: [D]
   const void* xres;    // OUT_IN: [M, D] the out-projection's residual
-  const void* w1;      // MLP_W1REG: w1 [F, D] itself (row stride w1_stride)
-  int w1_stride;
   const void* b1;      // [F] (fp32 when B1_F32: LayerNorm-folded)
   const void* b2;      // [D]
   const void* res;     // [M, D]
@@ -71,27 +69,6 @@ struct Params {
   int res_stride, out_stride, xres_stride;
   int flags;
 };
-
-#ifndef MLP_W1REG
-#define MLP_W1REG 0  // experiment: 1 holds the first GEMM's w1 rows in registers (wgmma's A from registers)
-#endif
-
-// acc (64 x N) += A B^T over KT 64-wide K tiles with A in registers (a: the 4 KT x 4 b32 fragments of this thread,
-// loaded before the wait) and B's tile k at b + k B_STRIDE (K-major, 128-byte swizzled).
-template <bool BF16, int N, int KT, int B_STRIDE>
-__device__ __forceinline__ void mma_tiles_rs(float* acc, const uint32_t* a, uint32_t b) {
-  fence_acc<N / 2>(acc);
-  wgmma_fence();
-#pragma unroll
-  for (int k = 0; k < KT; ++k) {
-    const uint64_t db = smem_desc(b + k * B_STRIDE);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs_64xNx16<BF16, N>(acc, a + 4 * (4 * k + kk), db + 2 * kk);
-  }
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_acc<N / 2>(acc);
-}
 
 // acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
 // tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
@@ -200,10 +177,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         mbar_expect_tx(wobar, kt1 * WOT);
         for (int k = 0; k < kt1; ++k) tma_load(wos + k * WOT, &p.wo_map, wobar, k * 64, jt * 64);
       }
-      if (!MLP_W1REG) {
-        mbar_expect_tx(w1bar, kt1 * W1T);
-        for (int k = 0; k < kt1; ++k) tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
-      }
+      mbar_expect_tx(w1bar, kt1 * W1T);
+      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
       mbar_expect_tx(w2bar, FT * TILE_BYTES);
       for (int k = 0; k < FT; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
       gdc_wait();
@@ -234,24 +209,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     uv[h] = LN ? p.ln_colsum[f] : 0.f;
   }
-#if MLP_W1REG
-  // This thread's A fragments of the first GEMM: rows f0 + fw + 16 (warp % 4) + lane / 4 (+ 8), columns 16 s + 2 (lane % 4)
-  // (+ 1, + 8, + 9) for each k16 step s.
-  static_assert(FS == 128 && KT1 <= 4, "w1 in registers: 128 hidden columns a CTA, d_model up to 256");
-  uint32_t w1f[16 * KT1];
-  {
-    const uint32_t* w1p = reinterpret_cast<const uint32_t*>(
-        static_cast<const T*>(p.w1) + static_cast<long long>(f0 + fw + r_lo) * p.w1_stride + c_lo);
-    const int rs8 = 8 * p.w1_stride / 2;  // 8 rows, in b32
-#pragma unroll
-    for (int st = 0; st < 4 * KT1; ++st) {
-      w1f[4 * st + 0] = w1p[8 * st];
-      w1f[4 * st + 1] = w1p[8 * st + rs8];
-      w1f[4 * st + 2] = w1p[8 * st + 4];
-      w1f[4 * st + 3] = w1p[8 * st + 4 + rs8];
-    }
-  }
-#endif
   gdc_wait();
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
   if (pdl) gdc_launch();
@@ -387,15 +344,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   float acc[NACC];  // (the first GEMM uses N1 / 2 of them)
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  if (!MLP_W1REG) mbar_wait(w1bar, 0);
+  mbar_wait(w1bar, 0);
   if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
   if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-#if MLP_W1REG
-  mma_tiles_rs<BF16, N1, kt1, XT>(acc, w1f, (OUTP ? x1s : xs) + tw * 128);
-#else
   mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
-#endif
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
@@ -550,8 +503,6 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   p.bo = bo;
   p.xres = xres;
   p.xres_stride = xres_stride;
-  p.w1 = w1;
-  p.w1_stride = w1_stride;
   p.b1 = b1;
   p.b2 = b2;
   p.res = res;

@@ -29,9 +29,6 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-# Experiment switch (scripts/timeline.py @mlp_w1reg=1): the first GEMM's w1 rows held in registers, loaded before the
-# wait (wgmma with A from registers; MLP_W1REG; 128 hidden columns a CTA, d_model up to 256).
-W1REG = False
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 14 + [ctypes.c_int] * 12
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
@@ -82,12 +79,11 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
 
 
 def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> ctypes.CDLL:
-    w1reg = int(W1REG and fs == 128 and d <= 256)
-    key = (bf16, sc, epi, bt, d, fs, w1reg)
+    key = (bf16, sc, epi, bt, d, fs)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,
-                               "MLP_W1REG": w1reg}, "mlp")
+    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs},
+                      "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int

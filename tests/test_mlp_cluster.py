@@ -126,28 +126,6 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
 
-@gpu
-@pytest.mark.parametrize("m, d, f, out, dtype", [(32, 256, 1024, True, torch.float16), (17, 256, 512, False, torch.float16),
-                                                 (64, 128, 512, True, torch.bfloat16), (100, 128, 256, False, torch.float16),
-                                                 (32, 256, 1024, False, torch.bfloat16)])
-def test_mlp_w1_in_registers(m, d, f, out, dtype, monkeypatch):
-    """The experiment switch W1REG: the first GEMM's A operand (w1's rows) from registers loaded before the wait."""
-    _hopper()
-    monkeypatch.setattr(mlp_cluster, "W1REG", True)
-    x, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=7)
-    w1f, b1f, u = fold_layernorm(w1, b1, gamma, beta)
-    g = torch.Generator().manual_seed(8)
-    wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda() if out else None
-    bo = (torch.randn(d, generator=g) * 0.1).to(dtype).cuda() if out else None
-    xf = x.float()
-    kw = {} if out else dict(ln_stats=torch.stack([xf.sum(1), (xf * xf).sum(1)], dim=1)[None].contiguous())
-    o = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, o, act=3, ln_colsum=u, wo=wo, bo=bo, pdl=True, **kw)
-    torch.cuda.synchronize()
-    ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta), wo=wo, bo=bo)
-    assert rel_error(o, ref) < REL_TOLERANCE[dtype]
-
-
 def _small():
     """A shape the one-kernel feed-forward block fits (d 128, ffn 256: a cluster of two), 17 tokens."""
     from tuner.shapes import DecoderShape
