@@ -40,7 +40,7 @@ constexpr int MAX_LN_PARTS = 32;
 constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight tile (w2's)
 
 // Epilogue bits (compile time; the activation in bits 6-7).
-enum Epi { ATT_IN = 4, B1_F32 = 2, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
+enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the token tile is loaded before griddepcontrol.wait
@@ -51,8 +51,6 @@ struct Params {
   CUtensorMap w1_map;  // w1 [F, D]: box {64, 128}
   CUtensorMap w2_map;  // w2 [D, F]: box {64, 128}
   CUtensorMap wo_map;  // OUT_IN: wo [D, D]: box {64, 64}
-  CUtensorMap qkv_map; // ATT_IN: qkv [M, 3D]: box {64, 64} (a head's Q, K or V tile)
-  float qk_scale;      // ATT_IN: log2(e) / sqrt(64)
   const void* bo;      // OUT_IN: [D]
   const void* xres;    // OUT_IN: [M, D] the out-projection's residual
   const void* b1;      // [F] (fp32 when B1_F32: LayerNorm-folded)
@@ -71,87 +69,6 @@ struct Params {
   int res_stride, out_stride, xres_stride;
   int flags;
 };
-
-// ATT_IN (experiment), one head of causal attention for up to 64 tokens: Q, K and V tiles (64 x 64 each, 16-bit,
-// 128-byte swizzled) at at, at + 8192, at + 16384; S = Q K^T by wgmma (one warpgroup), the softmax per row (a row's 64
-// scores in the 4 lanes of a quad), O = P V by mma.sync, O / rowsum written as 16-bit rows < BT into `out` (the
-// out-projection's B layout). From section 16.5's attention_head (git f05db72), with 64 keys.
-template <bool BF16, int BT>
-__device__ __forceinline__ void attention_tile(uint32_t at, uint32_t out, int m, float scale, int warp, int lane) {
-  const uint32_t kt = at + 8192, vt = at + 16384;
-  float sc[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) sc[i] = 0.f;
-  fence_acc<32>(sc);
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, 64>(sc, smem_desc(at) + 2 * kk, smem_desc(kt) + 2 * kk);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_acc<32>(sc);
-  const int g = lane / 4, q2 = (lane % 4) * 2;
-  const int r0 = (warp % 4) * 16 + g;  // this thread's query rows r0, r0 + 8
-  float mx[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = 8 * j + q2 + e;
-        const bool ok = key <= r0 + 8 * h && key < m;
-        const float v = ok ? sc[4 * j + 2 * h + e] * scale : -INFINITY;
-        sc[4 * j + 2 * h + e] = v;
-        mx[h] = fmaxf(mx[h], v);
-      }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-  }
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pv = exp2f(sc[4 * j + 2 * h + e] - mx[h]);
-        sc[4 * j + 2 * h + e] = pv;
-        l[h] += pv;
-      }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-  }
-  float o[8][4];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-  const int mat = lane / 8, r8 = lane % 8;
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {  // keys 16t..16t+15
-    uint32_t a[4] = {pack2<BF16>(sc[8 * t + 0], sc[8 * t + 1]), pack2<BF16>(sc[8 * t + 2], sc[8 * t + 3]),
-                     pack2<BF16>(sc[8 * t + 4], sc[8 * t + 5]), pack2<BF16>(sc[8 * t + 6], sc[8 * t + 7])};
-    const int key = 16 * t + (mat & 1) * 8 + r8;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {  // columns 16u..16u+15
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, swz(vt, key, 16 * u + (mat >> 1) * 8));
-      mma_16x8x16<BF16>(o[2 * u], a, b[0], b[1]);
-      mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
-    }
-  }
-  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) {
-    if (r0 < BT)
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(out, r0, 8 * v + q2)),
-                   "r"(pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0)) : "memory");
-    if (r0 + 8 < BT)
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(out, r0 + 8, 8 * v + q2)),
-                   "r"(pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1)) : "memory");
-  }
-}
 
 // acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
 // tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
@@ -177,8 +94,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
   static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
   constexpr bool OUTP = (EPI & OUT_IN) != 0;
-  constexpr bool ATT = (EPI & ATT_IN) != 0;  // experiment: the attention too, one head a CTA (needs OUT_IN)
-  static_assert(!ATT || OUTP, "ATT_IN needs OUT_IN");
   static_assert(!OUTP || SC % KT1 == 0, "OUT_IN: the cluster a whole number of groups of D / 64 CTAs");
   using E = Elem<BF16>;
   using T = typename E::T;
@@ -208,8 +123,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t part = hs + FT * XT;
   const uint32_t recv = part + NG * XR * 2;
   constexpr int WOT = 64 * 128;             // OUT_IN: bytes of a 64-wide K tile of the 64 rows of wo
-  const uint32_t ats = recv + SC * SLAB;    // ATT_IN: the head's Q, K and V tiles (64 x 64 each)
-  const uint32_t wos = ats + (ATT ? 24576 : 0);  // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
+  const uint32_t wos = recv + SC * SLAB;    // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
   const uint32_t x1s = wos + (OUTP ? kt1 * WOT : 0);  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B)
   const uint32_t x1st = x1s + (OUTP ? kt1 * XT : 0);  // OUT_IN: x's row sums, [D / 64][BT] (s1, s2) a 64-column tile
   const uint32_t w1bar = x1st + (OUTP ? kt1 * BT * 8 : 0);  // w1's slice has landed
@@ -218,9 +132,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t red = xbar + 8;            // the other CTAs' slabs have landed
   const uint32_t wobar = red + 8;           // OUT_IN: wo's rows have landed
   const uint32_t x1bar = wobar + 8;         // OUT_IN: the other tiles of x (and their row sums) have landed
-  const uint32_t attbar = x1bar + 8;        // ATT_IN: the head's Q, K and V tiles have landed
-  const uint32_t abar = attbar + 8;         // ATT_IN: the other heads' outputs have landed
-  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (abar + 8 - raw));  // BT (rstd, mean * rstd)
+  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (x1bar + 8 - raw));  // BT (rstd, mean * rstd)
   T* const part16 = reinterpret_cast<T*>(smem_raw + (part - raw));
   const T* const recv16 = reinterpret_cast<const T*>(smem_raw + (recv - raw));
 
@@ -248,12 +160,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       mbar_init(x1bar, 1);
       mbar_expect_tx(x1bar, (kt1 - 1) * (XT + BT * 8));
     }
-    if constexpr (ATT) {
-      prefetch_tensormap(&p.qkv_map);
-      mbar_init(attbar, 1);
-      mbar_init(abar, 1);
-      mbar_expect_tx(abar, (kt1 - 1) * XT);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();
@@ -263,18 +169,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       // The weights never depend on the predecessor: all of them before the wait, w1's first. (The test-only racy
       // variant loads the token tile before them, so that nothing queued ahead of it in the TMA unit hides the race.)
       const bool racy = (p.flags & RACY) != 0;
-      auto load_input = [&]() {  // after the wait: the token tile, or with ATT_IN the head's Q, K and V tiles
-        if constexpr (ATT) {
-          mbar_expect_tx(attbar, 3 * 8192);
-          tma_load(ats, &p.qkv_map, attbar, jt * 64, 0);
-          tma_load(ats + 8192, &p.qkv_map, attbar, p.D + jt * 64, 0);
-          tma_load(ats + 16384, &p.qkv_map, attbar, 2 * p.D + jt * 64, 0);
-        } else {
-          mbar_expect_tx(xbar, kt1 * XT);
-          tma_load3(xs, &p.x_map, xbar, t0, 0);
-        }
-      };
-      if (racy) load_input();
+      if (racy) {
+        mbar_expect_tx(xbar, kt1 * XT);
+        tma_load3(xs, &p.x_map, xbar, t0, 0);
+      }
       if constexpr (OUTP) {  // wo's rows first: the first thing needed after the wait
         mbar_expect_tx(wobar, kt1 * WOT);
         for (int k = 0; k < kt1; ++k) tma_load(wos + k * WOT, &p.wo_map, wobar, k * 64, jt * 64);
@@ -285,7 +183,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       for (int k = 0; k < FT; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
       gdc_wait();
       if (pdl) gdc_launch();
-      if (!racy) load_input();
+      if (!racy) {
+        mbar_expect_tx(xbar, kt1 * XT);
+        tma_load3(xs, &p.x_map, xbar, t0, 0);
+      }
     } else {
       gdc_wait();
     }
@@ -348,24 +249,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     float oacc[NO / 2];
 #pragma unroll
     for (int i = 0; i < NO / 2; ++i) oacc[i] = 0.f;
-    if constexpr (ATT) {  // head jt's attention into tile jt of the attention output, gathered in the group
-      mbar_wait(attbar, 0);
-      if (wg == 0) attention_tile<BF16, BT>(ats, xs + jt * XT, p.M, p.qk_scale, warp, lane);
-      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      consumer_sync<CONSUMERS>();
-      if (tid == 0) {
-        const int g = rank - jt;
-#pragma unroll 1
-        for (int j = 1; j < kt1; ++j) {
-          const int dst = g + (jt + j) % kt1;
-          bulk_push(map_to_cta(xs + jt * XT, dst), xs + jt * XT, XT, map_to_cta(abar, dst));
-        }
-        asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      }
-      mbar_wait(abar, 0);
-    }
     mbar_wait(wobar, 0);
-    if constexpr (!ATT) mbar_wait(xbar, 0);
+    mbar_wait(xbar, 0);
     if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
     mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
     const uint32_t tile = x1s + jt * XT;
@@ -590,15 +475,13 @@ extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
   constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + BT * 8) : 0;
-  constexpr int att_in = (MLP_EPI & ATT_IN) != 0 ? 24576 : 0;
   return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
-         NG * XR * 2 + MLP_SC * R * XR * 2 + att_in + out_in + 64 + BT * 8;
+         NG * XR * 2 + MLP_SC * R * XR * 2 + out_in + 48 + BT * 8;
 }
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
                           float* stats_out, const float* ln_stats, const float* ln_colsum, long long* trace,
-                          void* wo, const void* bo, const void* xres, void* qkv, int qkv_stride, int M, int D,
-                          int F, int x_stride,
+                          void* wo, const void* bo, const void* xres, int M, int D, int F, int x_stride,
                           int w1_stride, int w2_stride, int res_stride, int out_stride, int flags, int ln_parts,
                           int wo_stride, int xres_stride, float ln_eps, void* stream, char* err, int errlen) {
   constexpr int SC = MLP_SC, BT = MLP_BT, FS = MLP_FS;
@@ -617,14 +500,6 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
       encode(&p.w2_map, MLP_BF16, w2, D, F, w2_stride, 128, err, errlen))
     return 1;
   if ((MLP_EPI & OUT_IN) != 0 && encode(&p.wo_map, MLP_BF16, wo, D, D, wo_stride, 64, err, errlen)) return 1;
-  if ((MLP_EPI & ATT_IN) != 0) {
-    if (M > 64 || M > MLP_BT) {
-      snprintf(err, errlen, "mlp: the attention in the block needs one token tile of up to 64 tokens, not %d", M);
-      return 1;
-    }
-    if (encode(&p.qkv_map, MLP_BF16, qkv, M, 3 * D, qkv_stride, 64, err, errlen)) return 1;
-    p.qk_scale = 1.4426950408889634f / 8.f;  // log2(e) / sqrt(head_dim 64)
-  }
   p.bo = bo;
   p.xres = xres;
   p.xres_stride = xres_stride;

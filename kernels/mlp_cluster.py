@@ -24,15 +24,12 @@ SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 MAX_LN_PARTS = 32
-ATT_IN, B1_F32, LN_IN, STATS_OUT, OUT_IN = 4, 2, 8, 16, 32
+B1_F32, LN_IN, STATS_OUT, OUT_IN = 2, 8, 16, 32
 USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-# Experiment switch (scripts/timeline.py @mlp_attn=1): with out.fuse 1, the layer's attention computed in the block too
-# (ATT_IN: one head a CTA; batch 1, head_dim 64, up to 64 tokens): no attention kernel.
-ATTN_IN = False
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 15 + [ctypes.c_int] * 13
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 14 + [ctypes.c_int] * 12
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
@@ -41,18 +38,18 @@ def token_tile(m: int) -> int:
     return 32 if m <= 32 else 64
 
 
-def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False, attn: bool = False) -> int:
+def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False) -> int:
     """mlp_cluster.cu's mlp_smem_bytes: the weights (fs x d of w1, 128 x fs of w2), the token tile, h, the partial
     and the slabs received, with ``out_proj`` 64 rows of wo, x's token tile and its row sums, then mbarriers and the
     LayerNorm's row factors."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
     out_in = (d // 64) * (64 * 128 + bt * 128 + bt * 8) if out_proj else 0
     return (1024 + (d // 64) * fs * 128 + (fs // 64) * 16384 + (d // 64) * bt * 128 + (fs // 64) * bt * 128
-            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + (24576 if attn else 0) + out_in + 64 + bt * 8)
+            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + out_in + 48 + bt * 8)
 
 
 def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128,
-          out_proj: bool = False, attn: bool = False) -> str | None:
+          out_proj: bool = False) -> str | None:
     """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA (and with ``out_proj`` the
     out-projection in front); None when it can."""
     if dtype_bytes != 2:
@@ -65,9 +62,7 @@ def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448
         return f"needs d_model a multiple of 128 up to 512, not {d}"
     if out_proj and (f // fs) % (d // 64):
         return f"needs the cluster ({f // fs} CTAs) a multiple of d_model / 64 = {d // 64} for the out-projection"
-    if attn and (not out_proj or m > 64):
-        return "needs the out-projection in the block and up to 64 tokens for the attention in it"
-    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj, attn)
+    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj)
     if need > smem_limit:
         return f"needs {need} B of shared memory (> {smem_limit})"
     return None
@@ -93,15 +88,14 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> cty
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int
     variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
-    if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN), bool(epi & ATT_IN))
-            or lib.mlp_variant() != variant):
+    if lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN)) or lib.mlp_variant() != variant:
         raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, qkv=None) -> None:
+           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -114,13 +108,11 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
 
     With ``wo`` and ``bo`` ([D, D], [D]: the out-projection), ``x`` is the attention output and the block's input is
     ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
-    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``. With ``qkv``
-    ([M, 3D], batch 1, head_dim 64: the experiment ATT_IN) the kernel computes the causal attention from it too; ``x``
-    is then not read."""
+    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``."""
     M, D = x.shape
     Fh = w1.shape[0]
     out_proj = wo is not None
-    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj, attn=qkv is not None)
+    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj)
     if why:
         raise ValueError(f"mlp: {why}")
     if out_proj != (bo is not None):
@@ -139,8 +131,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     if stats_out is not None and stats_out.shape != (stats_parts(D, Fh, fs), M, 2):
         raise ValueError(f"mlp: stats_out must be [{stats_parts(D, Fh, fs)}, {M}, 2]")
     epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_colsum is not None else 0)
-           | (STATS_OUT if stats_out is not None else 0) | (OUT_IN if out_proj else 0)
-           | (ATT_IN if qkv is not None else 0) | (act << 6))
+           | (STATS_OUT if stats_out is not None else 0) | (OUT_IN if out_proj else 0) | (act << 6))
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
@@ -148,22 +139,13 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
-                        p(ln_colsum), p(trace), p(wo), p(bo), p(residual), p(qkv),
-                        qkv.stride(0) if qkv is not None else 0, M, D, Fh, x.stride(0), w1.stride(0),
+                        p(ln_colsum), p(trace), p(wo), p(bo), p(residual), M, D, Fh, x.stride(0), w1.stride(0),
                         w2.stride(0), residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
                         ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0,
                         residual.stride(0), ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
-
-
-def attention_ref(qkv: torch.Tensor) -> torch.Tensor:
-    """Causal attention of one sequence from qkv [M, 3D] (heads of 64), rounded to qkv's dtype: [M, D]."""
-    m, d = qkv.shape[0], qkv.shape[1] // 3
-    q, k, v = (qkv[:, i * d:(i + 1) * d].float().view(m, d // 64, 64).transpose(0, 1) for i in range(3))
-    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return a.transpose(0, 1).reshape(m, d).to(qkv.dtype)
 
 
 def mlp_ref(x, w1, b1, w2, b2, residual, *, ln=None, eps=1e-5, wo=None, bo=None) -> torch.Tensor:
