@@ -18,7 +18,7 @@
 //
 // With OUT_IN the block also computes the attention's out-projection in front (out.fuse 1; perf notes section 24):
 //
-//   x = xres + a @ wo.T + bo    (a: the attention output [M, D], wo [D, D]; xres: the layer's input, its residual)
+//   x = res + a @ wo.T + bo    (a: the attention output [M, D], wo [D, D]; res: the layer's input, its residual)
 //
 // so that the layer has one kernel fewer again. Each CTA computes one 64-column tile jt = rank % (D / 64) of x for the
 // token tile (swapped: xT = wo_rows @ a.T, its 64 rows of wo in shared memory before the wait), writes it into its
@@ -52,10 +52,9 @@ struct Params {
   CUtensorMap w2_map;  // w2 [D, F]: box {64, 128}
   CUtensorMap wo_map;  // OUT_IN: wo [D, D]: box {64, 64}
   const void* bo;      // OUT_IN: [D]
-  const void* xres;    // OUT_IN: [M, D] the out-projection's residual
   const void* b1;      // [F] (fp32 when B1_F32: LayerNorm-folded)
   const void* b2;      // [D]
-  const void* res;     // [M, D]
+  const void* res;     // [M, D] (OUT_IN: the out-projection's residual; the block's own is x itself)
   void* out;           // [M, D]
   float* stats_out;    // [D / R, M, 2]: the output rows' sums of y and y^2 over each CTA's R = 128 / SC columns
   const float* ln_stats;   // LN_IN: [ln_parts, M, 2] sums of x and x^2 from x's producer
@@ -66,7 +65,7 @@ struct Params {
                        // w1 landed, the token tile landed, the first GEMM done, the exchange done (OUT_IN: the
                        // attention's token tile landed, x gathered, the first GEMM done, the exchange done)
   int M, D, F;
-  int res_stride, out_stride, xres_stride;
+  int res_stride, out_stride;
   int flags;
 };
 
@@ -229,7 +228,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
   if constexpr (OUTP) {
     // The out-projection: xT[c, t] = sum_k wo[64 jt + c, k] a[t0 + t, k], both warpgroups on all 64 rows c, each on
-    // half the tokens; + bo + xres, into tile jt of x1s as GEMM 1's B operand.
+    // half the tokens; + bo + res, into tile jt of x1s as GEMM 1's B operand.
     constexpr int NO = BT / 2;
     const int to = NO * wg;
     float bov[2];
@@ -243,8 +242,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         const int xrow = min(t0 + to + 8 * j + c_lo + e, p.M - 1);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          xr[j][e][h] = static_cast<const T*>(p.xres)[static_cast<long long>(xrow) * p.xres_stride + 64 * jt + r_lo +
-                                                      8 * h];
+          xr[j][e][h] = static_cast<const T*>(p.res)[static_cast<long long>(xrow) * p.res_stride + 64 * jt + r_lo +
+                                                     8 * h];
       }
     float oacc[NO / 2];
 #pragma unroll
@@ -481,9 +480,9 @@ extern "C" int mlp_smem_bytes() {
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
                           float* stats_out, const float* ln_stats, const float* ln_colsum, long long* trace,
-                          void* wo, const void* bo, const void* xres, int M, int D, int F, int x_stride,
-                          int w1_stride, int w2_stride, int res_stride, int out_stride, int flags, int ln_parts,
-                          int wo_stride, int xres_stride, float ln_eps, void* stream, char* err, int errlen) {
+                          void* wo, const void* bo, int M, int D, int F, int x_stride, int w1_stride,
+                          int w2_stride, int res_stride, int out_stride, int flags, int ln_parts, int wo_stride,
+                          float ln_eps, void* stream, char* err, int errlen) {
   constexpr int SC = MLP_SC, BT = MLP_BT, FS = MLP_FS;
   if (F != SC * FS || D != MLP_D) {
     snprintf(err, errlen, "mlp: F=%d must be %d x %d and D=%d must be %d (this build)", F, SC, FS, D, MLP_D);
@@ -501,8 +500,6 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
     return 1;
   if ((MLP_EPI & OUT_IN) != 0 && encode(&p.wo_map, MLP_BF16, wo, D, D, wo_stride, 64, err, errlen)) return 1;
   p.bo = bo;
-  p.xres = xres;
-  p.xres_stride = xres_stride;
   p.b1 = b1;
   p.b2 = b2;
   p.res = res;

@@ -29,7 +29,7 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 14 + [ctypes.c_int] * 12
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 13 + [ctypes.c_int] * 11
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
@@ -139,10 +139,9 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
-                        p(ln_colsum), p(trace), p(wo), p(bo), p(residual), M, D, Fh, x.stride(0), w1.stride(0),
-                        w2.stride(0), residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
-                        ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0,
-                        residual.stride(0), ln_eps,
+                        p(ln_colsum), p(trace), p(wo), p(bo), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0),
+                        residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
+                        ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0, ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
