@@ -44,7 +44,6 @@ enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the token tile is loaded before griddepcontrol.wait
-  WARM = 256,  // the consumers run their code once before the wait, dry (perf notes 25: instruction fetch)
 };
 
 struct Params {
@@ -209,18 +208,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     uv[h] = LN ? p.ln_colsum[f] : 0.f;
   }
-  // WARM: a dry pass first, before the wait, over the same code (the SM's instruction caches start cold at every
-  // launch). It waits for no barrier, touches no global memory and pushes nothing; its shared-memory stores go
-  // only where this CTA itself writes again in the real pass (its tile of x1s and its row sums, lnrow, hs, part).
-  const bool warm = (p.flags & WARM) != 0;
-#pragma unroll 1
-  for (int pass = warm ? 0 : 1; pass < 2; ++pass) {
-  const bool dry = pass == 0;
-  if (!dry) {
-    gdc_wait();
-    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
-    if (pdl) gdc_launch();
-  }
+  gdc_wait();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
+  if (pdl) gdc_launch();
 
   // The second epilogue's inputs for this thread's token and columns, in flight during both GEMMs.
   const int et = tid / TPT;                     // token within the tile
@@ -232,9 +222,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   T b2_raw[CPT], res_raw[CPT];
 #pragma unroll
   for (int e = 0; e < CPT; ++e) {
-    b2_raw[e] = dry ? T{} : static_cast<const T*>(p.b2)[ccol + e];
+    b2_raw[e] = static_cast<const T*>(p.b2)[ccol + e];
     if constexpr (!OUTP)
-      res_raw[e] = dry ? T{} : static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
+      res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
   }
   if constexpr (OUTP) {
     // The out-projection: xT[c, t] = sum_k wo[64 jt + c, k] a[t0 + t, k], both warpgroups on all 64 rows c, each on
@@ -244,7 +234,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     float bov[2];
     T xr[NO / 8][2][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) bov[h] = dry ? 0.f : E::f(static_cast<const T*>(p.bo)[64 * jt + r_lo + 8 * h]);
+    for (int h = 0; h < 2; ++h) bov[h] = E::f(static_cast<const T*>(p.bo)[64 * jt + r_lo + 8 * h]);
 #pragma unroll
     for (int j = 0; j < NO / 8; ++j)
 #pragma unroll
@@ -252,18 +242,15 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         const int xrow = min(t0 + to + 8 * j + c_lo + e, p.M - 1);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
-          xr[j][e][h] = dry ? T{}
-                            : static_cast<const T*>(p.res)[static_cast<long long>(xrow) * p.res_stride + 64 * jt +
-                                                           r_lo + 8 * h];
+          xr[j][e][h] = static_cast<const T*>(p.res)[static_cast<long long>(xrow) * p.res_stride + 64 * jt + r_lo +
+                                                     8 * h];
       }
     float oacc[NO / 2];
 #pragma unroll
     for (int i = 0; i < NO / 2; ++i) oacc[i] = 0.f;
-    if (!dry) {
-      mbar_wait(wobar, 0);
-      mbar_wait(xbar, 0);
-      if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
-    }
+    mbar_wait(wobar, 0);
+    mbar_wait(xbar, 0);
+    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
     mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
     const uint32_t tile = x1s + jt * XT;
 #pragma unroll
@@ -301,7 +288,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     consumer_sync<CONSUMERS>();
-    if (tid == 0 && !dry) {  // to the other CTAs of this group of kt1 ranks: each gets one tile (and its sums) from each
+    if (tid == 0) {  // to the other CTAs of this group of kt1 ranks: each gets one tile (and its sums) from each
       const int g = rank - jt;
 #pragma unroll 1
       for (int j = 1; j < kt1; ++j) {
@@ -311,10 +298,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       }
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
-    if (!dry) {
-      mbar_wait(x1bar, 0);
-      if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-    }
+    mbar_wait(x1bar, 0);
+    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
     if (tid < BT) {  // the LayerNorm's row factors from the kt1 parts (lnrow: read after GEMM 1's barrier)
       float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -344,7 +329,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
     for (int i = 0; i < LNP; ++i) {
       const int q = min(lj + LPT * i, p.ln_parts - 1);
-      v[i] = dry ? float2{} : *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + r) * 2);
+      v[i] = *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + r) * 2);
     }
     float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -358,14 +343,12 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   float acc[NACC];  // (the first GEMM uses N1 / 2 of them)
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
-  if (!dry) {
-    mbar_wait(w1bar, 0);
-    if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
-    mbar_wait(xbar, 0);
-    if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-  }
+  mbar_wait(w1bar, 0);
+  if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+  mbar_wait(xbar, 0);
+  if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
   mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
-  if (p.trace != nullptr && tid == 0 && !dry) p.trace[prog * 8 + 6] = globaltimer();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
   // Its epilogue: h = act(LN(x) w1 + b1) in 16 bits, stored as the second GEMM's B operand: h[t, f] K-major, the
@@ -395,11 +378,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   consumer_sync<CONSUMERS>();
 
   // GEMM 2: yT[n, t] = sum_f w2[n0 + n, f0 + f] h[t, f], this warpgroup's 64 rows n.
-  if (!dry) mbar_wait(w2bar, 0);
+  mbar_wait(w2bar, 0);
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mma_tiles<BF16, BT, FT, TILE_BYTES, XT>(acc, w2s + wg * (64 * 128), hs);
-  if (p.trace != nullptr && tid == 0 && !dry) p.trace[prog * 8 + 2] = globaltimer();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
 #pragma unroll
@@ -412,7 +395,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   consumer_sync<CONSUMERS>();
-  if (tid == 0 && !dry) {
+  if (tid == 0) {
 #pragma unroll
     for (int q = 1; q < SC; ++q) {
       const int dst = (rank + q) % SC;
@@ -420,16 +403,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
-  if (!dry) {
-    mbar_wait(red, 0);
-    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
-  }
+  mbar_wait(red, 0);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
 
   // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.
-  if (!active) {  // (whole warps: the shuffles below stay within active ones)
-    if (dry) continue;
-    return;
-  }
+  if (!active) return;  // (whole warps: the shuffles below stay within active ones)
   float y[CPT];
 #pragma unroll
   for (int e = 0; e < CPT; ++e) y[e] = E::f(part16[(rank * R + ec + e) * XR + et]);
@@ -446,7 +424,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     rs1 += y[e];
     rs2 += y[e] * y[e];
   }
-  if (row < p.M && !dry) {
+  if (row < p.M) {
     T* op = static_cast<T*>(p.out) + static_cast<long long>(row) * p.out_stride + col;
 #pragma unroll
     for (int e = 0; e < CPT; e += 2) {
@@ -457,15 +435,14 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   if constexpr ((EPI & STATS_OUT) != 0) {
     // One part per CTA (its R columns; D / R parts): the TPT threads of a token are adjacent lanes.
     lane_sum2<TPT>(rs1, rs2);
-    if ((tid % TPT) == 0 && row < p.M && !dry)
+    if ((tid % TPT) == 0 && row < p.M)
       *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>((n0 + rank * R) / R) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
-  if (tid == 0 && !dry) {
+  if (tid == 0) {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
     if (p.trace != nullptr) p.trace[prog * 8 + 3] = globaltimer();
   }
-  }  // pass
 }
 
 }  // namespace

@@ -25,9 +25,7 @@ COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 MAX_LN_PARTS = 32
 B1_F32, LN_IN, STATS_OUT, OUT_IN = 2, 8, 16, 32
-USE_PDL, RACY, WARM = 64, 128, 256
-# Experiment (perf notes 25): the consumers run their code once, dry, before the wait (instruction fetch).
-WARM_CODE = False
+USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
@@ -142,8 +140,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
                         p(ln_colsum), p(trace), p(wo), p(bo), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0),
-                        residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0)
-                        | (WARM if WARM_CODE else 0),
+                        residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
                         ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0, ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:

@@ -126,39 +126,6 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
 
-@gpu
-@pytest.mark.parametrize("m, d, f, fs, out_proj, pdl", [
-    (32, 256, 1024, 128, True, True), (17, 256, 1024, 128, True, False), (45, 128, 256, 128, True, True),
-    (32, 256, 1024, 64, True, True), (32, 256, 1024, 128, False, True), (77, 256, 512, 128, False, False)])
-def test_mlp_warm_code_pass(m, d, f, fs, out_proj, pdl, monkeypatch):
-    """WARM_CODE: the consumers run their code once before the wait, dry; the result is the same."""
-    _hopper()
-    monkeypatch.setattr(mlp_cluster, "WARM_CODE", True)
-    dtype = torch.float16
-    x, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=4)
-    w1f, b1f, u = fold_layernorm(w1, b1, gamma, beta)
-    kw = dict(ln_colsum=u)
-    wo = bo = None
-    if out_proj:
-        g = torch.Generator().manual_seed(5)
-        wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda()
-        bo = (torch.randn(d, generator=g) * 0.1).to(dtype).cuda()
-        kw.update(wo=wo, bo=bo)
-    else:
-        xf = x.float()
-        kw.update(ln_stats=torch.stack([xf.sum(1), (xf * xf).sum(1)], dim=1)[None].contiguous())
-    parts = mlp_cluster.stats_parts(d, f, fs)
-    stats = torch.full((parts, m, 2), float("nan"), device="cuda")
-    for _ in range(2):
-        out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
-        mlp_cluster.launch(x, w1f, b1f, w2, b2, res, out, act=3, stats_out=stats, pdl=pdl, fs=fs, **kw)
-        torch.cuda.synchronize()
-        ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta), wo=wo, bo=bo)
-        assert rel_error(out, ref) < REL_TOLERANCE[dtype]
-        o = out.float()
-        assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
-
-
 def _small():
     """A shape the one-kernel feed-forward block fits (d 128, ffn 256: a cluster of two), 17 tokens."""
     from tuner.shapes import DecoderShape
