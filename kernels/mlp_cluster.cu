@@ -40,7 +40,7 @@ constexpr int MAX_LN_PARTS = 32;
 constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight tile (w2's)
 
 // Epilogue bits (compile time; the activation in bits 6-7).
-enum Epi { B1_F32 = 2, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
+enum Epi { B1_F32 = 2, ATT_IN = 4, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the token tile is loaded before griddepcontrol.wait
@@ -69,6 +69,90 @@ struct Params {
   int flags;
 };
 
+// ATT_IN (experiment): causal attention of the 16 query rows q0.. of one head (head_dim 64) for one warp, by
+// mma.sync m16n8k16: Q's rows from tile qt (then overwritten by O, 16-bit), K's and V's BT rows from tiles kt and vt
+// (16-bit, 128-byte swizzled, rows past m zero and masked). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
+// O = P V with P in registers.
+template <bool BF16, int BT>
+__device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
+  constexpr int NT = BT / 8;  // 8-key tiles
+  const int mat = lane / 8, r8 = lane % 8, g = lane / 4, q2 = (lane % 4) * 2;
+  float s[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // head dims 16k..16k+15
+    uint32_t a[4];
+    ldmatrix_x4(a, swz(qt, q0 + (mat & 1) * 8 + r8, 16 * k + (mat >> 1) * 8));
+#pragma unroll
+    for (int n = 0; n < NT / 2; ++n) {  // keys 16n..16n+15
+      uint32_t b[4];
+      ldmatrix_x4(b, swz(kt, 16 * n + (mat >> 1) * 8 + r8, 16 * k + (mat & 1) * 8));
+      mma_16x8x16<BF16>(s[2 * n], a, b[0], b[1]);
+      mma_16x8x16<BF16>(s[2 * n + 1], a, b[2], b[3]);
+    }
+  }
+  constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
+  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = 8 * n + q2 + e;
+        const float v = key <= q0 + g + 8 * h && key < m ? s[n][2 * h + e] * scale : -INFINITY;
+        s[n][2 * h + e] = v;
+        mx[h] = fmaxf(mx[h], v);
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // (key 0 is valid for every row: the maxima are finite)
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+  }
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float pv = exp2f(s[n][2 * h + e] - mx[h]);
+        s[n][2 * h + e] = pv;
+        l[h] += pv;
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  float o[8][4];
+#pragma unroll
+  for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
+#pragma unroll
+  for (int t = 0; t < NT / 2; ++t) {  // keys 16t..16t+15
+    if (16 * t > q0 + 15) break;      // (all masked: causal)
+    const uint32_t a[4] = {pack2<BF16>(s[2 * t][0], s[2 * t][1]), pack2<BF16>(s[2 * t][2], s[2 * t][3]),
+                           pack2<BF16>(s[2 * t + 1][0], s[2 * t + 1][1]), pack2<BF16>(s[2 * t + 1][2], s[2 * t + 1][3])};
+    const int key = 16 * t + (mat & 1) * 8 + r8;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {  // head dims 16u..16u+15
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, swz(vt, key, 16 * u + (mat >> 1) * 8));
+      mma_16x8x16<BF16>(o[2 * u], a, b[0], b[1]);
+      mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
+    }
+  }
+  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+  __syncwarp();  // every lane's Q reads done before the rows are overwritten
+#pragma unroll
+  for (int v = 0; v < 8; ++v) {
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, q0 + g, 8 * v + q2)),
+                 "r"(pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0)) : "memory");
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, q0 + g + 8, 8 * v + q2)),
+                 "r"(pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1)) : "memory");
+  }
+}
+
 // acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
 // tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
 template <bool BF16, int N, int KT, int A_STRIDE, int B_STRIDE>
@@ -93,6 +177,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
   static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
   constexpr bool OUTP = (EPI & OUT_IN) != 0;
+  constexpr bool ATT = (EPI & ATT_IN) != 0;  // experiment: the attention too (needs OUT_IN; one token tile)
+  static_assert(!ATT || OUTP, "ATT_IN needs OUT_IN");
   static_assert(!OUTP || SC % KT1 == 0, "OUT_IN: the cluster a whole number of groups of D / 64 CTAs");
   using E = Elem<BF16>;
   using T = typename E::T;
@@ -122,7 +208,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t part = hs + FT * XT;
   const uint32_t recv = part + NG * XR * 2;
   constexpr int WOT = 64 * 128;             // OUT_IN: bytes of a 64-wide K tile of the 64 rows of wo
-  const uint32_t wos = recv + SC * SLAB;    // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
+  const uint32_t kvs = recv + SC * SLAB;    // ATT_IN: K's and V's tiles (D / 64 each; Q's are in xs)
+  const uint32_t wos = kvs + (ATT ? 2 * kt1 * XT : 0);  // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
   const uint32_t x1s = wos + (OUTP ? kt1 * WOT : 0);  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B)
   const uint32_t x1st = x1s + (OUTP ? kt1 * XT : 0);  // OUT_IN: x's row sums, [D / 64][BT] (s1, s2) a 64-column tile
   const uint32_t w1bar = x1st + (OUTP ? kt1 * BT * 8 : 0);  // w1's slice has landed
@@ -168,10 +255,15 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       // The weights never depend on the predecessor: all of them before the wait, w1's first. (The test-only racy
       // variant loads the token tile before them, so that nothing queued ahead of it in the TMA unit hides the race.)
       const bool racy = (p.flags & RACY) != 0;
-      if (racy) {
-        mbar_expect_tx(xbar, kt1 * XT);
+      auto load_input = [&]() {  // after the wait: the token tile (ATT_IN: its Q, K and V, x_map over qkv)
+        mbar_expect_tx(xbar, (ATT ? 3 : 1) * kt1 * XT);
         tma_load3(xs, &p.x_map, xbar, t0, 0);
-      }
+        if constexpr (ATT) {
+          tma_load3(kvs, &p.x_map, xbar, t0, kt1);
+          tma_load3(kvs + kt1 * XT, &p.x_map, xbar, t0, 2 * kt1);
+        }
+      };
+      if (racy) load_input();
       if constexpr (OUTP) {  // wo's rows first: the first thing needed after the wait
         mbar_expect_tx(wobar, kt1 * WOT);
         for (int k = 0; k < kt1; ++k) tma_load(wos + k * WOT, &p.wo_map, wobar, k * 64, jt * 64);
@@ -182,10 +274,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       for (int k = 0; k < FT; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
       gdc_wait();
       if (pdl) gdc_launch();
-      if (!racy) {
-        mbar_expect_tx(xbar, kt1 * XT);
-        tma_load3(xs, &p.x_map, xbar, t0, 0);
-      }
+      if (!racy) load_input();
     } else {
       gdc_wait();
     }
@@ -248,6 +337,16 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     float oacc[NO / 2];
 #pragma unroll
     for (int i = 0; i < NO / 2; ++i) oacc[i] = 0.f;
+    if constexpr (ATT) {  // every head's attention for the token tile, one warp 16 rows of one head, O in Q's place
+      mbar_wait(xbar, 0);
+#pragma unroll 1
+      for (int task = warp; task < kt1 * (BT / 16); task += CONSUMERS / 32) {
+        const int hd = task % kt1;
+        attention_rows<BF16, BT>(xs + hd * XT, kvs + hd * XT, kvs + (kt1 + hd) * XT, 16 * (task / kt1), p.M, lane);
+      }
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      consumer_sync<CONSUMERS>();
+    }
     mbar_wait(wobar, 0);
     mbar_wait(xbar, 0);
     if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
@@ -474,8 +573,9 @@ extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
   constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + BT * 8) : 0;
+  constexpr int att_in = (MLP_EPI & ATT_IN) != 0 ? 2 * (d / 64) * BT * 128 : 0;
   return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
-         NG * XR * 2 + MLP_SC * R * XR * 2 + out_in + 48 + BT * 8;
+         NG * XR * 2 + MLP_SC * R * XR * 2 + att_in + out_in + 48 + BT * 8;
 }
 
 extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const void* b2, const void* res, void* out,
@@ -494,7 +594,12 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  if (encode3(&p.x_map, MLP_BF16, x, M, D, x_stride, BT, D / 64, err, errlen) ||
+  constexpr bool att = (MLP_EPI & ATT_IN) != 0;  // x is then qkv [M, 3D]
+  if (att && M > BT) {
+    snprintf(err, errlen, "mlp: the attention in the block needs one token tile (M <= %d), not M=%d", BT, M);
+    return 1;
+  }
+  if (encode3(&p.x_map, MLP_BF16, x, M, att ? 3 * D : D, x_stride, BT, D / 64, err, errlen) ||
       encode(&p.w1_map, MLP_BF16, w1, F, D, w1_stride, FS, err, errlen) ||
       encode(&p.w2_map, MLP_BF16, w2, D, F, w2_stride, 128, err, errlen))
     return 1;

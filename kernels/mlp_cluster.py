@@ -24,11 +24,15 @@ SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 MAX_LN_PARTS = 32
-B1_F32, LN_IN, STATS_OUT, OUT_IN = 2, 8, 16, 32
+B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
 USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
+# Experiment switch (scripts/timeline.py @mlp_attn=1; perf notes 25): with out.fuse 1, the layer's attention computed in
+# the block too (ATT_IN: every head in every CTA, one warp 16 query rows of a head; batch 1, head_dim 64, up to 64
+# tokens): no attention kernel.
+ATTN_IN = False
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 13 + [ctypes.c_int] * 11
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
@@ -38,20 +42,21 @@ def token_tile(m: int) -> int:
     return 32 if m <= 32 else 64
 
 
-def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False) -> int:
+def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False, attn: bool = False) -> int:
     """mlp_cluster.cu's mlp_smem_bytes: the weights (fs x d of w1, 128 x fs of w2), the token tile, h, the partial
     and the slabs received, with ``out_proj`` 64 rows of wo, x's token tile and its row sums, then mbarriers and the
-    LayerNorm's row factors."""
+    LayerNorm's row factors; with ``attn`` K's and V's token tiles too."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
     out_in = (d // 64) * (64 * 128 + bt * 128 + bt * 8) if out_proj else 0
+    att_in = 2 * (d // 64) * bt * 128 if attn else 0
     return (1024 + (d // 64) * fs * 128 + (fs // 64) * 16384 + (d // 64) * bt * 128 + (fs // 64) * bt * 128
-            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + out_in + 48 + bt * 8)
+            + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + att_in + out_in + 48 + bt * 8)
 
 
 def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128,
-          out_proj: bool = False) -> str | None:
+          out_proj: bool = False, attn: bool = False) -> str | None:
     """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA (and with ``out_proj`` the
-    out-projection in front); None when it can."""
+    out-projection in front, with ``attn`` the attention before it); None when it can."""
     if dtype_bytes != 2:
         return "needs 16-bit operands"
     if fs not in SPLITS:
@@ -62,7 +67,9 @@ def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448
         return f"needs d_model a multiple of 128 up to 512, not {d}"
     if out_proj and (f // fs) % (d // 64):
         return f"needs the cluster ({f // fs} CTAs) a multiple of d_model / 64 = {d // 64} for the out-projection"
-    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj)
+    if attn and (not out_proj or m > 64):
+        return "needs the out-projection in the block and up to 64 tokens for the attention in it"
+    need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj, attn)
     if need > smem_limit:
         return f"needs {need} B of shared memory (> {smem_limit})"
     return None
@@ -88,14 +95,15 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> cty
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int
     variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
-    if lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN)) or lib.mlp_variant() != variant:
+    if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN), bool(epi & ATT_IN))
+            or lib.mlp_variant() != variant):
         raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None) -> None:
+           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, qkv=None) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -108,16 +116,20 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
 
     With ``wo`` and ``bo`` ([D, D], [D]: the out-projection), ``x`` is the attention output and the block's input is
     ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
-    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``."""
+    LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``. With ``qkv`` ([M, 3D],
+    batch 1, heads of 64: the experiment ATT_IN) the kernel computes the causal attention from it too, and ``x`` is
+    not read."""
     M, D = x.shape
     Fh = w1.shape[0]
     out_proj = wo is not None
-    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj)
+    why = error(M, D, Fh, x.element_size(), fs=fs, out_proj=out_proj, attn=qkv is not None)
     if why:
         raise ValueError(f"mlp: {why}")
     if out_proj != (bo is not None):
         raise ValueError("mlp: wo and bo go together")
-    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("residual", residual), ("out", out), ("wo", wo)):
+    if qkv is not None and qkv.shape != (M, 3 * D):
+        raise ValueError(f"mlp: qkv must be [{M}, {3 * D}]")
+    for name, t in (("x", x), ("w1", w1), ("w2", w2), ("residual", residual), ("out", out), ("wo", wo), ("qkv", qkv)):
         if t is not None and (t.stride(-1) != 1 or t.stride(0) % 8 or t.data_ptr() % 16):
             raise ValueError(f"mlp: {name} must have unit column stride, 16-byte aligned rows")
     if out_proj:
@@ -131,20 +143,30 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     if stats_out is not None and stats_out.shape != (stats_parts(D, Fh, fs), M, 2):
         raise ValueError(f"mlp: stats_out must be [{stats_parts(D, Fh, fs)}, {M}, 2]")
     epi = ((B1_F32 if b1.dtype == torch.float32 else 0) | (LN_IN if ln_colsum is not None else 0)
-           | (STATS_OUT if stats_out is not None else 0) | (OUT_IN if out_proj else 0) | (act << 6))
+           | (STATS_OUT if stats_out is not None else 0) | (OUT_IN if out_proj else 0)
+           | (ATT_IN if qkv is not None else 0) | (act << 6))
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
     lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs)
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
-    rc = lib.mlp_launch(p(x), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
-                        p(ln_colsum), p(trace), p(wo), p(bo), M, D, Fh, x.stride(0), w1.stride(0), w2.stride(0),
+    src = x if qkv is None else qkv  # (ATT_IN: the kernel's x_map reads qkv)
+    rc = lib.mlp_launch(p(src), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
+                        p(ln_colsum), p(trace), p(wo), p(bo), M, D, Fh, src.stride(0), w1.stride(0), w2.stride(0),
                         residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
                         ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0, ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
+
+
+def attention_ref(qkv: torch.Tensor) -> torch.Tensor:
+    """Causal attention of one sequence from qkv [M, 3D] (heads of 64), rounded to qkv's dtype: [M, D]."""
+    m, d = qkv.shape[0], qkv.shape[1] // 3
+    q, k, v = (qkv[:, i * d:(i + 1) * d].float().view(m, d // 64, 64).transpose(0, 1) for i in range(3))
+    a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return a.transpose(0, 1).reshape(m, d).to(qkv.dtype)
 
 
 def mlp_ref(x, w1, b1, w2, b2, residual, *, ln=None, eps=1e-5, wo=None, bo=None) -> torch.Tensor:

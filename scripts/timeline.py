@@ -43,11 +43,12 @@ def variant(shape, name):
 
 
 def _switches():
-    from tuner.kernels import cluster_gemm
+    from tuner.kernels import cluster_gemm, mlp_cluster
 
     return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
-            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED")}
+            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
+            "mlp_attn": (mlp_cluster, "ATTN_IN")}
 
 
 _DEFAULTS = {}

@@ -126,6 +126,40 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
 
+@gpu
+@pytest.mark.parametrize("m, d, f, fs, dtype", [(32, 256, 1024, 128, torch.float16), (17, 256, 1024, 128, torch.bfloat16),
+                                                (32, 256, 1024, 64, torch.float16), (45, 128, 256, 128, torch.float16),
+                                                (64, 128, 512, 64, torch.bfloat16), (5, 128, 256, 128, torch.float16),
+                                                (33, 256, 1024, 64, torch.float16)])
+def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype):
+    """The experiment ATT_IN: causal attention (every head in every CTA), the out-projection and the feed-forward
+    block in one kernel, from qkv."""
+    _hopper()
+    if mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True):
+        pytest.skip(mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True))
+    _, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=9)
+    g = torch.Generator().manual_seed(10)
+    qkv = torch.randn(m, 3 * d, generator=g).to(dtype).cuda()
+    wo = (torch.randn(d, d, generator=g) * d ** -0.5).to(dtype).cuda()
+    bo = (torch.randn(d, generator=g) * 0.1).to(dtype).cuda()
+    w1f, b1f, u = fold_layernorm(w1, b1, gamma, beta)
+    o = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
+    x = torch.empty(m, d, dtype=dtype, device="cuda")  # not read
+    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, o, act=3, ln_colsum=u, wo=wo, bo=bo, qkv=qkv, pdl=True, fs=fs)
+    torch.cuda.synchronize()
+    a = mlp_cluster.attention_ref(qkv)
+    ref = mlp_cluster.mlp_ref(a, w1, b1, w2, b2, res, ln=(gamma, beta), wo=wo, bo=bo)
+    assert rel_error(o, ref) < REL_TOLERANCE[dtype]
+
+
+def test_error_attention_in_the_block():
+    assert mlp_cluster.error(32, 256, 1024, out_proj=True, attn=True) is None  # tiny: 210 KB
+    assert "out-projection" in mlp_cluster.error(32, 256, 1024, attn=True)
+    assert "64 tokens" in mlp_cluster.error(65, 256, 1024, out_proj=True, attn=True)
+    assert (mlp_cluster.smem_bytes(256, 8, 32, out_proj=True, attn=True)
+            - mlp_cluster.smem_bytes(256, 8, 32, out_proj=True) == 2 * 4 * 32 * 128)
+
+
 def _small():
     """A shape the one-kernel feed-forward block fits (d 128, ffn 256: a cluster of two), 17 tokens."""
     from tuner.shapes import DecoderShape

@@ -301,6 +301,10 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
 
         # With out.fuse 1 it starts from the attention's output and computes h = x + out-projection itself.
         h_in, res, o = (b.attn, x, dict(wo=w.w_out, bo=w.b_out)) if b.mlp_out else (b.h if ln2 else b.ln2, b.h, {})
+        attn_in = (b.mlp_out and mlp_cluster.ATTN_IN and shape.batch == 1 and shape.head_dim == 64
+                   and shape.tokens <= 64)  # experiment (perf notes 25): the attention in the block too
+        if attn_in:
+            o["qkv"] = b.qkv
         launches[5] = ("ffn1", lambda: mlp_cluster.launch(
             h_in, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, res, b.y, act=gemm_k.act_code("gelu", b.h),
             stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"),  # (None with out.fuse: no h_stats)
@@ -309,6 +313,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         skip.add("ffn2")
         if b.mlp_out:
             skip.add("out")
+        if attn_in:
+            skip.add("attn")
     return [(n, f) for n, f in launches if n not in skip]
 
 
