@@ -74,8 +74,7 @@ struct Params {
 // (16-bit, 128-byte swizzled, rows past m zero and masked). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
 // O = P V with P in registers.
 template <bool BF16, int BT>
-__device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, uint32_t vbar, int q0, int m,
-                                               int lane) {
+__device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
   constexpr int NT = BT / 8;  // 8-key tiles
   const int mat = lane / 8, r8 = lane % 8, g = lane / 4, q2 = (lane % 4) * 2;
   float s[NT][4];
@@ -87,14 +86,13 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     ldmatrix_x4(a, swz(qt, q0 + (mat & 1) * 8 + r8, 16 * k + (mat >> 1) * 8));
 #pragma unroll
     for (int n = 0; n < NT / 2; ++n) {  // keys 16n..16n+15
-      if (16 * n > q0 + 15) break;      // (all masked: causal)
       uint32_t b[4];
       ldmatrix_x4(b, swz(kt, 16 * n + (mat >> 1) * 8 + r8, 16 * k + (mat & 1) * 8));
       mma_16x8x16<BF16>(s[2 * n], a, b[0], b[1]);
       mma_16x8x16<BF16>(s[2 * n + 1], a, b[2], b[3]);
     }
   }
-  constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64), applied in the exponent
+  constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
   float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -103,7 +101,7 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int key = 8 * n + q2 + e;
-        const float v = key <= q0 + g + 8 * h && key < m ? s[n][2 * h + e] : -INFINITY;
+        const float v = key <= q0 + g + 8 * h && key < m ? s[n][2 * h + e] * scale : -INFINITY;
         s[n][2 * h + e] = v;
         mx[h] = fmaxf(mx[h], v);
       }
@@ -118,8 +116,7 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float pv;  // 2^((s - max) scale), ex2.approx (-inf -> 0)
-        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(pv) : "f"((s[n][2 * h + e] - mx[h]) * scale));
+        const float pv = exp2f(s[n][2 * h + e] - mx[h]);
         s[n][2 * h + e] = pv;
         l[h] += pv;
       }
@@ -131,7 +128,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
   float o[8][4];
 #pragma unroll
   for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-  mbar_wait(vbar, 0);  // V's tiles (Q's and K's came first)
 #pragma unroll
   for (int t = 0; t < NT / 2; ++t) {  // keys 16t..16t+15
     if (16 * t > q0 + 15) break;      // (all masked: causal)
@@ -146,7 +142,7 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
       mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
     }
   }
-  const float inv0 = __frcp_rn(l[0]), inv1 = __frcp_rn(l[1]);
+  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
   __syncwarp();  // every lane's Q reads done before the rows are overwritten
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
@@ -222,8 +218,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   const uint32_t red = xbar + 8;            // the other CTAs' slabs have landed
   const uint32_t wobar = red + 8;           // OUT_IN: wo's rows have landed
   const uint32_t x1bar = wobar + 8;         // OUT_IN: the other tiles of x (and their row sums) have landed
-  const uint32_t vbar = x1bar + 8;          // ATT_IN: V's tiles have landed (Q's and K's: xbar)
-  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (vbar + (ATT ? 8 : 0) - raw));  // BT (rstd, mean * rstd)
+  float2* const lnrow = reinterpret_cast<float2*>(smem_raw + (x1bar + 8 - raw));  // BT (rstd, mean * rstd)
   T* const part16 = reinterpret_cast<T*>(smem_raw + (part - raw));
   const T* const recv16 = reinterpret_cast<const T*>(smem_raw + (recv - raw));
 
@@ -251,7 +246,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       mbar_init(x1bar, 1);
       mbar_expect_tx(x1bar, (kt1 - 1) * (XT + BT * 8));
     }
-    if constexpr (ATT) mbar_init(vbar, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   cluster_sync();
@@ -262,12 +256,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       // variant loads the token tile before them, so that nothing queued ahead of it in the TMA unit hides the race.)
       const bool racy = (p.flags & RACY) != 0;
       auto load_input = [&]() {  // after the wait: the token tile (ATT_IN: its Q, K and V, x_map over qkv)
-        mbar_expect_tx(xbar, (ATT ? 2 : 1) * kt1 * XT);
+        mbar_expect_tx(xbar, (ATT ? 3 : 1) * kt1 * XT);
         tma_load3(xs, &p.x_map, xbar, t0, 0);
         if constexpr (ATT) {
           tma_load3(kvs, &p.x_map, xbar, t0, kt1);
-          mbar_expect_tx(vbar, kt1 * XT);
-          tma_load3(kvs + kt1 * XT, &p.x_map, vbar, t0, 2 * kt1);
+          tma_load3(kvs + kt1 * XT, &p.x_map, xbar, t0, 2 * kt1);
         }
       };
       if (racy) load_input();
@@ -349,8 +342,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll 1
       for (int task = warp; task < kt1 * (BT / 16); task += CONSUMERS / 32) {
         const int hd = task % kt1;
-        attention_rows<BF16, BT>(xs + hd * XT, kvs + hd * XT, kvs + (kt1 + hd) * XT, vbar, 16 * (task / kt1), p.M,
-                                 lane);
+        attention_rows<BF16, BT>(xs + hd * XT, kvs + hd * XT, kvs + (kt1 + hd) * XT, 16 * (task / kt1), p.M, lane);
       }
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       consumer_sync<CONSUMERS>();
@@ -581,7 +573,7 @@ extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
   constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + BT * 8) : 0;
-  constexpr int att_in = (MLP_EPI & ATT_IN) != 0 ? 2 * (d / 64) * BT * 128 + 8 : 0;
+  constexpr int att_in = (MLP_EPI & ATT_IN) != 0 ? 2 * (d / 64) * BT * 128 : 0;
   return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
          NG * XR * 2 + MLP_SC * R * XR * 2 + att_in + out_in + 48 + BT * 8;
 }
