@@ -42,6 +42,9 @@ class AttnConfig(KnobConfig):
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    # 1: computed by the fused feed-forward block's kernel (kernels/mlp_cluster.cu ATT_IN), in front of the
+    # out-projection it computes there too (out.fuse 1): no attention kernel. Rules: tuner.layer.mlp_error.
+    fuse: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 

@@ -29,10 +29,6 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-# Experiment switch (scripts/timeline.py @mlp_attn=1; perf notes 25): with out.fuse 1, the layer's attention computed in
-# the block too (ATT_IN: every head in every CTA, one warp 16 query rows of a head; batch 1, head_dim 64, up to 64
-# tokens): no attention kernel.
-ATTN_IN = False
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 13 + [ctypes.c_int] * 11
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}

@@ -43,12 +43,11 @@ def variant(shape, name):
 
 
 def _switches():
-    from tuner.kernels import cluster_gemm, mlp_cluster
+    from tuner.kernels import cluster_gemm
 
     return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
-            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
-            "mlp_attn": (mlp_cluster, "ATTN_IN")}
+            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED")}
 
 
 _DEFAULTS = {}

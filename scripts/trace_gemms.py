@@ -77,7 +77,7 @@ def trace(shape, name, hot=False):
 
     real_mlp = mlp_cluster.launch
     fused_keys = set()
-    out_in = [False]  # the block computes the out-projection too (its stamps 4 and 5 differ)
+    out_in = [False, False]  # the block computes the out-projection (its stamps 4 and 5 differ), and the attention
     steps = []  # the fused block's own steps, per layer
 
     def traced_mlp(x, w1, b1, w2, b2, residual, out, **kw):  # the feed-forward block as one kernel (ffn2.fuse)
@@ -89,6 +89,7 @@ def trace(shape, name, hot=False):
             tiling[key] = (tiles, splits)
             fused_keys.add(key)
             out_in[0] = kw.get("wo") is not None
+            out_in[1] = kw.get("qkv") is not None
         return real_mlp(x, w1, b1, w2, b2, residual, out, trace=traces[key], **kw)
 
     gemm_k.linear, mlp_cluster.launch = traced, traced_mlp
@@ -139,8 +140,8 @@ def trace(shape, name, hot=False):
                for i in range(len(v[0]))]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
     if steps and out_in[0]:
-        print("feed-forward block with the out-projection (us, medians; from the wait's return): the attention's "
-              "tile landed, x gathered (out-projection, its exchange); then first GEMM (from the later of the two), "
+        first = ("Q, K and V landed and every head's attention done" if out_in[1] else "the attention's tile landed")
+        print(f"feed-forward block with the out-projection (us, medians; from the wait's return): {first}, x gathered (out-projection, its exchange); then first GEMM (from the later of the two), "
               "h and second GEMM, exchange, epilogue: " + ", ".join(f"{statistics.median(c):.2f}" for c in zip(*steps)))
     elif steps:
         print("feed-forward block (us, medians; from the wait's return): w1 landed, x landed; then first GEMM, h and "

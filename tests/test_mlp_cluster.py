@@ -203,9 +203,44 @@ def test_layer_rules():
     assert "; out in ffn1 (mlp); " in format_tiles(kernels) and gemm_op(kernels, "out") == "-"
 
 
-@pytest.mark.parametrize("fuse, out", [(1, 0), (2, 0), (1, 1), (2, 1)],
-                         ids=["128-a-cta", "64-a-cta", "128-a-cta-out", "64-a-cta-out"])
-def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, device):
+def test_attention_in_the_block_rules():
+    """attn.fuse 1 (the attention in the fused block too): needs out.fuse 1 (so ffn2.fuse and norm2.fuse 2), batch 1,
+    head_dim 64 and the shared memory; repair_config switches it off where it cannot run."""
+    from dataclasses import replace
+
+    from tuner.bench import hand_picked, hand_picked_cluster
+    from tuner.layer import check_config, fit_config, repair_config
+    from tuner.report import format_tiles
+    from tuner.shapes import DecoderShape, resolve
+
+    tiny, base = resolve("tiny"), resolve("bert-base")
+    cfg = hand_picked_cluster(tiny)
+    assert cfg.attn.fuse == 1 and cfg.out.fuse == 1 and check_config(cfg, tiny) == {}
+    assert hand_picked_cluster(tiny, attn_in=False).attn.fuse == 0
+    assert hand_picked_cluster(tiny, out_proj=False).attn.fuse == 0
+    assert hand_picked_cluster(base).attn.fuse == 0
+    assert repair_config(cfg, tiny).attn.fuse == 1
+    no_out = replace(cfg, out=replace(cfg.out, fuse=0))
+    assert "needs ffn2.fuse 1 or 2 and out.fuse 1" in check_config(no_out, tiny)["attn"]
+    assert repair_config(no_out, tiny).attn.fuse == 0
+    assert "must be 0 or 1" in check_config(replace(cfg, attn=replace(cfg.attn, fuse=2)), tiny)["attn"]
+    two = DecoderShape(2, 16, 256, 4, 1024, name="two-sequences")  # 32 tokens in two sequences
+    assert "batch 1 and head_dim 64" in check_config(fit_config(cfg, two), two)["attn"]
+    assert repair_config(cfg, two).attn.fuse == 0 and repair_config(cfg, two).out.fuse == 1
+    heads8 = DecoderShape(1, 32, 256, 8, 1024, name="head-dim-32")
+    assert "head_dim 64" in check_config(cfg, heads8)["attn"]
+    long = DecoderShape(1, 80, 256, 4, 1024, name="80-tokens")  # 80 tokens: two token tiles
+    fused = replace(hand_picked(base), attn=replace(hand_picked(base).attn, fuse=1))
+    assert repair_config(fused, base).attn.fuse == 0
+    assert repair_config(cfg, long).attn.fuse == 0
+    tiles = format_tiles(cfg.to_dict()["kernels"])
+    assert "; attn in ffn1 (mlp); out in ffn1 (mlp); " in tiles and tiles.startswith("qkv ")
+
+
+@pytest.mark.parametrize("fuse, out, attn", [(1, 0, 0), (2, 0, 0), (1, 1, 0), (2, 1, 0), (1, 1, 1), (2, 1, 1)],
+                         ids=["128-a-cta", "64-a-cta", "128-a-cta-out", "64-a-cta-out", "128-a-cta-attn",
+                              "64-a-cta-attn"])
+def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, device):
     # On a Hopper GPU one launch computes FFN1, GELU and FFN2 (no FFN2 launch); elsewhere (the interpreter) the two
     # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (one part a CTA).
     from dataclasses import replace
@@ -216,13 +251,16 @@ def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, device):
     shape = _small()
     cfg = hand_picked_cluster(shape)
     assert cfg.ffn2.fuse == 1 and cfg.norm1.fuse == 2 and cfg.norm2.fuse == 2
-    cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse), out=replace(cfg.out, fuse=out))
+    cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse), out=replace(cfg.out, fuse=out),
+                  attn=replace(cfg.attn, fuse=attn))
     st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=5)
     one = st.bufs[0].mlp
     assert one == (device == "cuda" and torch.cuda.get_device_capability() == (9, 0))
     assert st.bufs[0].mlp_out == (one and out == 1)
     assert len(st.launches("ffn2")) == (0 if one else 3)
     assert len(st.launches("out")) == (0 if one and out else 3)  # with out.fuse the block computes it too
+    assert st.bufs[0].mlp_attn == (one and out == 1 and attn == 1)
+    assert len(st.launches("attn")) == (0 if one and out and attn else 3)  # and with attn.fuse the attention
     err = st.check(seed=3)
     assert err < st.tolerance(), err
 
@@ -262,9 +300,28 @@ def test_racy_fused_block_with_out_projection_is_caught():
     from tuner.verify import race_detection
 
     shape = resolve("tiny")
-    cfg = hand_picked_cluster(shape)
+    cfg = hand_picked_cluster(shape, attn_in=False)
     assert cfg.out.fuse == 1 and cfg.ffn2.fuse == 1
     st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
     assert st.bufs[0].mlp_out and not st.launches("out")
+    r = race_detection(st, "ffn1", layer=1, trials=10)
+    assert r["caught"] >= 5 and r["false_alarms"] == 0, r
+
+
+@gpu
+def test_racy_fused_block_with_attention_is_caught():
+    # attn.fuse 1: the block's racy variant loads Q, K and V before its wait, right behind the QKV GEMM (tune verify's
+    # "mlp_attn" check).
+    _hopper()
+    from tuner.bench import hand_picked_cluster
+    from tuner.layer import DecoderStack
+    from tuner.shapes import resolve
+    from tuner.verify import race_detection
+
+    shape = resolve("tiny")
+    cfg = hand_picked_cluster(shape)
+    assert cfg.attn.fuse == 1 and cfg.out.fuse == 1
+    st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
+    assert st.bufs[0].mlp_attn and not st.launches("attn")
     r = race_detection(st, "ffn1", layer=1, trials=10)
     assert r["caught"] >= 5 and r["false_alarms"] == 0, r

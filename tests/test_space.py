@@ -110,6 +110,14 @@ def test_gemm_fuse_is_ffn2s_and_outs(tmp_path):
         load_edit(tmp_path, lambda d: d.update(kernels={"qkv": {"fuse": [0, 1]}}))
 
 
+def test_attn_fuse_switch(tmp_path):
+    # attn.fuse: 0 the attention kernel, 1 the attention in the fused block; a file without it keeps the kernel.
+    assert space.load().dims["attn"]["fuse"].choices == (0, 1)
+    assert load_edit(tmp_path, lambda d: d["attn"].pop("fuse")).dims["attn"]["fuse"].choices == (0,)
+    with pytest.raises(SpaceError, match=r"attn.fuse"):
+        load_edit(tmp_path, lambda d: d["attn"].update(fuse=[0, 2]))
+
+
 # ------------------------------------------------------------------------------------------------
 # Continuous ranges and overrides
 # ------------------------------------------------------------------------------------------------

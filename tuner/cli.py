@@ -165,10 +165,15 @@ def cmd_verify(args) -> int:
             res["mlp"] = verify.run_verify(shape, mlp, dtype=dtype, race_trials=args.trials, racy_kernels=("ffn1",))
         # And with the out-projection in front of the block (out.fuse 1; LayerNorm 2 folded in: norms 2), behind
         # the attention kernel.
-        mlp_out = bench.hand_picked_cluster(shape)
+        mlp_out = bench.hand_picked_cluster(shape, attn_in=False)
         if mlp_out_fused(shape, mlp_out, dtype, "cuda"):
             res["mlp_out"] = verify.run_verify(shape, mlp_out, dtype=dtype, race_trials=args.trials,
                                                racy_kernels=("ffn1",))
+        # And with the attention in front of that too (attn.fuse 1), right behind the QKV GEMM.
+        mlp_attn = bench.hand_picked_cluster(shape)
+        if mlp_attn.attn.fuse and mlp_out_fused(shape, mlp_attn, dtype, "cuda"):
+            res["mlp_attn"] = verify.run_verify(shape, mlp_attn, dtype=dtype, race_trials=args.trials,
+                                                racy_kernels=("ffn1",))
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))

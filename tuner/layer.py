@@ -31,17 +31,22 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
               device: DeviceInfo | None = None) -> str | None:
     """Why ``ffn2.fuse`` 1 or 2 (the feed-forward block as one kernel, kernels/mlp_cluster.cu, with 128 or 64 hidden
-    columns a CTA), with ``out.fuse`` 1 the out-projection in front of it, cannot run this shape; None when it can
-    (``device`` None: the GPU is not checked)."""
+    columns a CTA), with ``out.fuse`` 1 the out-projection in front of it and with ``attn.fuse`` 1 the attention
+    in front of that, cannot run this shape; None when it can (``device`` None: the GPU is not checked)."""
     from tuner.kernels import mlp_cluster
 
     if cfg.norm2.fuse == 1:
         return "needs norm2.fuse 0 or 2 (the row sums from the out-projection), not 1"
     if cfg.out.fuse and cfg.norm2.fuse != 2:
         return "with out.fuse 1 needs norm2.fuse 2 (LayerNorm 2 folded into the block), not 0"
+    if cfg.attn.fuse:
+        if not cfg.out.fuse:
+            return "with attn.fuse 1 needs out.fuse 1 (the out-projection in the block too)"
+        if shape.batch != 1 or shape.head_dim != 64:
+            return f"with attn.fuse 1 needs batch 1 and head_dim 64, not {shape.batch} and {shape.head_dim}"
     why = mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, dtype_bytes,
                             device.smem_per_block_bytes if device is not None else 232448, mlp_fs(cfg),
-                            out_proj=bool(cfg.out.fuse))
+                            out_proj=bool(cfg.out.fuse), attn=bool(cfg.attn.fuse))
     if why is None and device is not None and device.capability != (9, 0):
         why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
     return why
@@ -99,6 +104,14 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
             bad[name] = why
     why = attn_k.check(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads, shape.head_dim,
                                                     dtype_bytes), device)
+    if why is None and cfg.attn.fuse:
+        if cfg.attn.fuse != 1:
+            why = f"fuse={cfg.attn.fuse} must be 0 or 1 (1: the attention in FFN1's kernel)"
+        elif not cfg.ffn2.fuse or not cfg.out.fuse:
+            why = "fuse=1 (the attention in FFN1's kernel) needs ffn2.fuse 1 or 2 and out.fuse 1"
+        else:
+            why = mlp_error(shape, cfg, dtype_bytes, device)
+            why = why and f"fuse=1 (the attention in FFN1's kernel) {why}"
     if why:
         bad["attn"] = why
     return bad
@@ -121,13 +134,15 @@ def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
 def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                   device: DeviceInfo | None = None) -> DecoderConfig:
     """fit_config, then each GEMM moved to its nearest config within shared memory and registers
-    (gemm_k.repair), and FFN2 unfused where the one-kernel feed-forward block cannot run (mlp_error): what the
-    search measures for a sampled combination of tiles."""
+    (gemm_k.repair), and the attention, the out-projection and FFN2 unfused where the one-kernel feed-forward block
+    cannot run them (mlp_error): what the search measures for a sampled combination of tiles."""
     from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
     cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
                           for n, (m, nn, k) in shape.gemms().items()})
+    if cfg.attn.fuse and (not cfg.ffn2.fuse or not cfg.out.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
+        cfg = replace(cfg, attn=replace(cfg.attn, fuse=0))  # the attention kernel runs
     if cfg.out.fuse and (not cfg.ffn2.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
         cfg = replace(cfg, out=replace(cfg.out, fuse=0))  # the out-projection runs its own config
     if cfg.ffn2.fuse and mlp_error(shape, cfg, dtype_bytes, device):  # FFN1 and FFN2 run their own configs
@@ -206,7 +221,7 @@ class LayerBuffers:
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.ws = {}
         self.fused = None
-        self.mlp = self.mlp_out = False
+        self.mlp = self.mlp_out = self.mlp_attn = False
         self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
             self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
@@ -221,6 +236,7 @@ class LayerBuffers:
         # (one part a CTA).
         self.mlp = mlp_fused(shape, cfg, dtype, device)
         self.mlp_out = self.mlp and bool(cfg.out.fuse)
+        self.mlp_attn = self.mlp_out and bool(cfg.attn.fuse)  # the attention in the block too: qkv is its input
         if self.mlp:
             from tuner.kernels import mlp_cluster
 
@@ -301,9 +317,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
 
         # With out.fuse 1 it starts from the attention's output and computes h = x + out-projection itself.
         h_in, res, o = (b.attn, x, dict(wo=w.w_out, bo=w.b_out)) if b.mlp_out else (b.h if ln2 else b.ln2, b.h, {})
-        attn_in = (b.mlp_out and mlp_cluster.ATTN_IN and shape.batch == 1 and shape.head_dim == 64
-                   and shape.tokens <= 64)  # experiment (perf notes 25): the attention in the block too
-        if attn_in:
+        if b.mlp_attn:  # and with attn.fuse 1 the attention from qkv in front of that
             o["qkv"] = b.qkv
         launches[5] = ("ffn1", lambda: mlp_cluster.launch(
             h_in, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, res, b.y, act=gemm_k.act_code("gelu", b.h),
@@ -313,7 +327,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         skip.add("ffn2")
         if b.mlp_out:
             skip.add("out")
-        if attn_in:
+        if b.mlp_attn:
             skip.add("attn")
     return [(n, f) for n, f in launches if n not in skip]
 

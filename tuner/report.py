@@ -268,7 +268,7 @@ def gemm_op(kernels: dict, g: str) -> str:
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
     '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel, and
-    'out in ffn1 (mlp)' where the out-projection is too);
+    'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
     'layer cuda 64x64x64/10s out sk4; ffn2 sk4'."""
     f = fused_layer(kernels)
@@ -297,6 +297,8 @@ def format_tiles(kernels: dict) -> str:
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"
                      + ("/tma" if _num(c.get("tma")) == 1 else ""))
+        if g == "qkv" and _num((kernels.get("attn") or {}).get("fuse")) == 1:  # (attention in FFN1's kernel too)
+            parts.append("attn in ffn1 (mlp)")
     return "; ".join(parts)
 
 

@@ -18,7 +18,7 @@ TILE_FIELDS = {
     "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma", "cluster",
              "fuse"),
     "norm": ("rows_per_program", "num_warps", "fuse"),
-    "attn": ("block_m", "block_n", "num_warps", "num_stages"),
+    "attn": ("block_m", "block_n", "num_warps", "num_stages", "fuse"),
     # The one-kernel layer (tuner.kernels.fused_layer); fuse: 1 replaces the seven kernels above.
     "layer": tuple(f.name for f in fields(FusedLayerConfig) if not f.name.endswith("_ratio")),
 }
@@ -32,7 +32,8 @@ PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline;
 # GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels; GemmConfig.fuse: 0 is FFN2's and the
 # out-projection's own kernel, and only those two have the choice: the gemm family's fuse applies to them alone, its
-# 2 to FFN2 alone). A file that leaves one out gets [0].
+# 2 to FFN2 alone; AttnConfig.fuse: 0 is the attention kernel, 1 the attention in that block). A file that leaves one
+# out gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows; so has the
 # GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits; and FFN2's fuse: 2 runs the one-kernel

@@ -83,8 +83,8 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
 
         racy_kernels = tuple(k for k in layer_cuda.PHASES if stack.bufs[0].fused.cuda)
     if stack.bufs[0].mlp:  # the feed-forward block is one kernel, launched as FFN1: FFN2 has no launch of its own,
-        # nor the out-projection with out.fuse 1
-        gone = ("ffn2", "out") if stack.bufs[0].mlp_out else ("ffn2",)
+        # nor the out-projection with out.fuse 1, nor the attention with attn.fuse 1
+        gone = ("ffn2",) + (("out",) if stack.bufs[0].mlp_out else ()) + (("attn",) if stack.bufs[0].mlp_attn else ())
         racy_kernels = tuple(k for k in racy_kernels if k not in gone) + (() if "ffn1" in racy_kernels else ("ffn1",))
     out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
     out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
