@@ -110,18 +110,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
   }
-  constexpr bool HALF_EXP = (MLP_X & 2) != 0 && !BF16;
-  uint32_t ph[NT][2];  // HALF_EXP: P as f16x2 pairs, rows g and g + 8
-  float lsum[4] = {0.f, 0.f, 0.f, 0.f};  // HALF_EXP: P's row sums by an MMA with ones (c0: row g, c2: row g + 8)
-  if constexpr (HALF_EXP) {
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t d = pack2<false>(s[n][2 * h] - mx[h], s[n][2 * h + 1] - mx[h]);
-        asm("ex2.approx.f16x2 %0, %1;" : "=r"(ph[n][h]) : "r"(d));
-      }
-  } else {
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -137,21 +125,14 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
   }
-  }
   float o[8][4];
 #pragma unroll
   for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
 #pragma unroll
   for (int t = 0; t < NT / 2; ++t) {  // keys 16t..16t+15
     if (16 * t > q0 + 15) break;      // (all masked: causal)
-    uint32_t a[4];
-    if constexpr (HALF_EXP) {
-      a[0] = ph[2 * t][0], a[1] = ph[2 * t][1], a[2] = ph[2 * t + 1][0], a[3] = ph[2 * t + 1][1];
-      mma_16x8x16<false>(lsum, a, 0x3c003c00u, 0x3c003c00u);  // (ones: every column a row sum)
-    } else {
-      a[0] = pack2<BF16>(s[2 * t][0], s[2 * t][1]), a[1] = pack2<BF16>(s[2 * t][2], s[2 * t][3]);
-      a[2] = pack2<BF16>(s[2 * t + 1][0], s[2 * t + 1][1]), a[3] = pack2<BF16>(s[2 * t + 1][2], s[2 * t + 1][3]);
-    }
+    const uint32_t a[4] = {pack2<BF16>(s[2 * t][0], s[2 * t][1]), pack2<BF16>(s[2 * t][2], s[2 * t][3]),
+                           pack2<BF16>(s[2 * t + 1][0], s[2 * t + 1][1]), pack2<BF16>(s[2 * t + 1][2], s[2 * t + 1][3])};
     const int key = 16 * t + (mat & 1) * 8 + r8;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {  // head dims 16u..16u+15
@@ -161,7 +142,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
       mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
     }
   }
-  if constexpr (HALF_EXP) l[0] = lsum[0], l[1] = lsum[2];
   const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
   __syncwarp();  // every lane's Q reads done before the rows are overwritten
 #pragma unroll
@@ -172,11 +152,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
                  "r"(pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1)) : "memory");
   }
 }
-
-#ifndef MLP_X
-#define MLP_X 0  // experiments (perf notes 25): 1 GEMM 1 starts on the CTA's own tile of x before the gather;
-                 // 2 the attention's P by ex2.approx.f16x2 (fp16), its row sums by an MMA with ones
-#endif
 
 // acc (64 x N) += A B^T over KT 64-wide K tiles, waited for: A's tile k at a + k A_STRIDE (64 rows of a weight
 // tile), B's (N rows) at b + k B_STRIDE, both K-major and 128-byte swizzled.
@@ -340,9 +315,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     if constexpr (!OUTP)
       res_raw[e] = static_cast<const T*>(p.res)[static_cast<long long>(rrow) * p.res_stride + ccol + e];
   }
-  float acc[NACC];  // GEMM 1's, then GEMM 2's accumulator (GEMM 1 uses N1 / 2 of them)
-#pragma unroll
-  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   if constexpr (OUTP) {
     // The out-projection: xT[c, t] = sum_k wo[64 jt + c, k] a[t0 + t, k], both warpgroups on all 64 rows c, each on
     // half the tokens; + bo + res, into tile jt of x1s as GEMM 1's B operand.
@@ -415,16 +387,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     consumer_sync<CONSUMERS>();
-    if constexpr ((MLP_X & 1) != 0) {  // GEMM 1's K tile jt (this CTA's tile of x) while the others come in
-      mbar_wait(w1bar, 0);
-      fence_acc<NACC>(acc);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_64xNx16<BF16, N1>(acc, smem_desc(w1s + fw * 128 + jt * W1T) + 2 * kk,
-                                smem_desc(x1s + jt * XT + tw * 128) + 2 * kk);
-      wgmma_commit();
-    }
     if (tid == 0) {  // to the other CTAs of this group of kt1 ranks: each gets one tile (and its sums) from each
       const int g = rank - jt;
 #pragma unroll 1
@@ -477,27 +439,14 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
 
   // GEMM 1: hT[f, t] = sum_k w1[f0 + f, k] x[t0 + t, k], this warpgroup's 64 rows f.
+  float acc[NACC];  // (the first GEMM uses N1 / 2 of them)
+#pragma unroll
+  for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mbar_wait(w1bar, 0);
   if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
   if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-  if constexpr (OUTP && (MLP_X & 1) != 0) {  // the other K tiles (tile jt's are in flight)
-    fence_acc<NACC>(acc);
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kt1; ++k) {
-      if (k == jt) continue;
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_64xNx16<BF16, N1>(acc, smem_desc(w1s + fw * 128 + k * W1T) + 2 * kk,
-                                smem_desc(x1s + k * XT + tw * 128) + 2 * kk);
-    }
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_acc<NACC>(acc);
-  } else {
-    mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
-  }
+  mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 

@@ -131,12 +131,10 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
                                                 (32, 256, 1024, 64, torch.float16), (45, 128, 256, 128, torch.float16),
                                                 (64, 128, 512, 64, torch.bfloat16), (5, 128, 256, 128, torch.float16),
                                                 (33, 256, 1024, 64, torch.float16)])
-@pytest.mark.parametrize("experiment", [0, 3])
-def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype, experiment, monkeypatch):
+def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype):
     """The experiment ATT_IN: causal attention (every head in every CTA), the out-projection and the feed-forward
     block in one kernel, from qkv."""
     _hopper()
-    monkeypatch.setattr(mlp_cluster, "EXPERIMENT", experiment)
     if mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True):
         pytest.skip(mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True))
     _, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=9)
