@@ -73,7 +73,7 @@ struct Params {
 // mma.sync m16n8k16: Q's rows from tile qt (then overwritten by O, 16-bit), K's and V's BT rows from tiles kt and vt
 // (16-bit, 128-byte swizzled, rows past m zero and masked). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
 // O = P V with P in registers.
-template <bool BF16, int BT>
+template <bool BF16, int BT, int STOP = 3>  // STOP (scripts/attn_probe.cu): 1 after S, 2 after the softmax
 __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
   constexpr int NT = BT / 8;  // 8-key tiles
   const int mat = lane / 8, r8 = lane % 8, g = lane / 4, q2 = (lane % 4) * 2;
@@ -93,6 +93,13 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     }
   }
   constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
+  if constexpr (STOP == 1) {  // (keep S: one value a thread)
+    float t = 0.f;
+#pragma unroll
+    for (int n = 0; n < NT; ++n) t += s[n][0] + s[n][1] + s[n][2] + s[n][3];
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(qt + 4 * lane), "f"(t) : "memory");
+    return;
+  }
   float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 #pragma unroll
   for (int n = 0; n < NT; ++n)
@@ -124,6 +131,13 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  if constexpr (STOP == 2) {  // (keep P and the row sums)
+    float t = l[0] + l[1];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) t += s[n][0] + s[n][1] + s[n][2] + s[n][3];
+    asm volatile("st.shared.f32 [%0], %1;" ::"r"(qt + 4 * lane), "f"(t) : "memory");
+    return;
   }
   float o[8][4];
 #pragma unroll

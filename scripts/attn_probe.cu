@@ -5,8 +5,8 @@
 
 namespace {
 
-template <int BT, int KT1>
-__global__ void __launch_bounds__(256, 1) attn_probe_kernel(int m, long long* out) {
+template <int BT, int KT1, int STOP>
+__global__ void __launch_bounds__(256, 1) attn_probe_kernel(int m, int ntasks, long long* out) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   constexpr int XT = BT * 128;
@@ -23,9 +23,10 @@ __global__ void __launch_bounds__(256, 1) attn_probe_kernel(int m, long long* ou
     __syncthreads();
     const long long t0 = clock64();
 #pragma unroll 1
-    for (int task = warp; task < KT1 * (BT / 16); task += 8) {
+    for (int task = warp; task < ntasks; task += 8) {
       const int hd = task % KT1;
-      attention_rows<false, BT>(xs + hd * XT, kvs + hd * XT, kvs + (KT1 + hd) * XT, 16 * (task / KT1), m, lane);
+      attention_rows<false, BT, STOP>(xs + hd * XT, kvs + hd * XT, kvs + (KT1 + hd) * XT, 16 * (task / KT1), m,
+                                      lane);
     }
     const long long t1 = clock64();
     if (lane == 0) out[warp * 2 + pass] = t1 - t0;
@@ -34,10 +35,18 @@ __global__ void __launch_bounds__(256, 1) attn_probe_kernel(int m, long long* ou
 
 }  // namespace
 
-// tiny's shape: 32 tokens, 4 heads. out: [8 warps, 2 passes] cycles.
-extern "C" int attn_probe(int m, long long* out) {
+template <int STOP>
+int probe(int m, int ntasks, long long* out) {
   constexpr int smem = 1024 + 3 * 4 * 32 * 128;
-  cudaFuncSetAttribute(attn_probe_kernel<32, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  attn_probe_kernel<32, 4><<<1, 256, smem>>>(m, out);
+  cudaFuncSetAttribute(attn_probe_kernel<32, 4, STOP>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  attn_probe_kernel<32, 4, STOP><<<1, 256, smem>>>(m, ntasks, out);
   return cudaGetLastError() != cudaSuccess;
+}
+
+// tiny's shape: 32 tokens, 4 heads; tasks 0 .. ntasks - 1 (8: all; 4: block 0 of each head, one warp an SM
+// sub-partition); stop 1: S only, 2: S and the softmax, 3: all. out: [8 warps, 2 passes] cycles.
+extern "C" int attn_probe(int m, int ntasks, int stop, long long* out) {
+  if (stop == 1) return probe<1>(m, ntasks, out);
+  if (stop == 2) return probe<2>(m, ntasks, out);
+  return probe<3>(m, ntasks, out);
 }
