@@ -77,6 +77,7 @@ template <bool BF16, int BT, int STOP = 3>  // STOP (scripts/attn_probe.cu): 1 a
 __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
   constexpr int NT = BT / 8;  // 8-key tiles
   const int mat = lane / 8, r8 = lane % 8, g = lane / 4, q2 = (lane % 4) * 2;
+  const int last = q0 + 15;   // the last key any of these rows sees (causal): key tiles past it are skipped
   float s[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -86,6 +87,7 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     ldmatrix_x4(a, swz(qt, q0 + (mat & 1) * 8 + r8, 16 * k + (mat >> 1) * 8));
 #pragma unroll
     for (int n = 0; n < NT / 2; ++n) {  // keys 16n..16n+15
+      if (16 * n > last) continue;
       uint32_t b[4];
       ldmatrix_x4(b, swz(kt, 16 * n + (mat >> 1) * 8 + r8, 16 * k + (mat & 1) * 8));
       mma_16x8x16<BF16>(s[2 * n], a, b[0], b[1]);
@@ -100,7 +102,7 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     asm volatile("st.shared.f32 [%0], %1;" ::"r"(qt + 4 * lane), "f"(t) : "memory");
     return;
   }
-  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
@@ -117,26 +119,39 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
   }
+  // P = 2^(s - max) as the PV MMA's A fragments (16-bit pairs: rows g, g + 8 of key tile n). fp16: ex2.approx.f16x2,
+  // two a MUFU op (the SM's MUFU rate bounds this step: perf notes 25), the row sums by an MMA with ones; bf16: in
+  // fp32 (a bf16 exponent would cost too much precision), the row sums in the quad.
+  uint32_t ph[NT][2];
+  float l[4] = {0.f, 0.f, 0.f, 0.f};  // the row sums: l[0] row g, l[2] row g + 8
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float pv = exp2f(s[n][2 * h + e] - mx[h]);
-        s[n][2 * h + e] = pv;
-        l[h] += pv;
+    for (int h = 0; h < 2; ++h) {
+      if (8 * n > last) {
+        ph[n][h] = 0u;
+        continue;
       }
+      if constexpr (BF16) {
+        const float p0 = exp2f(s[n][2 * h] - mx[h]), p1 = exp2f(s[n][2 * h + 1] - mx[h]);
+        l[2 * h] += p0 + p1;
+        ph[n][h] = pack2<true>(p0, p1);
+      } else {
+        asm("ex2.approx.f16x2 %0, %1;" : "=r"(ph[n][h]) : "r"(pack2<false>(s[n][2 * h] - mx[h], s[n][2 * h + 1] - mx[h])));
+      }
+    }
+  if constexpr (BF16) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    for (int h = 0; h < 2; ++h) {
+      l[2 * h] += __shfl_xor_sync(0xffffffffu, l[2 * h], 1);
+      l[2 * h] += __shfl_xor_sync(0xffffffffu, l[2 * h], 2);
+    }
   }
   if constexpr (STOP == 2) {  // (keep P and the row sums)
-    float t = l[0] + l[1];
+    uint32_t t = __float_as_uint(l[0] + l[2]);
 #pragma unroll
-    for (int n = 0; n < NT; ++n) t += s[n][0] + s[n][1] + s[n][2] + s[n][3];
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(qt + 4 * lane), "f"(t) : "memory");
+    for (int n = 0; n < NT; ++n) t += ph[n][0] + ph[n][1];
+    asm volatile("st.shared.b32 [%0], %1;" ::"r"(qt + 4 * lane), "r"(t) : "memory");
     return;
   }
   float o[8][4];
@@ -144,9 +159,9 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
   for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
 #pragma unroll
   for (int t = 0; t < NT / 2; ++t) {  // keys 16t..16t+15
-    if (16 * t > q0 + 15) break;      // (all masked: causal)
-    const uint32_t a[4] = {pack2<BF16>(s[2 * t][0], s[2 * t][1]), pack2<BF16>(s[2 * t][2], s[2 * t][3]),
-                           pack2<BF16>(s[2 * t + 1][0], s[2 * t + 1][1]), pack2<BF16>(s[2 * t + 1][2], s[2 * t + 1][3])};
+    if (16 * t > last) continue;
+    const uint32_t a[4] = {ph[2 * t][0], ph[2 * t][1], ph[2 * t + 1][0], ph[2 * t + 1][1]};
+    if constexpr (!BF16) mma_16x8x16<false>(l, a, 0x3c003c00u, 0x3c003c00u);  // (B all ones: each column a row sum)
     const int key = 16 * t + (mat & 1) * 8 + r8;
 #pragma unroll
     for (int u = 0; u < 4; ++u) {  // head dims 16u..16u+15
@@ -156,7 +171,7 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
       mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
     }
   }
-  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+  const float inv0 = 1.f / l[0], inv1 = 1.f / l[2];
   __syncwarp();  // every lane's Q reads done before the rows are overwritten
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
