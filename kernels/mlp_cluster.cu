@@ -73,11 +73,12 @@ struct Params {
 // mma.sync m16n8k16: Q's rows from tile qt (then overwritten by O, 16-bit), K's and V's BT rows from tiles kt and vt
 // (16-bit, 128-byte swizzled, rows past m zero and masked). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
 // O = P V with P in registers.
-template <bool BF16, int BT, int STOP = 3>  // STOP (scripts/attn_probe.cu): 1 after S, 2 after the softmax
-__device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
-  constexpr int NT = BT / 8;  // 8-key tiles
+// KG: the 16-key groups these rows see (causal: q0 / 16 + 1), a compile-time count so that every load and MMA of S
+// can be issued at once (a run-time skip inside the loops measured no faster: perf notes 25).
+template <bool BF16, int KG, int STOP>
+__device__ __forceinline__ void attention_keys(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
+  constexpr int NT = 2 * KG;  // 8-key tiles
   const int mat = lane / 8, r8 = lane % 8, g = lane / 4, q2 = (lane % 4) * 2;
-  const int last = q0 + 15;   // the last key any of these rows sees (causal): key tiles past it are skipped
   float s[NT][4];
 #pragma unroll
   for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
@@ -87,7 +88,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
     ldmatrix_x4(a, swz(qt, q0 + (mat & 1) * 8 + r8, 16 * k + (mat >> 1) * 8));
 #pragma unroll
     for (int n = 0; n < NT / 2; ++n) {  // keys 16n..16n+15
-      if (16 * n > last) continue;
       uint32_t b[4];
       ldmatrix_x4(b, swz(kt, 16 * n + (mat >> 1) * 8 + r8, 16 * k + (mat & 1) * 8));
       mma_16x8x16<BF16>(s[2 * n], a, b[0], b[1]);
@@ -128,10 +128,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (8 * n > last) {
-        ph[n][h] = 0u;
-        continue;
-      }
       if constexpr (BF16) {
         const float p0 = exp2f(s[n][2 * h] - mx[h]), p1 = exp2f(s[n][2 * h + 1] - mx[h]);
         l[2 * h] += p0 + p1;
@@ -159,7 +155,6 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
   for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
 #pragma unroll
   for (int t = 0; t < NT / 2; ++t) {  // keys 16t..16t+15
-    if (16 * t > last) continue;
     const uint32_t a[4] = {ph[2 * t][0], ph[2 * t][1], ph[2 * t + 1][0], ph[2 * t + 1][1]};
     if constexpr (!BF16) mma_16x8x16<false>(l, a, 0x3c003c00u, 0x3c003c00u);  // (B all ones: each column a row sum)
     const int key = 16 * t + (mat & 1) * 8 + r8;
@@ -179,6 +174,18 @@ __device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_
                  "r"(pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0)) : "memory");
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, q0 + g + 8, 8 * v + q2)),
                  "r"(pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1)) : "memory");
+  }
+}
+
+// One warp's causal attention: the 16 query rows q0.. of one head (head_dim 64) over BT keys (see attention_keys).
+template <bool BF16, int BT, int STOP = 3>  // STOP (scripts/attn_probe.cu): 1 after S, 2 after the softmax
+__device__ __forceinline__ void attention_rows(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
+  static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
+  switch (q0 / 16) {  // (uniform in the warp)
+    case 0: attention_keys<BF16, 1, STOP>(qt, kt, vt, q0, m, lane); break;
+    case 1: attention_keys<BF16, 2, STOP>(qt, kt, vt, q0, m, lane); break;
+    case 2: if constexpr (BT == 64) attention_keys<BF16, 3, STOP>(qt, kt, vt, q0, m, lane); break;
+    default: if constexpr (BT == 64) attention_keys<BF16, 4, STOP>(qt, kt, vt, q0, m, lane); break;
   }
 }
 
