@@ -69,7 +69,7 @@ struct Params {
   int flags;
 };
 
-// ATT_IN (experiment): causal attention of the 16 query rows q0.. of one head (head_dim 64) for one warp, by
+// ATT_IN (attn.fuse 1): causal attention of the 16 query rows q0.. of one head (head_dim 64) for one warp, by
 // mma.sync m16n8k16: Q's rows from tile qt (then overwritten by O, 16-bit), K's and V's BT rows from tiles kt and vt
 // (16-bit, 128-byte swizzled, rows past m zero and masked). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
 // O = P V with P in registers.
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   static_assert(BT == 32 || BT == 64, "token tile: 32 or 64");
   static_assert(FS == 64 || FS == 128, "hidden columns a CTA: 64 or 128");
   constexpr bool OUTP = (EPI & OUT_IN) != 0;
-  constexpr bool ATT = (EPI & ATT_IN) != 0;  // experiment: the attention too (needs OUT_IN; one token tile)
+  constexpr bool ATT = (EPI & ATT_IN) != 0;  // the attention too, every head (needs OUT_IN; one token tile)
   static_assert(!ATT || OUTP, "ATT_IN needs OUT_IN");
   static_assert(!OUTP || SC % KT1 == 0, "OUT_IN: the cluster a whole number of groups of D / 64 CTAs");
   using E = Elem<BF16>;

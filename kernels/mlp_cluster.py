@@ -113,7 +113,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     With ``wo`` and ``bo`` ([D, D], [D]: the out-projection), ``x`` is the attention output and the block's input is
     ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
     LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``. With ``qkv`` ([M, 3D],
-    batch 1, heads of 64: the experiment ATT_IN) the kernel computes the causal attention from it too, and ``x`` is
+    batch 1, heads of 64: attn.fuse 1, ATT_IN) the kernel computes the causal attention from it too, and ``x`` is
     not read."""
     M, D = x.shape
     Fh = w1.shape[0]
