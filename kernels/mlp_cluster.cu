@@ -69,10 +69,6 @@ struct Params {
   int flags;
 };
 
-#ifndef MLP_X2
-#define MLP_X2 0
-#endif
-
 // ATT_IN (attn.fuse 1): causal attention of the 16 query rows q0.. of one head (head_dim 64) for one warp, by
 // mma.sync m16n8k16: Q's rows from tile qt (then overwritten by O, 16-bit), K's and V's BT rows from tiles kt and vt
 // (16-bit, 128-byte swizzled, rows past m zero and masked). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
@@ -436,12 +432,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll 1
       for (int j = 1; j < kt1; ++j) {
         const int dst = g + (jt + j) % kt1;
-#if MLP_X2  // (A/B: two copies, as before)
-        bulk_push(map_to_cta(tile, dst), tile, XT, map_to_cta(x1bar, dst));
-        bulk_push(map_to_cta(tile + XT, dst), tile + XT, BT * 8, map_to_cta(x1bar, dst));
-#else
         bulk_push(map_to_cta(tile, dst), tile, XT + BT * 8, map_to_cta(x1bar, dst));
-#endif
       }
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }

@@ -29,7 +29,6 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-EXPERIMENT = 0  # (temporary A/B switch)
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 13 + [ctypes.c_int] * 11
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
@@ -83,11 +82,10 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
 
 
 def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> ctypes.CDLL:
-    key = (bf16, sc, epi, bt, d, fs, EXPERIMENT)
+    key = (bf16, sc, epi, bt, d, fs)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,
-                               "MLP_X2": EXPERIMENT},
+    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs},
                       "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int

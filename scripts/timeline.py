@@ -43,12 +43,11 @@ def variant(shape, name):
 
 
 def _switches():
-    from tuner.kernels import cluster_gemm, mlp_cluster
+    from tuner.kernels import cluster_gemm
 
     return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
-            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
-            "mlp_x": (mlp_cluster, "EXPERIMENT")}
+            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED")}
 
 
 _DEFAULTS = {}
@@ -65,7 +64,7 @@ def apply_switches(name: str) -> str:
     if "@" in name:
         for e in name.split("@", 1)[1].split(","):
             key, v = e.split("=")
-            setattr(*switches[key], int(v) if key in ("cg_early", "mlp_x") else bool(int(v)))
+            setattr(*switches[key], int(v) if key == "cg_early" else bool(int(v)))
     return name.split("@", 1)[0]
 
 
