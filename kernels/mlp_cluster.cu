@@ -246,13 +246,9 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   constexpr int WOT = 64 * 128;             // OUT_IN: bytes of a 64-wide K tile of the 64 rows of wo
   const uint32_t kvs = recv + SC * SLAB;    // ATT_IN: K's and V's tiles (D / 64 each; Q's are in xs)
   const uint32_t wos = kvs + (ATT ? 2 * kt1 * XT : 0);  // OUT_IN: this CTA's 64 rows of wo (its 64 columns of x)
-  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B): 64-column tile j at x1s + j X1P, its row sums
-  // [BT] (s1, s2) right behind it, so that one bulk copy carries both (an exchange costs ~180 cycles a copy a CTA
-  // pushes, whatever its bytes up to ~4 KB: perf notes 25)
-  constexpr int X1P = XT + 1024;
-  static_assert(BT * 8 <= 1024, "the row sums fit behind their tile");
-  const uint32_t x1s = wos + (OUTP ? kt1 * WOT : 0);
-  const uint32_t w1bar = x1s + (OUTP ? kt1 * X1P : 0);  // w1's slice has landed
+  const uint32_t x1s = wos + (OUTP ? kt1 * WOT : 0);  // OUT_IN: x's token tile, computed and gathered (GEMM 1's B)
+  const uint32_t x1st = x1s + (OUTP ? kt1 * XT : 0);  // OUT_IN: x's row sums, [D / 64][BT] (s1, s2) a 64-column tile
+  const uint32_t w1bar = x1st + (OUTP ? kt1 * BT * 8 : 0);  // w1's slice has landed
   const uint32_t w2bar = w1bar + 8;         // w2's slice has landed
   const uint32_t xbar = w2bar + 8;          // the token tile has landed
   const uint32_t red = xbar + 8;            // the other CTAs' slabs have landed
@@ -391,7 +387,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     mbar_wait(xbar, 0);
     if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
     mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
-    const uint32_t tile = x1s + jt * X1P;
+    const uint32_t tile = x1s + jt * XT;
 #pragma unroll
     for (int j = 0; j < NO / 8; ++j)
 #pragma unroll
@@ -423,16 +419,17 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         }
       }
       lane_sum2<TPX>(s1, s2);
-      if (q == 0) reinterpret_cast<float2*>(smem_raw + (tile + XT - raw))[t] = make_float2(s1, s2);
+      if (q == 0) reinterpret_cast<float2*>(smem_raw + (x1st - raw))[jt * BT + t] = make_float2(s1, s2);
     }
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     consumer_sync<CONSUMERS>();
-    if (tid == 0) {  // to the other CTAs of this group of kt1 ranks: each gets one tile and its sums (one copy)
+    if (tid == 0) {  // to the other CTAs of this group of kt1 ranks: each gets one tile (and its sums) from each
       const int g = rank - jt;
 #pragma unroll 1
       for (int j = 1; j < kt1; ++j) {
         const int dst = g + (jt + j) % kt1;
-        bulk_push(map_to_cta(tile, dst), tile, XT + BT * 8, map_to_cta(x1bar, dst));
+        bulk_push(map_to_cta(tile, dst), tile, XT, map_to_cta(x1bar, dst));
+        bulk_push(map_to_cta(x1st + jt * BT * 8, dst), x1st + jt * BT * 8, BT * 8, map_to_cta(x1bar, dst));
       }
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
@@ -442,7 +439,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       float s1 = 0.f, s2 = 0.f;
 #pragma unroll
       for (int j = 0; j < kt1; ++j) {
-        const float2 v = reinterpret_cast<const float2*>(smem_raw + (x1s + j * X1P + XT - raw))[tid];
+        const float2 v = reinterpret_cast<const float2*>(smem_raw + (x1st - raw))[j * BT + tid];
         s1 += v.x;
         s2 += v.y;
       }
@@ -452,7 +449,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     for (int e = 0; e < CPT; ++e) {  // the block's residual: x itself
       const int c = ccol + e;
       unsigned short v;
-      asm volatile("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(swz(x1s + (c / 64) * X1P, active ? et : 0, c % 64)));
+      asm volatile("ld.shared.b16 %0, [%1];" : "=h"(v) : "r"(swz(x1s + (c / 64) * XT, active ? et : 0, c % 64)));
       res_raw[e] = *reinterpret_cast<const T*>(&v);
     }
   }
@@ -485,7 +482,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
   if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
-  mma_tiles<BF16, N1, kt1, W1T, OUTP ? X1P : XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
+  mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
   if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
@@ -611,7 +608,7 @@ extern "C" int mlp_variant() {
 extern "C" int mlp_smem_bytes() {
   constexpr int d = MLP_D, FS = MLP_FS;
   constexpr int BT = MLP_BT, XR = BT + 8, R = NG / MLP_SC;
-  constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + 1024) : 0;
+  constexpr int out_in = (MLP_EPI & OUT_IN) != 0 ? (d / 64) * (64 * 128 + BT * 128 + BT * 8) : 0;
   constexpr int att_in = (MLP_EPI & ATT_IN) != 0 ? 2 * (d / 64) * BT * 128 : 0;
   return 1024 + (d / 64) * FS * 128 + (FS / 64) * TILE_BYTES + (d / 64) * BT * 128 + (FS / 64) * BT * 128 +
          NG * XR * 2 + MLP_SC * R * XR * 2 + att_in + out_in + 48 + BT * 8;

@@ -43,7 +43,7 @@ def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False, 
     and the slabs received, with ``out_proj`` 64 rows of wo, x's token tile and its row sums, then mbarriers and the
     LayerNorm's row factors; with ``attn`` K's and V's token tiles too."""
     xr, r = bt + 8, COLUMNS_PER_GROUP // sc
-    out_in = (d // 64) * (64 * 128 + bt * 128 + 1024) if out_proj else 0  # (a tile of x, its row sums, padding)
+    out_in = (d // 64) * (64 * 128 + bt * 128 + bt * 8) if out_proj else 0
     att_in = 2 * (d // 64) * bt * 128 if attn else 0
     return (1024 + (d // 64) * fs * 128 + (fs // 64) * 16384 + (d // 64) * bt * 128 + (fs // 64) * bt * 128
             + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + att_in + out_in + 48 + bt * 8)

@@ -90,7 +90,7 @@ def test_error_out_projection():
     assert "multiple of d_model / 64 = 6" in mlp_cluster.error(32, 384, 1024, out_proj=True)
     assert "shared memory" in mlp_cluster.error(32, 512, 1024, out_proj=True)
     assert (mlp_cluster.smem_bytes(256, 8, 32, out_proj=True) - mlp_cluster.smem_bytes(256, 8, 32)
-            == 4 * (8192 + 32 * 128 + 1024))
+            == 4 * (8192 + 32 * 128 + 32 * 8))
 
 
 @gpu
