@@ -290,9 +290,11 @@ def test_racy_fused_block_is_caught():
 
 
 @gpu
-def test_racy_fused_block_with_out_projection_is_caught():
+@pytest.mark.parametrize("attn_in", [False, True], ids=["out-projection", "attention"])
+def test_racy_fused_block_with_out_projection_is_caught(attn_in):
     # out.fuse 1: the block's racy variant loads the attention's output before its wait, right behind the attention
-    # kernel (tune verify's "mlp_out" check).
+    # kernel (tune verify's "mlp_out" check). With attn.fuse 1 too it loads Q, K and V before its wait, right behind
+    # the QKV GEMM ("mlp_attn").
     _hopper()
     from tuner.bench import hand_picked_cluster
     from tuner.layer import DecoderStack
@@ -300,28 +302,10 @@ def test_racy_fused_block_with_out_projection_is_caught():
     from tuner.verify import race_detection
 
     shape = resolve("tiny")
-    cfg = hand_picked_cluster(shape, attn_in=False)
-    assert cfg.out.fuse == 1 and cfg.ffn2.fuse == 1
+    cfg = hand_picked_cluster(shape, attn_in=attn_in)
+    assert cfg.out.fuse == 1 and cfg.ffn2.fuse == 1 and cfg.attn.fuse == int(attn_in)
     st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
     assert st.bufs[0].mlp_out and not st.launches("out")
-    r = race_detection(st, "ffn1", layer=1, trials=10)
-    assert r["caught"] >= 5 and r["false_alarms"] == 0, r
-
-
-@gpu
-def test_racy_fused_block_with_attention_is_caught():
-    # attn.fuse 1: the block's racy variant loads Q, K and V before its wait, right behind the QKV GEMM (tune verify's
-    # "mlp_attn" check).
-    _hopper()
-    from tuner.bench import hand_picked_cluster
-    from tuner.layer import DecoderStack
-    from tuner.shapes import resolve
-    from tuner.verify import race_detection
-
-    shape = resolve("tiny")
-    cfg = hand_picked_cluster(shape)
-    assert cfg.attn.fuse == 1 and cfg.out.fuse == 1
-    st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
-    assert st.bufs[0].mlp_attn and not st.launches("attn")
+    assert st.bufs[0].mlp_attn == attn_in and bool(st.launches("attn")) != attn_in
     r = race_detection(st, "ffn1", layer=1, trials=10)
     assert r["caught"] >= 5 and r["false_alarms"] == 0, r
