@@ -13,8 +13,9 @@
 // Both GEMMs are computed transposed (swap AB), so that the token count is wgmma's N (32 or 64) and not its fixed
 // M = 64: hT = w1_slice @ x.T (A: 128 rows of w1, B: the token tile of x) and yT = w2_slice @ hT (A: 128 rows of w2's
 // column slice, B: h as written by the first GEMM's epilogue into shared memory, K-major, 128-byte swizzled). Each
-// of the two consumer warpgroups owns 64 of the 128 rows. All of a CTA's weights (128 x D of w1, 128 x 128 of w2)
-// are loaded into shared memory before griddepcontrol.wait; after it only the token tile of x is loaded.
+// of the two consumer warpgroups owns 64 of the 128 rows. A CTA's weights (128 x D of w1, 128 x 128 of w2; with
+// OUT_IN first its 64 rows of wo) go into shared memory in 64-wide tiles, the first n_early of them (the kernel's
+// prefetch ratio: ffn1.prefetch_ratio) before griddepcontrol.wait, the rest right after the token tile.
 //
 // With OUT_IN the block also computes the attention's out-projection in front (out.fuse 1; perf notes section 24):
 //
@@ -67,6 +68,7 @@ struct Params {
   int M, D, F;
   int res_stride, out_stride;
   int flags;
+  int n_early;  // weight tiles loaded before griddepcontrol.wait, in the order wo's (OUT_IN), w1's, w2's
 };
 
 // ATT_IN (attn.fuse 1): causal attention of the 16 query rows q0.. of one head (head_dim 64) for one warp, by
@@ -288,8 +290,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   if (tid >= CONSUMERS) {
     if (tid == CONSUMERS) {
-      // The weights never depend on the predecessor: all of them before the wait, w1's first. (The test-only racy
-      // variant loads the token tile before them, so that nothing queued ahead of it in the TMA unit hides the race.)
+      // The weights never depend on the predecessor: the first n_early tiles before the wait, in the order they are
+      // needed, and the rest right after the token tile (tiny, H200: all of them before the wait cost 0.24 us a
+      // layer against w1's and w2's after it, perf notes 26.4). (The test-only racy variant loads the token tile
+      // before them, so that nothing queued ahead of it in the TMA unit hides the race.)
       const bool racy = (p.flags & RACY) != 0;
       auto load_input = [&]() {  // after the wait: the token tile (ATT_IN: its Q, K and V, x_map over qkv)
         mbar_expect_tx(xbar, (ATT ? 3 : 1) * kt1 * XT);
@@ -299,18 +303,30 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
           tma_load3(kvs + kt1 * XT, &p.x_map, xbar, t0, 2 * kt1);
         }
       };
+      // Weight tile i: wo's (OUT_IN: the first thing needed after the wait), w1's, w2's; each barrier's bytes are
+      // expected with its first tile.
+      constexpr int NWO = OUTP ? kt1 : 0, NW = NWO + kt1 + FT;
+      auto load_weight = [&](int i) {
+        if (i < NWO) {
+          if (i == 0) mbar_expect_tx(wobar, kt1 * WOT);
+          tma_load(wos + i * WOT, &p.wo_map, wobar, i * 64, jt * 64);
+        } else if (i < NWO + kt1) {
+          const int k = i - NWO;
+          if (k == 0) mbar_expect_tx(w1bar, kt1 * W1T);
+          tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
+        } else {
+          const int k = i - NWO - kt1;
+          if (k == 0) mbar_expect_tx(w2bar, FT * TILE_BYTES);
+          tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
+        }
+      };
+      const int early = min(max(p.n_early, 0), NW);
       if (racy) load_input();
-      if constexpr (OUTP) {  // wo's rows first: the first thing needed after the wait
-        mbar_expect_tx(wobar, kt1 * WOT);
-        for (int k = 0; k < kt1; ++k) tma_load(wos + k * WOT, &p.wo_map, wobar, k * 64, jt * 64);
-      }
-      mbar_expect_tx(w1bar, kt1 * W1T);
-      for (int k = 0; k < kt1; ++k) tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
-      mbar_expect_tx(w2bar, FT * TILE_BYTES);
-      for (int k = 0; k < FT; ++k) tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
+      for (int i = 0; i < early; ++i) load_weight(i);
       gdc_wait();
       if (pdl) gdc_launch();
       if (!racy) load_input();
+      for (int i = early; i < NW; ++i) load_weight(i);
     } else {
       gdc_wait();
     }
@@ -618,6 +634,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
                           float* stats_out, const float* ln_stats, const float* ln_colsum, long long* trace,
                           void* wo, const void* bo, int M, int D, int F, int x_stride, int w1_stride,
                           int w2_stride, int res_stride, int out_stride, int flags, int ln_parts, int wo_stride,
+                          int n_early,
                           float ln_eps, void* stream, char* err, int errlen) {
   constexpr int SC = MLP_SC, BT = MLP_BT, FS = MLP_FS;
   if (F != SC * FS || D != MLP_D) {
@@ -657,6 +674,7 @@ extern "C" int mlp_launch(void* x, void* w1, void* w2, const void* b1, const voi
   p.res_stride = res_stride;
   p.out_stride = out_stride;
   p.flags = flags;
+  p.n_early = n_early;
   static_assert(MLP_D % NG == 0 && MLP_D <= 512, "D: a multiple of 128 up to 512");
   auto kernel = mlp_kernel<MLP_BF16 != 0, SC, MLP_EPI, BT, MLP_D / 64, FS>;
   if (SC > 8) {  // a cluster of 16: beyond the portable 8 (Hopper allows it on request)

@@ -13,6 +13,7 @@ one 64-column tile of it, gathered in the cluster (needs the cluster a multiple 
 from __future__ import annotations
 
 import ctypes
+import math
 from pathlib import Path
 
 import torch
@@ -29,7 +30,7 @@ USE_PDL, RACY = 64, 128
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
-LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 13 + [ctypes.c_int] * 11
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 13 + [ctypes.c_int] * 12
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
@@ -98,8 +99,21 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> cty
     return lib
 
 
+def weight_tiles(d: int, fs: int = 128, out_proj: bool = False) -> int:
+    """A CTA's 64-wide weight tiles, in the order the kernel loads them: wo's 64 rows (with the out-projection),
+    its w1 slice's, its w2 slice's."""
+    return (d // 64 if out_proj else 0) + d // 64 + fs // 64
+
+
+def early_tiles(prefetch: float, d: int, fs: int = 128, out_proj: bool = False) -> int:
+    """How many of :func:`weight_tiles` go into shared memory before griddepcontrol.wait for a prefetch ratio
+    (``ffn1.prefetch_ratio``): ``ceil(prefetch * tiles)``, none at -1 (no prefetch), as a GEMM's K tiles."""
+    n = weight_tiles(d, fs, out_proj)
+    return 0 if prefetch < 0 else min(n, math.ceil(prefetch * n - 1e-9))
+
+
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, qkv=None) -> None:
+           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, qkv=None, prefetch=1.0) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -108,7 +122,8 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it).
     ``trace``: int64 [programs, 8] %globaltimer stamps (entry, wait returned, both GEMMs done, end, then w1 landed,
     x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py.
-    ``fs``: hidden columns a CTA, 128 or 64 (:data:`SPLITS`).
+    ``fs``: hidden columns a CTA, 128 or 64 (:data:`SPLITS`). ``prefetch``: the share of the CTA's weight tiles
+    loaded before the wait (:func:`early_tiles`); the others are loaded right after x.
 
     With ``wo`` and ``bo`` ([D, D], [D]: the out-projection), ``x`` is the attention output and the block's input is
     ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
@@ -151,7 +166,8 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     rc = lib.mlp_launch(p(src), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
                         p(ln_colsum), p(trace), p(wo), p(bo), M, D, Fh, src.stride(0), w1.stride(0), w2.stride(0),
                         residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
-                        ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0, ln_eps,
+                        ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0,
+                        early_tiles(prefetch, D, fs, out_proj) if pdl else weight_tiles(D, fs, out_proj), ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))

@@ -131,9 +131,10 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
                                                 (32, 256, 1024, 64, torch.float16), (45, 128, 256, 128, torch.float16),
                                                 (64, 128, 512, 64, torch.bfloat16), (5, 128, 256, 128, torch.float16),
                                                 (33, 256, 1024, 64, torch.float16)])
-def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype):
+@pytest.mark.parametrize("prefetch", [1.0, 0.4, 0.0])
+def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype, prefetch):
     """The experiment ATT_IN: causal attention (every head in every CTA), the out-projection and the feed-forward
-    block in one kernel, from qkv."""
+    block in one kernel, from qkv; its weight tiles all before the wait, some (tiny: wo's) or none."""
     _hopper()
     if mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True):
         pytest.skip(mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True))
@@ -145,11 +146,22 @@ def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype):
     w1f, b1f, u = fold_layernorm(w1, b1, gamma, beta)
     o = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
     x = torch.empty(m, d, dtype=dtype, device="cuda")  # not read
-    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, o, act=3, ln_colsum=u, wo=wo, bo=bo, qkv=qkv, pdl=True, fs=fs)
+    mlp_cluster.launch(x, w1f, b1f, w2, b2, res, o, act=3, ln_colsum=u, wo=wo, bo=bo, qkv=qkv, pdl=True, fs=fs,
+                       prefetch=prefetch)
     torch.cuda.synchronize()
     a = mlp_cluster.attention_ref(qkv)
     ref = mlp_cluster.mlp_ref(a, w1, b1, w2, b2, res, ln=(gamma, beta), wo=wo, bo=bo)
     assert rel_error(o, ref) < REL_TOLERANCE[dtype]
+
+
+def test_early_tiles():
+    # tiny with the out-projection: wo's 4 tiles, w1's 4, w2's 2, loaded in that order; the prefetch ratio takes a
+    # prefix of them before the wait, as a GEMM's K tiles (ceil), none at -1.
+    assert mlp_cluster.weight_tiles(256, 128, out_proj=True) == 10
+    assert mlp_cluster.weight_tiles(256, 64) == 5
+    got = {p: mlp_cluster.early_tiles(p, 256, 128, out_proj=True) for p in (-1.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0)}
+    assert got == {-1.0: 0, 0.0: 0, 0.2: 2, 0.4: 4, 0.6: 6, 0.8: 8, 1.0: 10}
+    assert mlp_cluster.early_tiles(0.5, 128, 64) == 2  # 3 tiles: ceil(1.5)
 
 
 def test_error_attention_in_the_block():
@@ -237,10 +249,11 @@ def test_attention_in_the_block_rules():
     assert "; attn in ffn1 (mlp); out in ffn1 (mlp); " in tiles and tiles.startswith("qkv ")
 
 
-@pytest.mark.parametrize("fuse, out, attn", [(1, 0, 0), (2, 0, 0), (1, 1, 0), (2, 1, 0), (1, 1, 1), (2, 1, 1)],
+@pytest.mark.parametrize("fuse, out, attn, prefetch", [(1, 0, 0, 1.0), (2, 0, 0, 1.0), (1, 1, 0, 1.0), (2, 1, 0, 1.0),
+                                                      (1, 1, 1, 1.0), (2, 1, 1, 1.0), (1, 1, 1, 0.4)],
                          ids=["128-a-cta", "64-a-cta", "128-a-cta-out", "64-a-cta-out", "128-a-cta-attn",
-                              "64-a-cta-attn"])
-def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, device):
+                              "64-a-cta-attn", "128-a-cta-attn-wo-early"])
+def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, prefetch, device):
     # On a Hopper GPU one launch computes FFN1, GELU and FFN2 (no FFN2 launch); elsewhere (the interpreter) the two
     # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (one part a CTA).
     from dataclasses import replace
@@ -252,7 +265,7 @@ def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, device
     cfg = hand_picked_cluster(shape)
     assert cfg.ffn2.fuse == 1 and cfg.norm1.fuse == 2 and cfg.norm2.fuse == 2
     cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse), out=replace(cfg.out, fuse=out),
-                  attn=replace(cfg.attn, fuse=attn))
+                  attn=replace(cfg.attn, fuse=attn), ffn1=replace(cfg.ffn1, prefetch_ratio=prefetch))
     st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=5)
     one = st.bufs[0].mlp
     assert one == (device == "cuda" and torch.cuda.get_device_capability() == (9, 0))

@@ -323,7 +323,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             h_in, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, res, b.y, act=gemm_k.act_code("gelu", b.h),
             stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"),  # (None with out.fuse: no h_stats)
             ln_colsum=ln2.get("ln_colsum"), ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1"),
-            fs=mlp_fs(cfg), **o))
+            fs=mlp_fs(cfg), prefetch=cfg.ffn1.prefetch_ratio, **o))
         skip.add("ffn2")
         if b.mlp_out:
             skip.add("out")
