@@ -210,7 +210,7 @@ def test_layer_rules():
     kernels = cfg.to_dict()["kernels"]
     tiles = format_tiles(kernels)
     assert tiles.endswith("; ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")
-    assert gemm_op(kernels, "ffn2") == "-" and gemm_op(kernels, "ffn1") == "(0.0,1.0)"  # FFN2's pair is unused
+    assert gemm_op(kernels, "ffn2") == "-" and gemm_op(kernels, "ffn1") == "(0.0,0.4)"  # FFN2's pair is unused
     kernels = out.to_dict()["kernels"]
     assert "; out in ffn1 (mlp); " in format_tiles(kernels) and gemm_op(kernels, "out") == "-"
 
@@ -228,6 +228,7 @@ def test_attention_in_the_block_rules():
     tiny, base = resolve("tiny"), resolve("bert-base")
     cfg = hand_picked_cluster(tiny)
     assert cfg.attn.fuse == 1 and cfg.out.fuse == 1 and check_config(cfg, tiny) == {}
+    assert cfg.ffn1.prefetch_ratio == 0.4 and hand_picked_cluster(tiny, block_prefetch=None).ffn1.prefetch_ratio == 1.0
     assert hand_picked_cluster(tiny, attn_in=False).attn.fuse == 0
     assert hand_picked_cluster(tiny, out_proj=False).attn.fuse == 0
     assert hand_picked_cluster(base).attn.fuse == 0

@@ -50,7 +50,7 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
 
 
 def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True, mlp: bool = True,
-                        out_proj: bool = True, attn_in: bool = True) -> DecoderConfig:
+                        out_proj: bool = True, attn_in: bool = True, block_prefetch: float | None = 0.4) -> DecoderConfig:
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
     a layer; bert-large, whose 128 FFN2 programs in clusters of four no longer launch as one wave: 25.7 -> 28.4).
@@ -58,7 +58,9 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     11.09-11.30 -> 10.16-10.18: perf notes section 22), else in fp32 (cluster 1). ``mlp``: on a few tokens, the
     feed-forward block as one kernel where it fits (``ffn2.fuse``: perf notes section 23); ``out_proj``: with it the
     out-projection computed in that kernel too where it fits (``out.fuse``: perf notes section 24); ``attn_in``: and
-    the attention in front of it where it fits (``attn.fuse``: perf notes section 25).
+    the attention in front of it where it fits (``attn.fuse``: perf notes section 25); ``block_prefetch``: with the
+    attention there, the block's ``ffn1.prefetch_ratio`` (the share of its weight tiles loaded before the wait; None:
+    hand_picked's).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
     from tuner.kernels import mlp_cluster
     from tuner.kernels.gemm import GemmProblem, check
@@ -85,8 +87,11 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
             out = replace(out, out=replace(out.out, fuse=1))
             if (attn_in and shape.batch == 1 and shape.head_dim == 64
                     and mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, out_proj=True, attn=True) is None):
-                # and the attention in front of that (H200, tiny: 8.85-8.86 -> 8.27-8.37 us, perf notes 25.4)
+                # and the attention in front of that (H200, tiny: 8.85-8.86 -> 8.27-8.37 us, perf notes 25.4), with
+                # only wo's tiles before the wait (tiny: 8.14 -> 7.84 us, perf notes 26.4)
                 out = replace(out, attn=replace(out.attn, fuse=1))
+                if block_prefetch is not None:
+                    out = replace(out, ffn1=replace(out.ffn1, prefetch_ratio=block_prefetch))
     return out
 
 
