@@ -4,10 +4,11 @@
 set -uo pipefail
 export PDL_TUNE_GIT_REV=$(cat .device/rev 2>/dev/null || echo unknown)
 mkdir -p "$OUT"
+touch "$OUT/.start"  # (only what the steps write under results/ comes back: the files are limited to 16 MiB each)
 for step in "$@"; do
   echo "=== $step" | tee -a "$OUT/log.txt"
   start=$(date +%s)
   bash -c "$step" 2>&1 | tee -a "$OUT/log.txt"
   echo "=== rc=${PIPESTATUS[0]} in $(( $(date +%s) - start ))s: $step" | tee -a "$OUT/log.txt"
-  tar czf "$OUT/results.tgz" results 2>/dev/null
+  find results -type f -newer "$OUT/.start" -print0 | tar czf "$OUT/results.tgz" --null -T - 2>/dev/null
 done
