@@ -13,7 +13,6 @@ one 64-column tile of it, gathered in the cluster (needs the cluster a multiple 
 from __future__ import annotations
 
 import ctypes
-import math
 from pathlib import Path
 
 import torch
@@ -108,8 +107,9 @@ def weight_tiles(d: int, fs: int = 128, out_proj: bool = False) -> int:
 def early_tiles(prefetch: float, d: int, fs: int = 128, out_proj: bool = False) -> int:
     """How many of :func:`weight_tiles` go into shared memory before griddepcontrol.wait for a prefetch ratio
     (``ffn1.prefetch_ratio``): ``ceil(prefetch * tiles)``, none at -1 (no prefetch), as a GEMM's K tiles."""
-    n = weight_tiles(d, fs, out_proj)
-    return 0 if prefetch < 0 else min(n, math.ceil(prefetch * n - 1e-9))
+    from ._common import prefetch_count
+
+    return prefetch_count(weight_tiles(d, fs, out_proj), prefetch)
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,

@@ -50,7 +50,8 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
 
 
 def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True, mlp: bool = True,
-                        out_proj: bool = True, attn_in: bool = True, block_prefetch: float | None = 0.4) -> DecoderConfig:
+                        out_proj: bool = True, attn_in: bool = True,
+                        block_prefetch: float | None = 0.4) -> DecoderConfig:
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
     a layer; bert-large, whose 128 FFN2 programs in clusters of four no longer launch as one wave: 25.7 -> 28.4).
