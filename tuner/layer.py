@@ -21,7 +21,7 @@ from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
-from tuner.kernels._common import REL_TOLERANCE, rel_error, tile_cap
+from tuner.kernels._common import REL_TOLERANCE, prefetch_count, rel_error, tile_cap, trigger_index
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
@@ -71,6 +71,32 @@ def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
             and mlp_error(shape, cfg, torch.empty(0, dtype=dtype).element_size()) is None)
 
 
+def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo | None = None) -> str | None:
+    """Why ``qkv.fuse`` 1 (the attention computed by the QKV kernel, kernels/qkv_attn.cu) cannot run this shape and
+    config; None when it can (``device`` None: the GPU is not checked)."""
+    from tuner.kernels import qkv_attn
+
+    if cfg.attn.fuse:
+        return "needs attn.fuse 0 (with attn.fuse 1 the attention is computed by FFN1's kernel)"
+    if cfg.norm1.fuse == 1:
+        return "needs norm1.fuse 0 or 2 (the row sums from the previous layer), not 1"
+    why = qkv_attn.error(shape.seq, shape.head_dim, shape.d_model, gemm_k.cluster_stages(cfg.qkv),
+                         smem_limit=device.smem_per_block_bytes if device is not None else 232448)
+    if why is None and device is not None and device.capability != (9, 0):
+        why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
+    return why
+
+
+def qkv_attn_fused(shape: DecoderShape, cfg: DecoderConfig, device) -> bool:
+    """Whether the layer computes its attention in the QKV kernel: ``qkv.fuse`` 1 where it can run
+    (qkv_attn_error), on a Hopper GPU and not in the interpreter. Elsewhere QKV and the attention run their own
+    configs."""
+    from tuner.kernels import cluster_gemm
+
+    return (cfg.qkv.fuse == 1 and not cfg.fused and cluster_gemm.usable(device)
+            and qkv_attn_error(shape, cfg) is None)
+
+
 def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                  device: DeviceInfo | None = None) -> dict[str, str]:
     """Why each kernel's config is invalid for ``shape`` (empty when all are valid). A fused layer
@@ -87,8 +113,14 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     for name, (gm, gn, gk) in shape.gemms().items():
         why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
         fuse = getattr(cfg, name).fuse
-        if why is None and name in ("qkv", "ffn1") and fuse:
-            why = "fuse is FFN2's and the out-projection's (computed by FFN1's kernel); it must be 0 here"
+        if why is None and name == "ffn1" and fuse:
+            why = "fuse is FFN2's, the out-projection's (computed by FFN1's kernel) and QKV's; it must be 0 here"
+        if why is None and name == "qkv" and fuse:
+            if fuse != 1:
+                why = f"fuse={fuse} is FFN2's; QKV's is 0 or 1 (the attention in QKV's kernel)"
+            else:
+                why = qkv_attn_error(shape, cfg, device)
+                why = why and f"fuse=1 (the attention in QKV's kernel) {why}"
         if why is None and name == "out" and fuse:
             if fuse != 1:
                 why = f"fuse={fuse} is FFN2's; the out-projection's is 0 or 1 (computed by FFN1's kernel)"
@@ -143,6 +175,8 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                           for n, (m, nn, k) in shape.gemms().items()})
     if cfg.attn.fuse and (not cfg.ffn2.fuse or not cfg.out.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
         cfg = replace(cfg, attn=replace(cfg.attn, fuse=0))  # the attention kernel runs
+    if cfg.qkv.fuse and (cfg.qkv.fuse != 1 or qkv_attn_error(shape, cfg, device)):
+        cfg = replace(cfg, qkv=replace(cfg.qkv, fuse=0))  # QKV and the attention run their own configs
     if cfg.out.fuse and (not cfg.ffn2.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
         cfg = replace(cfg, out=replace(cfg.out, fuse=0))  # the out-projection runs its own config
     if cfg.ffn2.fuse and mlp_error(shape, cfg, dtype_bytes, device):  # FFN1 and FFN2 run their own configs
@@ -221,7 +255,7 @@ class LayerBuffers:
         e = lambda n: torch.empty((m, n), dtype=dtype, device=device)  # noqa: E731
         self.ws = {}
         self.fused = None
-        self.mlp = self.mlp_out = self.mlp_attn = False
+        self.mlp = self.mlp_out = self.mlp_attn = self.qkv_attn = False
         self.h_stats = self.y_stats = None
         if cfg.fused:  # the one-kernel layer: its own intermediates, workspace and barrier counters
             self.fused = fused_k.LayerScratch(cfg.layer, layer_problem(shape, e(0).element_size()), dtype, device)
@@ -237,6 +271,7 @@ class LayerBuffers:
         self.mlp = mlp_fused(shape, cfg, dtype, device)
         self.mlp_out = self.mlp and bool(cfg.out.fuse)
         self.mlp_attn = self.mlp_out and bool(cfg.attn.fuse)  # the attention in the block too: qkv is its input
+        self.qkv_attn = qkv_attn_fused(shape, cfg, device)  # the attention in QKV's kernel: qkv is not written
         if self.mlp:
             from tuner.kernels import mlp_cluster
 
@@ -329,6 +364,17 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             skip.add("out")
         if b.mlp_attn:
             skip.add("attn")
+    if b.qkv_attn and (not ln1 or "ln_stats" in ln1):  # QKV and the attention in one kernel, in QKV's place
+        # (the first layer of a stack with norm1.fuse 2 has no row sums of x: there QKV and the attention run apart)
+        from tuner.kernels import qkv_attn
+
+        k_tiles = shape.d_model // 64
+        launches[1] = ("qkv", lambda: qkv_attn.launch(
+            x if ln1 else b.ln1, w_qkv, b_qkv, b.attn, seq=shape.seq, stages=gemm_k.cluster_stages(cfg.qkv),
+            trigger_k=trigger_index(k_tiles, cfg.qkv.overlap_ratio),
+            n_pref=prefetch_count(k_tiles, cfg.qkv.prefetch_ratio), ln_stats=ln1.get("ln_stats"),
+            ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv")))
+        skip.add("attn")
     return [(n, f) for n, f in launches if n not in skip]
 
 

@@ -43,17 +43,18 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
     launched = []
     # The CUDA kernel of cluster_gemm.cu is launched through ctypes, not Triton's launcher: its own hook names it
     # and whether it was launched with PDL.
-    from tuner.kernels import cluster_gemm, layer_cuda, mlp_cluster
+    from tuner.kernels import cluster_gemm, layer_cuda, mlp_cluster, qkv_attn
 
     old = triton.knobs.runtime.launch_enter_hook
     triton.knobs.runtime.launch_enter_hook = lambda md: launched.append(md.get()["function"])
     cluster_gemm.launch_enter_hook = layer_cuda.launch_enter_hook = mlp_cluster.launch_enter_hook = (
-        lambda name, pdl: launched.append((name, pdl)))
+        qkv_attn.launch_enter_hook) = lambda name, pdl: launched.append((name, pdl))
     try:
         stack.run()
     finally:
         triton.knobs.runtime.launch_enter_hook = old
-        cluster_gemm.launch_enter_hook = layer_cuda.launch_enter_hook = mlp_cluster.launch_enter_hook = None
+        cluster_gemm.launch_enter_hook = layer_cuda.launch_enter_hook = mlp_cluster.launch_enter_hook = (
+            qkv_attn.launch_enter_hook) = None
     torch.cuda.synchronize()
     census = collections.Counter()
     for f in launched:
@@ -86,6 +87,8 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
         # nor the out-projection with out.fuse 1, nor the attention with attn.fuse 1
         gone = ("ffn2",) + (("out",) if stack.bufs[0].mlp_out else ()) + (("attn",) if stack.bufs[0].mlp_attn else ())
         racy_kernels = tuple(k for k in racy_kernels if k not in gone) + (() if "ffn1" in racy_kernels else ("ffn1",))
+    if stack.bufs[1 if stack.n_layers > 1 else 0].qkv_attn:  # the attention computed by QKV's kernel (qkv.fuse 1)
+        racy_kernels = tuple(k for k in racy_kernels if k != "attn")
     out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
     out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
     return out

@@ -1,0 +1,371 @@
+// The QKV projection and the causal attention in one kernel (``qkv.fuse: 1``), for sequences of up to 128 tokens
+// and head_dim 64: the layer's QKV output never goes to global memory, and the attention kernel's boundary is gone.
+//
+//   q, k, v = LN(x) @ w_qkv.T + b_qkv      (x [M, D], w_qkv [3 D, D], 16-bit; fp32 accumulation)
+//   out[:, h] = softmax(q_h k_h^T / 8, causal) v_h     for each head h and sequence
+//
+// Why (docs/perf-notes.md, section 27): on bert-base the attention kernel adds ~3.2 us to the layer for a floor of
+// ~0.4 us: its wait's release after the QKV grid drains, its first loads of Q, K and V, then a short computation.
+// Earlier joins lost for other reasons: 12 programs for 12 heads (section 9: the work on 12 SMs), the attention as
+// the QKV GEMM's tail behind global atomics (section 20: 1.4 us of arrivals). Here one thread-block cluster per
+// (head, sequence) computes exactly the QKV GEMM's 64x64 tiles of that head, 3 RT CTAs (RT = ceil(seq / 64) row
+// tiles; Q, K and V of each), and hands K and V to the Q CTAs through distributed shared memory:
+//
+// * CTA rank = 3 t + part computes rows 64 t.. of the sequence, columns part * D + 64 h.. (part 0 Q, 1 K, 2 V), as
+//   cluster_gemm.cu computes one split: one consumer warpgroup (wgmma m64n64k16) and one producer warp (TMA, the
+//   weight tiles of the first stages before griddepcontrol.wait). The epilogue applies the folded LayerNorm (its row
+//   sums from x's producer, norm1.fuse 2) and the bias, and writes the tile in 16 bits, 128-byte swizzled, into
+//   shared memory.
+// * A K or V CTA of row tile t pushes its tile (8 KB, one bulk copy each) to the Q CTAs of row tiles t.. (causal:
+//   row tile t's keys are seen by queries from row tile t on), and exits.
+// * A Q CTA waits for its K and V tiles, computes the causal attention of its 64 query rows (warp w: rows 16 w.., by
+//   mma.sync, hopper.cuh's attention_keys) and stores O.
+//
+// Grid: (heads, batch, 3 RT), a cluster spans z. Built at run time by kernels/qkv_attn.py (nvcc, sm_90a), one library
+// per variant.
+
+#include "hopper.cuh"
+
+namespace {
+
+constexpr int CONSUMERS = 128;
+constexpr int THREADS = CONSUMERS + 32;  // + the producer warp
+constexpr int MAX_STAGES = 12;
+constexpr int MAX_LN_PARTS = 32;
+constexpr int TILE = 64 * BK * 2;  // a 64-row, 64-wide 16-bit tile (8 KB)
+constexpr int QUAD_PARTS = MAX_LN_PARTS / 4;  // LN_IN: row-sum parts a lane of a quad loads for each of its rows
+
+// Epilogue bits (compile time) and run-time flags, as cluster_gemm.cu's.
+enum Epi { BIAS_F32 = 2, LN_IN = 8 };
+enum Flags {
+  USE_PDL = 64,
+  RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
+};
+
+struct Params {
+  CUtensorMap a_map;  // x [M, D]: box {64, 64}
+  CUtensorMap b_map;  // w_qkv [3 D, D]: box {64, 64}
+  const void* bias;   // [3 D] (fp32 when BIAS_F32: LayerNorm-folded)
+  void* out;          // [M, D]: the attention's output, head h in columns 64 h..
+  const float* ln_stats;   // LN_IN: [ln_parts, M, 2] sums of x and x^2 from x's producer
+  const float* ln_colsum;  // LN_IN: [3 D] colsum of the folded w_qkv
+  float ln_eps;
+  int ln_parts;
+  long long* trace;   // diagnostics: %globaltimer [programs, 4]: entry, wait returned, K loop done, end
+  int M, D, seq;
+  int out_stride;
+  int k_tiles;        // 64-wide K tiles of D
+  int stages;
+  int trigger_k;      // launch_dependents after this many K tiles (-1: never early)
+  int n_pref;         // weight tiles requested before griddepcontrol.wait
+  int flags;
+};
+
+// One warp's causal attention of the 16 query rows q0.. over keys 0..q0 + 15 (16-key groups as a compile-time count).
+template <bool BF16, int RT>
+__device__ __forceinline__ void attention_warp(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
+  switch (q0 / 16) {  // (uniform in the warp)
+    case 0: attention_keys<BF16, 1, 3>(qt, kt, vt, q0, m, lane); break;
+    case 1: attention_keys<BF16, 2, 3>(qt, kt, vt, q0, m, lane); break;
+    case 2: attention_keys<BF16, 3, 3>(qt, kt, vt, q0, m, lane); break;
+    case 3: attention_keys<BF16, 4, 3>(qt, kt, vt, q0, m, lane); break;
+    case 4: if constexpr (RT == 2) attention_keys<BF16, 5, 3>(qt, kt, vt, q0, m, lane); break;
+    case 5: if constexpr (RT == 2) attention_keys<BF16, 6, 3>(qt, kt, vt, q0, m, lane); break;
+    case 6: if constexpr (RT == 2) attention_keys<BF16, 7, 3>(qt, kt, vt, q0, m, lane); break;
+    default: if constexpr (RT == 2) attention_keys<BF16, 8, 3>(qt, kt, vt, q0, m, lane); break;
+  }
+}
+
+template <bool BF16, int EPI, int RT>
+__global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_constant__ Params p) {
+  static_assert(RT == 1 || RT == 2, "row tiles a sequence: 1 or 2 (up to 128 tokens)");
+  using E = Elem<BF16>;
+  using T = typename E::T;
+  using BT = std::conditional_t<(EPI & BIAS_F32) != 0, float, T>;
+  constexpr bool LN = (EPI & LN_IN) != 0;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
+  const int S = p.stages;
+  const uint32_t a_smem = base;
+  const uint32_t b_smem = base + S * TILE;
+  const uint32_t own = b_smem + S * TILE;  // this CTA's 16-bit output tile (Q: then O)
+  const uint32_t kt = own + TILE;          // Q CTAs: the RT K tiles pushed by the K CTAs, then the V tiles
+  const uint32_t vt = kt + RT * TILE;
+  const uint32_t full = vt + RT * TILE;    // S mbarriers: the stage's bytes have landed
+  const uint32_t empty = full + 8 * S;     // S mbarriers: the consumers are done with the stage
+  const uint32_t kv = empty + 8 * S;       // 1 mbarrier: the K and V tiles have landed
+
+  const int tid = threadIdx.x;
+  const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 0] = globaltimer();
+  const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
+  const int valid = min(64, p.seq - 64 * t);  // rows of this tile inside the sequence
+  const int m0 = blockIdx.y * p.seq + 64 * t, n0 = part * p.D + 64 * head;
+  const int n_iters = p.k_tiles;
+  const bool pdl = (p.flags & USE_PDL) != 0;
+
+  if (tid == CONSUMERS) {
+    prefetch_tensormap(&p.a_map);
+    prefetch_tensormap(&p.b_map);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, CONSUMERS / 32);
+    }
+    mbar_init(kv, 1);
+    // The Q CTA of row tile t receives the K and V tiles of row tiles 0..t (their complete_tx may come first).
+    mbar_expect_tx(kv, part == 0 ? 2 * (t + 1) * TILE : 0);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  cluster_sync();  // every CTA's barriers initialised before any CTA pushes into them
+
+  if (tid >= CONSUMERS) {
+    if (tid == CONSUMERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
+      const bool racy = (p.flags & RACY) != 0;
+      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
+      if (racy && early == 0) early = 1;
+      for (int i = 0; i < early; ++i) {
+        mbar_expect_tx(full + 8 * i, 2 * TILE);
+        tma_load(b_smem + i * TILE, &p.b_map, full + 8 * i, i * BK, n0);
+      }
+      for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, i * BK, n0);
+      if (racy) tma_load(a_smem, &p.a_map, full, 0, m0);
+      gdc_wait();
+      if (p.trigger_k == 0) gdc_launch();
+      int s = 0;
+      uint32_t phase = 0;
+      for (int i = 0; i < n_iters; ++i) {
+        const uint32_t bar = full + 8 * s;
+        if (i >= S) mbar_wait(empty + 8 * s, phase);
+        if (i >= early) {
+          mbar_expect_tx(bar, 2 * TILE);
+          tma_load(b_smem + s * TILE, &p.b_map, bar, i * BK, n0);
+        }
+        if (!(racy && i == 0)) tma_load(a_smem + s * TILE, &p.a_map, bar, i * BK, m0);
+        if (++s == S) {
+          s = 0;
+          if (i >= S) phase ^= 1;
+        }
+      }
+    } else {
+      gdc_wait();
+    }
+    return;
+  }
+
+  const int warp = tid / 32, lane = tid % 32;
+  gdc_wait();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
+  if (p.trigger_k == 0) gdc_launch();
+
+  // The epilogue's inputs, in flight before the K loop. A thread holds rows r and r + 8 of the tile (r = 16 warp +
+  // lane / 4) and columns c + 8 j, c + 8 j + 1 (c = 2 (lane % 4), j < 8): wgmma's accumulator layout.
+  const int r_lo = warp * 16 + lane / 4, c_lo = (lane % 4) * 2;
+  BT bias_raw[16];
+  float ln_u[LN ? 16 : 1];
+  float2 ln_st[LN ? 2 * QUAD_PARTS : 1];  // rows r, r + 8: this lane's share of the parts (summed in the quad)
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = n0 + 8 * j + c_lo + e;
+      bias_raw[2 * j + e] = static_cast<const BT*>(p.bias)[c];
+      if constexpr (LN) ln_u[2 * j + e] = p.ln_colsum[c];
+    }
+  if constexpr (LN) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(m0 + r_lo + 8 * h, p.M - 1);
+#pragma unroll
+      for (int i = 0; i < QUAD_PARTS; ++i) {
+        const int q = min(lane % 4 + 4 * i, p.ln_parts - 1);
+        ln_st[h * QUAD_PARTS + i] =
+            *reinterpret_cast<const float2*>(p.ln_stats + (static_cast<long long>(q) * p.M + row) * 2);
+      }
+    }
+  }
+
+  float acc[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+  int s = 0, prev = 0;
+  uint32_t phase = 0;
+  for (int i = 0; i < n_iters; ++i) {
+    mbar_wait(full + 8 * s, phase);
+    const uint64_t da = smem_desc(a_smem + s * TILE);
+    const uint64_t db = smem_desc(b_smem + s * TILE);
+    fence_acc<32>(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+    wgmma_commit();
+    fence_acc<32>(acc);
+    wgmma_wait<1>();
+    if (i >= 1 && i - 1 + S < n_iters) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + 8 * prev);
+    }
+    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
+    prev = s;
+    if (++s == S) {
+      s = 0;
+      phase ^= 1;
+    }
+  }
+  wgmma_wait<0>();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
+
+  // The epilogue: the folded LayerNorm, the bias, 16 bits into this CTA's tile (rows past the sequence zero: they are
+  // masked keys, which must be finite).
+  float ln_rstd[2] = {1.f, 1.f}, ln_mr[2] = {0.f, 0.f};
+  if constexpr (LN) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < QUAD_PARTS; ++i)
+        if (lane % 4 + 4 * i < p.ln_parts) s1 += ln_st[h * QUAD_PARTS + i].x, s2 += ln_st[h * QUAD_PARTS + i].y;
+      lane_sum2<4>(s1, s2);
+      const float2 f = ln_factors(s1, s2, p.D, p.ln_eps);
+      ln_rstd[h] = f.x;
+      ln_mr[h] = f.y;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float a = acc[4 * j + 2 * h + e];
+        if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
+        if constexpr ((EPI & BIAS_F32) != 0) {
+          a += bias_raw[2 * j + e];
+        } else {
+          a += E::f(bias_raw[2 * j + e]);
+        }
+        v[e] = r_lo + 8 * h < valid ? a : 0.f;
+      }
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)),
+                   "r"(pack2<BF16>(v[0], v[1])) : "memory");
+    }
+
+  if (part != 0) {
+    // K or V: push the tile to the Q CTAs of row tiles t.. (the bulk copies read it through the async proxy).
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    consumer_sync<CONSUMERS>();
+    if (tid == 0) {
+      const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
+      for (int q = t; q < RT; ++q) bulk_push(map_to_cta(dst, 3 * q), own, TILE, map_to_cta(kv, 3 * q));
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      // The tile must stay, and this CTA must not exit, until the pushes have read it.
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+    }
+    return;
+  }
+
+  // Q: a warp attends the 16 rows it wrote, once the K and V tiles have landed.
+  mbar_wait(kv, 0);
+  __syncwarp();  // (a warp reads its own 16 rows of Q: lanes' stores before the other lanes' ldmatrix)
+  const int q0 = 64 * t + 16 * warp;  // this warp's query rows in the sequence
+  if (q0 < p.seq) attention_warp<BF16, RT>(own - t * TILE, kt, vt, q0, p.seq, lane);  // (own holds rows 64 t..)
+  consumer_sync<CONSUMERS>();
+
+  // O to global memory: 16 bytes a thread a step, rows inside the sequence only.
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int c = tid + CONSUMERS * i, row = c / 8, ch = c % 8;
+    if (row < valid) {
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(own + row * 128 + (((ch ^ row) & 7) << 4)));
+      T* op = static_cast<T*>(p.out) + static_cast<long long>(m0 + row) * p.out_stride + 64 * head + 8 * ch;
+      *reinterpret_cast<uint4*>(op) = v;
+    }
+  }
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+}
+
+}  // namespace
+
+#ifndef QA_BF16
+#define QA_BF16 0
+#endif
+#ifndef QA_EPI
+#define QA_EPI 0
+#endif
+#ifndef QA_RT
+#define QA_RT 2
+#endif
+
+extern "C" int qkv_attn_variant() { return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16); }
+
+extern "C" int qkv_attn_smem_bytes(int stages) { return 1024 + (2 * stages + 1 + 2 * QA_RT) * TILE + 16 * stages + 8; }
+
+extern "C" int qkv_attn_launch(void* x, void* w, const void* bias, void* out, long long* trace, const float* ln_stats,
+                               const float* ln_colsum, int M, int D, int seq, int x_stride, int w_stride,
+                               int out_stride, int stages, int trigger_k, int n_pref, int flags, int ln_parts, float ln_eps,
+                               void* stream, char* err, int errlen) {
+  constexpr int RT = QA_RT;
+  if (stages < 2 || stages > MAX_STAGES) {
+    snprintf(err, errlen, "stages=%d must be in 2..%d", stages, MAX_STAGES);
+    return 1;
+  }
+  if (D % 64 != 0 || seq < 1 || M % seq != 0 || (seq + 63) / 64 != RT) {
+    snprintf(err, errlen, "D=%d must be a multiple of 64 (heads of 64) and seq=%d within 64 %d and divide M=%d", D,
+             seq, RT, M);
+    return 1;
+  }
+  if ((QA_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
+    snprintf(err, errlen, "ln_parts=%d must be in 1..%d", ln_parts, MAX_LN_PARTS);
+    return 1;
+  }
+  if (out_stride % 8 != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) {
+    snprintf(err, errlen, "out must be 16-byte aligned with rows of a multiple of 8 elements");
+    return 1;
+  }
+  Params p;
+  memset(&p, 0, sizeof(p));
+  if (encode(&p.a_map, QA_BF16, x, M, D, x_stride, 64, err, errlen) ||
+      encode(&p.b_map, QA_BF16, w, 3 * D, D, w_stride, 64, err, errlen))
+    return 1;
+  p.bias = bias;
+  p.out = out;
+  p.ln_stats = ln_stats;
+  p.ln_colsum = ln_colsum;
+  p.ln_eps = ln_eps;
+  p.ln_parts = ln_parts;
+  p.trace = trace;
+  p.M = M;
+  p.D = D;
+  p.seq = seq;
+  p.out_stride = out_stride;
+  p.k_tiles = D / 64;
+  p.stages = stages;
+  p.trigger_k = trigger_k;
+  p.n_pref = n_pref;
+  p.flags = flags;
+
+  auto kernel = qkv_attn_kernel<QA_BF16 != 0, QA_EPI, RT>;
+  // One CTA to an SM where the grid could double up (cluster_gemm.cu's rule, perf notes 16.7).
+  static int spread = -1, sms = 0;
+  if (spread < 0) {
+    int dev = 0, per_sm = 0, reserved = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
+    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    spread = per_sm > 0 ? per_sm / 2 - reserved + 16 : 0;
+  }
+  const int heads = D / 64, batch = M / seq;
+  const int smem = 2 * heads * batch * 3 * RT > sms ? max(qkv_attn_smem_bytes(stages), spread)
+                                                    : qkv_attn_smem_bytes(stages);
+  static int configured = 0;
+  if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
+  return launch_z_clusters(kernel, p, dim3(heads, batch, 3 * RT), THREADS, smem, stream, (flags & USE_PDL) != 0,
+                           "qkv_attn", err, errlen);
+}

@@ -1,0 +1,109 @@
+"""The QKV projection and the causal attention in one kernel (``qkv_attn.cu``, ``qkv.fuse: 1``): built with nvcc on
+first use, called through ctypes.
+
+One thread-block cluster per (head, sequence) computes the QKV GEMM's 64x64 tiles of that head (Q, K and V of each
+64-row tile of the sequence), hands K and V to the Q CTAs through distributed shared memory, and the Q CTAs compute
+the causal attention and store it. The layer then has no attention kernel (``tuner.layer``). Hopper only, head_dim
+64, sequences of up to 128 tokens; elsewhere the QKV GEMM and the attention kernel run their own configs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import _nvcc
+from .cluster_gemm import MAX_STAGES, _ptr
+
+SOURCE = Path(__file__).with_name("qkv_attn.cu")
+TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
+MAX_SEQ = 128  # two 64-row tiles a sequence
+MAX_LN_PARTS = 32
+BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
+USE_PDL, RACY = 64, 128  # and flags
+# qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
+# ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
+# stream, the error buffer and its length.
+LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 11
+                   + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
+launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's launch census)
+
+
+def row_tiles(seq: int) -> int:
+    return (seq + 63) // 64
+
+
+def smem_bytes(stages: int, seq: int) -> int:
+    """qkv_attn.cu's qkv_attn_smem_bytes: 1 KB of alignment, the stages (x and w tiles), the CTA's own tile, the
+    K and V tiles a Q CTA receives, the mbarriers."""
+    return 1024 + (2 * stages + 1 + 2 * row_tiles(seq)) * TILE_BYTES + 16 * stages + 8
+
+
+def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | None = None,
+          smem_limit: int = 232448) -> str | None:
+    """Why the kernel cannot run this shape and config; None when it can."""
+    if head_dim != 64:
+        return f"needs head_dim 64, not {head_dim}"
+    if seq > MAX_SEQ:
+        return f"needs seq <= {MAX_SEQ} (two 64-row tiles), not {seq}"
+    if d_model % 64:
+        return f"needs d_model a multiple of 64, not {d_model}"
+    if not 2 <= stages <= MAX_STAGES:
+        return f"needs 2..{MAX_STAGES} stages of 64-wide K tiles (num_stages * block_k / 64), not {stages}"
+    if ln_parts is not None and not 1 <= ln_parts <= MAX_LN_PARTS:
+        return f"needs the LayerNorm's row sums in 1..{MAX_LN_PARTS} parts, not {ln_parts}"
+    if smem_bytes(stages, seq) > smem_limit:
+        return f"needs {smem_bytes(stages, seq)} B of shared memory ({stages} stages)"
+    return None
+
+
+_LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
+
+
+def library(bf16: int, epi: int, rt: int) -> ctypes.CDLL:
+    """The library of one variant (dtype, epilogue, row tiles a sequence), built on first use (cached)."""
+    key = (bf16, epi, rt)
+    if key in _LIBS:
+        return _LIBS[key]
+    lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt}, "qkv_attn")
+    lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
+    lib.qkv_attn_launch.restype = ctypes.c_int
+    lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
+    lib.qkv_attn_smem_bytes.restype = ctypes.c_int
+    if (lib.qkv_attn_smem_bytes(4) != smem_bytes(4, 64 * rt)
+            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16)):
+        raise RuntimeError(f"qkv_attn: {lib._name} does not match qkv_attn.py (shared-memory layout or variant)")
+    _LIBS[key] = lib
+    return lib
+
+
+def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_stats=None, ln_colsum=None,
+           ln_eps=1e-5, racy=False, trace=None) -> None:
+    """``out = causal_attention(LN(x) @ weight.T + bias)`` per head of 64 and sequence of ``seq`` rows, on the current
+    stream. x ``[M, D]``, weight ``[3 D, D]`` (Q, K, V rows), out ``[M, D]``. With ``ln_stats`` ([parts, M, 2] fp32,
+    the row sums of x from its producer) and ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm).
+    ``trigger_k``: launch_dependents after that many K tiles (0: at the wait; -1: no PDL); ``n_pref``: weight tiles
+    requested before the wait."""
+    M, D = x.shape
+    if (ln_stats is None) != (ln_colsum is None):
+        raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
+    why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None)
+    if why is None and (M % seq or weight.shape != (3 * D, D) or out.shape != (M, D)):
+        why = f"shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}, seq {seq}"
+    if why:
+        raise ValueError(f"qkv_attn: {why}")
+    epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
+    flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
+    if launch_enter_hook is not None:
+        launch_enter_hook("qkv_attn_kernel", trigger_k >= 0)
+    err = ctypes.create_string_buffer(512)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq))
+    rc = lib.qkv_attn_launch(
+        _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
+        x.stride(0), weight.stride(0), out.stride(0), stages, trigger_k, n_pref, flags,
+        ln_stats.shape[0] if ln_stats is not None else 0, ln_eps, stream, err, len(err))
+    if rc != 0:
+        raise RuntimeError(err.value.decode(errors="replace"))

@@ -1,0 +1,154 @@
+"""QKV and the attention in one kernel (kernels/qkv_attn.cu, ``qkv.fuse: 1``): its validity rules everywhere, the CUDA
+kernel against its torch reference on a Hopper GPU (pytest -m gpu)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tuner.kernels import _nvcc, qkv_attn
+from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels.gemm import fold_layernorm
+
+gpu = pytest.mark.gpu
+
+
+def test_launch_argtypes_match_the_c_signature():
+    assert _nvcc.c_argtypes(qkv_attn.SOURCE.read_text(), "qkv_attn_launch") == qkv_attn.LAUNCH_ARGTYPES
+
+
+@pytest.mark.parametrize("seq, head_dim, d, stages, parts, needle", [
+    (129, 64, 768, 4, None, "seq <= 128"),
+    (128, 32, 768, 4, None, "head_dim 64"),
+    (128, 64, 768, 1, None, "2..12 stages"),
+    (128, 64, 768, 4, 33, "1..32 parts"),
+    (128, 64, 768, 12, None, "shared memory"),
+])
+def test_error(seq, head_dim, d, stages, parts, needle):
+    assert needle in (qkv_attn.error(seq, head_dim, d, stages, parts) or "")
+
+
+def test_error_accepts_bert_shapes():
+    assert qkv_attn.error(128, 64, 768, 8, 12) is None and qkv_attn.error(32, 64, 256, 4) is None
+    assert qkv_attn.smem_bytes(8, 128) == 1024 + 21 * 8192 + 136 and qkv_attn.smem_bytes(4, 32) == 1024 + 11 * 8192 + 72
+
+
+def test_layer_rules():
+    """qkv.fuse 1 needs attn.fuse 0, norm1.fuse 0 or 2, head_dim 64, seq <= 128; repair_config unfuses it elsewhere."""
+    from tuner.bench import hand_picked, hand_picked_cluster
+    from tuner.layer import check_config, repair_config
+    from tuner.shapes import DecoderShape, resolve
+
+    base, tiny = resolve("bert-base"), resolve("tiny")
+    hp = hand_picked(base)
+    cfg = replace(hp, qkv=replace(hp.qkv, fuse=1), norm1=replace(hp.norm1, fuse=2))
+    assert check_config(cfg, base) == {} and repair_config(cfg, base).qkv.fuse == 1
+    one = replace(cfg, norm1=replace(cfg.norm1, fuse=1))
+    assert "norm1.fuse 0 or 2" in check_config(one, base)["qkv"] and repair_config(one, base).qkv.fuse == 0
+    assert "is 0 or 1" in check_config(replace(cfg, qkv=replace(cfg.qkv, fuse=2)), base)["qkv"]
+    blk = hand_picked_cluster(tiny)  # the attention already in the fused block
+    both = replace(blk, qkv=replace(blk.qkv, fuse=1))
+    assert "attn.fuse 0" in check_config(both, tiny)["qkv"] and repair_config(both, tiny).qkv.fuse == 0
+    long = DecoderShape(1, 256, 768, 12, 3072, name="256-tokens")
+    assert "seq <= 128" in check_config(cfg, long)["qkv"] and repair_config(cfg, long).qkv.fuse == 0
+    assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), base)["ffn1"]
+
+
+def _hopper():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the CUDA kernel needs a Hopper GPU")
+
+
+def _reference(x, w, b, seq, ln=None):
+    """fp32: causal attention of LN(x) @ w.T + b per sequence and head of 64."""
+    xf = x.float()
+    if ln is not None:
+        xf = F.layer_norm(xf, (x.shape[1],), ln[0], ln[1], 1e-5)
+    qkv = xf @ w.float().T + b.float()
+    m, d = x.shape
+    q, k, v = (t.reshape(m // seq, seq, d // 64, 64).transpose(1, 2) for t in qkv.split(d, dim=1))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return o.transpose(1, 2).reshape(m, d)
+
+
+@gpu
+@pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (1, 17, 256), (2, 100, 256), (1, 64, 128), (3, 33, 192),
+                                           (1, 65, 320), (2, 128, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("ln", [False, True], ids=["plain", "layernorm-folded"])
+def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln):
+    _hopper()
+    m = batch * seq
+    g = torch.Generator().manual_seed(seq + d)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(dtype).cuda()  # noqa: E731
+    x, w, b = r(m, d), r(3 * d, d, sc=d ** -0.5), r(3 * d, sc=0.1)
+    out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
+    if ln:
+        gamma, beta = (1 + r(d, sc=0.1)).float(), r(d, sc=0.1).float()
+        wf, bf, u = fold_layernorm(w, b, gamma, beta)
+        xf = x.float()
+        # the producer's row sums in parts of 64 columns, as FFN2's epilogue writes them
+        parts = torch.stack([xf.view(m, -1, 64).sum(2).T, (xf * xf).view(m, -1, 64).sum(2).T], dim=2).contiguous()
+        qkv_attn.launch(x, wf, bf, out, seq=seq, stages=4, trigger_k=0, n_pref=4, ln_stats=parts, ln_colsum=u)
+        ref = _reference(x, w, b, seq, ln=(gamma, beta))
+    else:
+        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0)
+        ref = _reference(x, w, b, seq)
+    torch.cuda.synchronize()
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+
+
+def _stack_cfg(shape):
+    from tuner.bench import hand_picked
+
+    hp = hand_picked(shape)
+    return replace(hp, qkv=replace(hp.qkv, fuse=1), norm1=replace(hp.norm1, fuse=2), attn=replace(hp.attn, fuse=0))
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+def test_stack_with_the_attention_in_qkv(pdl, device):
+    # On a Hopper GPU the QKV launch computes the attention (no attention launch) from layer 1 on; layer 0 has no row
+    # sums of x for its folded LayerNorm and runs the two kernels. Elsewhere (the interpreter) they always run.
+    from tuner.layer import DecoderStack
+    from tuner.shapes import DecoderShape
+
+    shape = DecoderShape(1, 40, 128, 2, 256, name="odd")
+    cfg = _stack_cfg(shape)
+    if not pdl:
+        cfg = cfg.without_knobs()
+    st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=7)
+    fused = device == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+    assert st.bufs[1].qkv_attn == fused
+    assert len(st.launches("attn")) == (1 if fused else 3)
+    err = st.check(seed=3)
+    assert err < st.tolerance(), err
+
+
+@gpu
+def test_stack_with_the_attention_in_qkv_graphed():
+    _hopper()
+    from tuner.layer import DecoderStack
+    from tuner.shapes import resolve
+
+    shape = resolve("bert-base")
+    st = DecoderStack(shape, _stack_cfg(shape), n_layers=4, dtype=torch.float16, device="cuda", seed=8)
+    st.capture()
+    for seed in range(3):
+        err = st.check(seed=seed)
+        assert err < st.tolerance(), err
+
+
+@gpu
+def test_racy_qkv_attn_is_caught():
+    # The test-only defect (the first x tile loaded before griddepcontrol.wait) in layer 1 of a graphed stack.
+    _hopper()
+    from tuner.layer import DecoderStack
+    from tuner.shapes import resolve
+    from tuner.verify import race_detection
+
+    shape = resolve("bert-base")
+    st = DecoderStack(shape, _stack_cfg(shape), n_layers=4, dtype=torch.float16, device="cuda", seed=9)
+    assert st.bufs[1].qkv_attn
+    r = race_detection(st, "qkv", layer=1, trials=10)
+    assert r["caught"] >= 5 and r["false_alarms"] == 0, r
