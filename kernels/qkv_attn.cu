@@ -51,7 +51,8 @@ struct Params {
   const float* ln_colsum;  // LN_IN: [3 D] colsum of the folded w_qkv
   float ln_eps;
   int ln_parts;
-  long long* trace;   // diagnostics: %globaltimer [programs, 4]: entry, wait returned, K loop done, end
+  long long* trace;   // diagnostics: %globaltimer [programs, 6]: entry, wait returned, K loop done, tile written to
+                      // shared memory, K and V landed (Q) or pushed (K, V), end
   int M, D, seq;
   int out_stride;
   int k_tiles;        // 64-wide K tiles of D
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 4 + 0] = globaltimer();
+  if (p.trace != nullptr && tid == 0) p.trace[prog * 6 + 0] = globaltimer();
   const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
   const int valid = min(64, p.seq - 64 * t);  // rows of this tile inside the sequence
   const int m0 = blockIdx.y * p.seq + 64 * t, n0 = part * p.D + 64 * head;
@@ -125,12 +126,13 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       const bool racy = (p.flags & RACY) != 0;
       int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
       if (racy && early == 0) early = 1;
+      // (the racy x tile first: queued behind the weight tiles it would reach memory too late, perf notes 23)
+      if (racy) tma_load(a_smem, &p.a_map, full, 0, m0);
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, 2 * TILE);
         tma_load(b_smem + i * TILE, &p.b_map, full + 8 * i, i * BK, n0);
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, i * BK, n0);
-      if (racy) tma_load(a_smem, &p.a_map, full, 0, m0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   const int warp = tid / 32, lane = tid % 32;
   gdc_wait();
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 1] = globaltimer();
   if (p.trigger_k == 0) gdc_launch();
 
   // The epilogue's inputs, in flight before the K loop. A thread holds rows r and r + 8 of the tile (r = 16 warp +
@@ -214,7 +216,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     }
   }
   wgmma_wait<0>();
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 2] = globaltimer();
 
   // The epilogue: the folded LayerNorm, the bias, 16 bits into this CTA's tile (rows past the sequence zero: they are
   // masked keys, which must be finite).
@@ -252,6 +254,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
                    "r"(pack2<BF16>(v[0], v[1])) : "memory");
     }
 
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 3] = globaltimer();
   if (part != 0) {
     // K or V: push the tile to the Q CTAs of row tiles t.. (the bulk copies read it through the async proxy).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -262,7 +265,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       // The tile must stay, and this CTA must not exit, until the pushes have read it.
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      if (p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+      if (p.trace != nullptr) p.trace[prog * 6 + 4] = p.trace[prog * 6 + 5] = globaltimer();
     }
     return;
   }
@@ -270,6 +273,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   // Q: a warp attends the 16 rows it wrote, once the K and V tiles have landed.
   mbar_wait(kv, 0);
   __syncwarp();  // (a warp reads its own 16 rows of Q: lanes' stores before the other lanes' ldmatrix)
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = globaltimer();
   const int q0 = 64 * t + 16 * warp;  // this warp's query rows in the sequence
   if (q0 < p.seq) attention_warp<BF16, RT>(own - t * TILE, kt, vt, q0, p.seq, lane);  // (own holds rows 64 t..)
   consumer_sync<CONSUMERS>();
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       *reinterpret_cast<uint4*>(op) = v;
     }
   }
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 5] = globaltimer();
 }
 
 }  // namespace

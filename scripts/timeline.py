@@ -93,19 +93,21 @@ def main():
         err = st.check(1)
         t = time_replay(st.replay, n, reps=30, warmup=5)
         ks = kernel_records(st.replay, reps)
-        per_layer = len(ks) // (reps * n)
-        if per_layer * reps * n != len(ks):
-            # e.g. the first layer's QKV on the Triton kernels and their reduction (its LayerNorm gathers its row
-            # sums in the K loop: no producer wrote them), the other layers' on the cluster kernel
+        per_rep = len(ks) // reps
+        per_layer = per_rep // n
+        # The first layer may launch more kernels than the others (extra), e.g. its QKV on the Triton kernels, since
+        # its LayerNorm gathers its row sums in the K loop (no producer wrote them): the middle layers come after.
+        extra = per_rep - per_layer * n
+        if per_rep * reps != len(ks) or extra >= per_layer:
             print(f"\n## {shape.name} {name}: {t.median_us:.2f} us/layer un-profiled; rel err {err:.1e}; "
-                  f"{len(ks)} kernel records, not a multiple of {reps}x{n}: no per-kernel table")
+                  f"{len(ks)} kernel records for {reps}x{n} layers: no per-kernel table")
             continue
         rows = {}
         for r in range(reps):
-            rep = ks[r * n * per_layer:(r + 1) * n * per_layer]
+            rep = ks[r * per_rep:(r + 1) * per_rep]
             for layer in range(1, n - 1):
                 for j in range(per_layer):
-                    i = layer * per_layer + j
+                    i = extra + layer * per_layer + j
                     kname, s, e = rep[i]
                     prev_end = rep[i - 1][2]
                     rows.setdefault(j, []).append((kname, s - prev_end, e - s, e - prev_end))

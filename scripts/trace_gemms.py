@@ -30,7 +30,7 @@ import sys
 import torch
 
 import tuner.kernels.gemm as gemm_k
-from tuner.kernels import mlp_cluster
+from tuner.kernels import mlp_cluster, qkv_attn
 from tuner.device import DeviceInfo
 from tuner.layer import DecoderStack, layer_launches, random_stack_weights, stack_depth
 from tuner.shapes import resolve
@@ -79,6 +79,7 @@ def trace(shape, name, hot=False):
     fused_keys = set()
     out_in = [False, False]  # the block computes the out-projection (its stamps 4 and 5 differ), and the attention
     steps = []  # the fused block's own steps, per layer
+    qa_steps = []  # the QKV-and-attention kernel's, per layer
 
     def traced_mlp(x, w1, b1, w2, b2, residual, out, **kw):  # the feed-forward block as one kernel (ffn2.fuse)
         key = (out.data_ptr(), w1.data_ptr())
@@ -92,13 +93,25 @@ def trace(shape, name, hot=False):
             out_in[1] = kw.get("qkv") is not None
         return real_mlp(x, w1, b1, w2, b2, residual, out, trace=traces[key], **kw)
 
-    gemm_k.linear, mlp_cluster.launch = traced, traced_mlp
+    real_qa = qkv_attn.launch
+    qa_keys = {}  # key -> (heads, batch, cluster size) of a QKV-and-attention launch (qkv.fuse 1)
+
+    def traced_qa(x, weight, bias, out, **kw):
+        key = (out.data_ptr(), weight.data_ptr())
+        if key not in traces:
+            heads, batch, c = x.shape[1] // 64, x.shape[0] // kw["seq"], 3 * qkv_attn.row_tiles(kw["seq"])
+            traces[key] = torch.zeros(heads * batch * c, 6, dtype=torch.int64, device=x.device)
+            order.append(key)
+            qa_keys[key] = (heads, batch, c)
+        return real_qa(x, weight, bias, out, trace=traces[key], **kw)
+
+    gemm_k.linear, mlp_cluster.launch, qkv_attn.launch = traced, traced_mlp, traced_qa
     st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
     st.capture()
     t_traced = time_replay(st.replay, n, reps=30, warmup=5).median_us
     st.replay()
     torch.cuda.synchronize()
-    gemm_k.linear, mlp_cluster.launch = real, real_mlp
+    gemm_k.linear, mlp_cluster.launch, qkv_attn.launch = real, real_mlp, real_qa
 
     launched = [nm for nm, _ in layer_launches(shape, cfg, st.weights[0], st.x, st.bufs[0])]
     names = [nm for nm in launched if nm in ("qkv", "out", "ffn1", "ffn2")]
@@ -127,6 +140,12 @@ def trace(shape, name, hot=False):
                              float(wait.min() - prev_end) if (prev_end is not None and consecutive) else None,
                              skew))
             prev_end = float(end.max())
+            if key in qa_keys:
+                heads, batch, c = qa_keys[key]
+                q = (torch.arange(t.shape[0], device=t.device) // (heads * batch)) % 3 == 0
+                qa_steps.append([float(v.median()) for v in (
+                    t[q, 3] - loop[q], t[~q, 3] - loop[~q], t[~q, 4] - t[~q, 3], t[q, 4] - t[q, 3],
+                    t[q, 5] - t[q, 4], t[q, 5] - wait[q])] + [float(t[q, 5].max() - wait.min())])
             if key in fused_keys:
                 w1, xl, g1, red = t[:, 4], t[:, 5], t[:, 6], t[:, 7]
                 steps.append([float(v.median()) for v in (w1 - wait, xl - wait, g1 - torch.maximum(w1, xl),
@@ -139,6 +158,10 @@ def trace(shape, name, hot=False):
         med = [statistics.median([r[i] for r in v]) if all(r[i] is not None for r in v) else None
                for i in range(len(v[0]))]
         print(f"| {nm} | " + " | ".join("-" if x is None else f"{x:.2f}" for x in med) + " |")
+    if qa_steps:
+        print("QKV with the attention (us, medians): epilogue Q, epilogue K/V, K/V push, Q's wait for K and V, "
+              "attention and store, Q CTA from wait to end, last Q end from first wait: "
+              + ", ".join(f"{statistics.median(c):.2f}" for c in zip(*qa_steps)))
     if steps and out_in[0]:
         first = ("Q, K and V landed and every head's attention done" if out_in[1] else "the attention's tile landed")
         print(f"feed-forward block with the out-projection (us, medians; from the wait's return): {first}, x gathered (out-projection, its exchange); then first GEMM (from the later of the two), "
