@@ -224,6 +224,25 @@ __device__ __forceinline__ void wgmma_64xNx16(float* d, uint64_t da, uint64_t db
   }
 }
 
+// wgmma m64n64k16 with A from registers (4 16-bit pairs a thread: mma.sync's A fragment layout, warp w's rows 16 w..)
+// and B from shared memory N-major (transposed: B[k][n] with n contiguous, 128-byte rows swizzled, 8-row groups 1024
+// bytes apart, i.e. the smem_desc of a row-major [k][64] tile): attention's P @ V with V as loaded.
+#define CG_WGMMA64_RS_TB(TYPE) \
+  "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %37, 0;\n\t" \
+  "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " {" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
+  "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n\t}"
+
+template <bool BF16>
+__device__ __forceinline__ void wgmma_64x64x16_rs_tb(float* d, const uint32_t* a, uint64_t db) {
+  if constexpr (BF16) {
+    asm volatile(CG_WGMMA64_RS_TB("bf16") : CG_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  } else {
+    asm volatile(CG_WGMMA64_RS_TB("f16") : CG_ACC32(d) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  }
+}
+
 // mma.sync m16n8k16 (A from registers, B fragments through ldmatrix.trans): attention's P @ V.
 template <bool BF16>
 __device__ __forceinline__ void mma_16x8x16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
@@ -268,114 +287,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   } else {
     __half2 v = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-// Causal attention of the 16 query rows q0.. of one head (head_dim 64) for one warp (mlp_cluster.cu's ATT_IN,
-// qkv_attn.cu), by mma.sync m16n8k16: Q's rows from tile qt (then overwritten by O, 16-bit), K's and V's rows from
-// tiles kt and vt (16-bit, 128-byte swizzled; keys from m on are masked, and must be finite). S = Q K^T, the softmax of a row in the 4 lanes of a quad,
-// O = P V with P in registers.
-// KG: the 16-key groups these rows see (causal: q0 / 16 + 1), a compile-time count so that every load and MMA of S
-// can be issued at once (a run-time skip inside the loops measured no faster: perf notes 25).
-template <bool BF16, int KG, int STOP>
-__device__ __forceinline__ void attention_keys(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
-  constexpr int NT = 2 * KG;  // 8-key tiles
-  const int mat = lane / 8, r8 = lane % 8, g = lane / 4, q2 = (lane % 4) * 2;
-  float s[NT][4];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {  // head dims 16k..16k+15
-    uint32_t a[4];
-    ldmatrix_x4(a, swz(qt, q0 + (mat & 1) * 8 + r8, 16 * k + (mat >> 1) * 8));
-#pragma unroll
-    for (int n = 0; n < NT / 2; ++n) {  // keys 16n..16n+15
-      uint32_t b[4];
-      ldmatrix_x4(b, swz(kt, 16 * n + (mat >> 1) * 8 + r8, 16 * k + (mat & 1) * 8));
-      mma_16x8x16<BF16>(s[2 * n], a, b[0], b[1]);
-      mma_16x8x16<BF16>(s[2 * n + 1], a, b[2], b[3]);
-    }
-  }
-  constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
-  if constexpr (STOP == 1) {  // (keep S: one value a thread)
-    float t = 0.f;
-#pragma unroll
-    for (int n = 0; n < NT; ++n) t += s[n][0] + s[n][1] + s[n][2] + s[n][3];
-    asm volatile("st.shared.f32 [%0], %1;" ::"r"(qt + 4 * lane), "f"(t) : "memory");
-    return;
-  }
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int key = 8 * n + q2 + e;
-        const float v = key <= q0 + g + 8 * h && key < m ? s[n][2 * h + e] * scale : -INFINITY;
-        s[n][2 * h + e] = v;
-        mx[h] = fmaxf(mx[h], v);
-      }
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {  // (key 0 is valid for every row: the maxima are finite)
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-  }
-  // P = 2^(s - max) as the PV MMA's A fragments (16-bit pairs: rows g, g + 8 of key tile n). fp16: ex2.approx.f16x2,
-  // two a MUFU op (the SM's MUFU rate bounds this step: perf notes 25), the row sums by an MMA with ones; bf16: in
-  // fp32 (a bf16 exponent would cost too much precision), the row sums in the quad.
-  uint32_t ph[NT][2];
-  float l[4] = {0.f, 0.f, 0.f, 0.f};  // the row sums: l[0] row g, l[2] row g + 8
-#pragma unroll
-  for (int n = 0; n < NT; ++n)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if constexpr (BF16) {
-        const float p0 = exp2f(s[n][2 * h] - mx[h]), p1 = exp2f(s[n][2 * h + 1] - mx[h]);
-        l[2 * h] += p0 + p1;
-        ph[n][h] = pack2<true>(p0, p1);
-      } else {
-        asm("ex2.approx.f16x2 %0, %1;" : "=r"(ph[n][h]) : "r"(pack2<false>(s[n][2 * h] - mx[h], s[n][2 * h + 1] - mx[h])));
-      }
-    }
-  if constexpr (BF16) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      l[2 * h] += __shfl_xor_sync(0xffffffffu, l[2 * h], 1);
-      l[2 * h] += __shfl_xor_sync(0xffffffffu, l[2 * h], 2);
-    }
-  }
-  if constexpr (STOP == 2) {  // (keep P and the row sums)
-    uint32_t t = __float_as_uint(l[0] + l[2]);
-#pragma unroll
-    for (int n = 0; n < NT; ++n) t += ph[n][0] + ph[n][1];
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(qt + 4 * lane), "r"(t) : "memory");
-    return;
-  }
-  float o[8][4];
-#pragma unroll
-  for (int v = 0; v < 8; ++v) o[v][0] = o[v][1] = o[v][2] = o[v][3] = 0.f;
-#pragma unroll
-  for (int t = 0; t < NT / 2; ++t) {  // keys 16t..16t+15
-    const uint32_t a[4] = {ph[2 * t][0], ph[2 * t][1], ph[2 * t + 1][0], ph[2 * t + 1][1]};
-    if constexpr (!BF16) mma_16x8x16<false>(l, a, 0x3c003c00u, 0x3c003c00u);  // (B all ones: each column a row sum)
-    const int key = 16 * t + (mat & 1) * 8 + r8;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {  // head dims 16u..16u+15
-      uint32_t b[4];
-      ldmatrix_x4_trans(b, swz(vt, key, 16 * u + (mat >> 1) * 8));
-      mma_16x8x16<BF16>(o[2 * u], a, b[0], b[1]);
-      mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
-    }
-  }
-  const float inv0 = 1.f / l[0], inv1 = 1.f / l[2];
-  __syncwarp();  // every lane's Q reads done before the rows are overwritten
-#pragma unroll
-  for (int v = 0; v < 8; ++v) {
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, q0 + g, 8 * v + q2)),
-                 "r"(pack2<BF16>(o[v][0] * inv0, o[v][1] * inv0)) : "memory");
-    asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(qt, q0 + g + 8, 8 * v + q2)),
-                 "r"(pack2<BF16>(o[v][2] * inv1, o[v][3] * inv1)) : "memory");
   }
 }
 

@@ -18,8 +18,8 @@
 //   shared memory.
 // * A K or V CTA of row tile t pushes its tile (8 KB, one bulk copy each) to the Q CTAs of row tiles t.. (causal:
 //   row tile t's keys are seen by queries from row tile t on), and exits.
-// * A Q CTA waits for its K and V tiles, computes the causal attention of its 64 query rows (warp w: rows 16 w.., by
-//   mma.sync, hopper.cuh's attention_keys) and stores O.
+// * A Q CTA waits for its K and V tiles, computes the causal attention of its 64 query rows (attention_wg: both
+//   products by wgmma, the softmax in registers) and stores O.
 //
 // Grid: (heads, batch, 3 RT), a cluster spans z. Built at run time by kernels/qkv_attn.py (nvcc, sm_90a), one library
 // per variant.
@@ -62,19 +62,77 @@ struct Params {
   int flags;
 };
 
-// One warp's causal attention of the 16 query rows q0.. over keys 0..q0 + 15 (16-key groups as a compile-time count).
-template <bool BF16, int RT>
-__device__ __forceinline__ void attention_warp(uint32_t qt, uint32_t kt, uint32_t vt, int q0, int m, int lane) {
-  switch (q0 / 16) {  // (uniform in the warp)
-    case 0: attention_keys<BF16, 1, 3>(qt, kt, vt, q0, m, lane); break;
-    case 1: attention_keys<BF16, 2, 3>(qt, kt, vt, q0, m, lane); break;
-    case 2: attention_keys<BF16, 3, 3>(qt, kt, vt, q0, m, lane); break;
-    case 3: attention_keys<BF16, 4, 3>(qt, kt, vt, q0, m, lane); break;
-    case 4: if constexpr (RT == 2) attention_keys<BF16, 5, 3>(qt, kt, vt, q0, m, lane); break;
-    case 5: if constexpr (RT == 2) attention_keys<BF16, 6, 3>(qt, kt, vt, q0, m, lane); break;
-    case 6: if constexpr (RT == 2) attention_keys<BF16, 7, 3>(qt, kt, vt, q0, m, lane); break;
-    default: if constexpr (RT == 2) attention_keys<BF16, 8, 3>(qt, kt, vt, q0, m, lane); break;
+// The causal attention of one head for the warpgroup's 64 query rows (positions q_pos0.. in the sequence) over NK keys
+// (64 or 128): S = Q K^T by wgmma m64nNK (Q at qt, K at kt: K-major, 128-byte swizzled), the softmax in registers (a
+// row's scores lie in the 4 lanes of a quad), O = P V by wgmma with P from registers and V (at vt) as stored, N-major.
+// On return o holds the thread's O / rowsum: o[4 j + 2 h + e] at row 16 warp + lane / 4 + 8 h, column 8 j + 2 (lane %
+// 4) + e. (mma.sync for both products, one warp a 16-row group, was 3.5 us for 128 keys: perf notes 27.)
+template <bool BF16, int NK>
+__device__ __forceinline__ void attention_wg(uint32_t qt, uint32_t kt, uint32_t vt, int q_pos0, int seq, int lane,
+                                             float* o) {
+  float sc[NK / 2];
+#pragma unroll
+  for (int i = 0; i < NK / 2; ++i) sc[i] = 0.f;
+  fence_acc<NK / 2>(sc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) wgmma_64xNx16<BF16, NK>(sc, smem_desc(qt) + 2 * kk, smem_desc(kt) + 2 * kk);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc<NK / 2>(sc);
+  constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
+  const int q2 = (lane % 4) * 2;
+  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < NK / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = 8 * j + q2 + e, i = 4 * j + 2 * h + e;
+        sc[i] = key <= q_pos0 + 8 * h && key < seq ? sc[i] * scale : -INFINITY;
+        mx[h] = fmaxf(mx[h], sc[i]);
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // (key 0 is valid for every row: the maxima are finite)
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
   }
+#pragma unroll
+  for (int j = 0; j < NK / 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int i = 4 * j + 2 * h + e;
+        sc[i] = exp2f(sc[i] - mx[h]);
+        l[h] += sc[i];
+      }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i] = 0.f;
+  uint32_t a[NK / 16][4];
+#pragma unroll
+  for (int t = 0; t < NK / 16; ++t) {  // keys 16t..16t+15: P in mma.sync's A fragment layout
+    a[t][0] = pack2<BF16>(sc[8 * t + 0], sc[8 * t + 1]);
+    a[t][1] = pack2<BF16>(sc[8 * t + 2], sc[8 * t + 3]);
+    a[t][2] = pack2<BF16>(sc[8 * t + 4], sc[8 * t + 5]);
+    a[t][3] = pack2<BF16>(sc[8 * t + 6], sc[8 * t + 7]);
+  }
+  fence_acc<32>(o);
+  wgmma_fence();
+#pragma unroll
+  for (int t = 0; t < NK / 16; ++t) wgmma_64x64x16_rs_tb<BF16>(o, a[t], smem_desc(vt + 2048 * t));
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_acc<32>(o);
+  const float inv[2] = {1.f / l[0], 1.f / l[1]};
+#pragma unroll
+  for (int i = 0; i < 32; ++i) o[i] *= inv[(i / 2) % 2];
 }
 
 template <bool BF16, int EPI, int RT>
@@ -270,12 +328,26 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     return;
   }
 
-  // Q: a warp attends the 16 rows it wrote, once the K and V tiles have landed.
+  // Q: the warpgroup attends its 64 rows once the K and V tiles have landed (every thread's rows of Q written first:
+  // wgmma reads them through the async proxy).
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  consumer_sync<CONSUMERS>();
   mbar_wait(kv, 0);
-  __syncwarp();  // (a warp reads its own 16 rows of Q: lanes' stores before the other lanes' ldmatrix)
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = globaltimer();
-  const int q0 = 64 * t + 16 * warp;  // this warp's query rows in the sequence
-  if (q0 < p.seq) attention_warp<BF16, RT>(own - t * TILE, kt, vt, q0, p.seq, lane);  // (own holds rows 64 t..)
+  float o[32];
+  const int q_pos0 = 64 * t + r_lo;  // the thread's first row in the sequence
+  if (RT == 2 && t == 1) {
+    attention_wg<BF16, 128>(own, kt, vt, q_pos0, p.seq, lane, o);
+  } else {
+    attention_wg<BF16, 64>(own, kt, vt, q_pos0, p.seq, lane, o);
+  }
+  consumer_sync<CONSUMERS>();  // every warp's MMAs have read Q before O overwrites it
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)),
+                   "r"(pack2<BF16>(o[4 * j + 2 * h], o[4 * j + 2 * h + 1])) : "memory");
   consumer_sync<CONSUMERS>();
 
   // O to global memory: 16 bytes a thread a step, rows inside the sequence only.
