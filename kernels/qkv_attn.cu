@@ -56,7 +56,7 @@ struct Params {
   int M, D, seq;
   int out_stride;
   int k_tiles;        // 64-wide K tiles of D
-  int stages;
+  int stages;         // ring stages, each a chunk of KC K tiles of x and of w
   int trigger_k;      // launch_dependents after this many K tiles (-1: never early)
   int n_pref;         // weight tiles requested before griddepcontrol.wait
   int flags;
@@ -135,7 +135,7 @@ __device__ __forceinline__ void attention_wg(uint32_t qt, uint32_t kt, uint32_t 
   for (int i = 0; i < 32; ++i) o[i] *= inv[(i / 2) % 2];
 }
 
-template <bool BF16, int EPI, int RT>
+template <bool BF16, int EPI, int RT, int KC>
 __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_constant__ Params p) {
   static_assert(RT == 1 || RT == 2, "row tiles a sequence: 1 or 2 (up to 128 tokens)");
   using E = Elem<BF16>;
@@ -147,9 +147,11 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
   const int S = p.stages;
+  constexpr int CH = KC * TILE;  // one operand's chunk: KC 64-wide K tiles, one 3-D TMA box (16 KB boxes load at ~1.5x
+                                 // the rate of 8 KB ones: perf notes 19.6)
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + S * TILE;
-  const uint32_t own = b_smem + S * TILE;  // this CTA's 16-bit output tile (Q: then O)
+  const uint32_t b_smem = base + S * CH;
+  const uint32_t own = b_smem + S * CH;  // this CTA's 16-bit output tile (Q: then O)
   const uint32_t kt = own + TILE;          // Q CTAs: the RT K tiles pushed by the K CTAs, then the V tiles
   const uint32_t vt = kt + RT * TILE;
   const uint32_t full = vt + RT * TILE;    // S mbarriers: the stage's bytes have landed
@@ -162,7 +164,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
   const int valid = min(64, p.seq - 64 * t);  // rows of this tile inside the sequence
   const int m0 = blockIdx.y * p.seq + 64 * t, n0 = part * p.D + 64 * head;
-  const int n_iters = p.k_tiles;
+  const int n_iters = p.k_tiles / KC;  // chunks
   const bool pdl = (p.flags & USE_PDL) != 0;
 
   if (tid == CONSUMERS) {
@@ -182,15 +184,16 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   if (tid >= CONSUMERS) {
     if (tid == CONSUMERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
       const bool racy = (p.flags & RACY) != 0;
-      int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
+      const int pref = (p.n_pref + KC - 1) / KC;  // chunks of weights requested before the wait
+      int early = min(S, pref);                   // of which into shared memory
       if (racy && early == 0) early = 1;
-      // (the racy x tile first: queued behind the weight tiles it would reach memory too late, perf notes 23)
-      if (racy) tma_load(a_smem, &p.a_map, full, 0, m0);
+      // (the racy x chunk first: queued behind the weight chunks it would reach memory too late, perf notes 23)
+      if (racy) tma_load3(a_smem, &p.a_map, full, m0, 0);
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full + 8 * i, 2 * TILE);
-        tma_load(b_smem + i * TILE, &p.b_map, full + 8 * i, i * BK, n0);
+        mbar_expect_tx(full + 8 * i, 2 * CH);
+        tma_load3(b_smem + i * CH, &p.b_map, full + 8 * i, n0, i * KC);
       }
-      for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, i * BK, n0);
+      for (int i = early; i < min(pref, n_iters); ++i) tma_prefetch_l2_3d(&p.b_map, n0, i * KC);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
@@ -199,10 +202,10 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
         const uint32_t bar = full + 8 * s;
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          mbar_expect_tx(bar, 2 * TILE);
-          tma_load(b_smem + s * TILE, &p.b_map, bar, i * BK, n0);
+          mbar_expect_tx(bar, 2 * CH);
+          tma_load3(b_smem + s * CH, &p.b_map, bar, n0, i * KC);
         }
-        if (!(racy && i == 0)) tma_load(a_smem + s * TILE, &p.a_map, bar, i * BK, m0);
+        if (!(racy && i == 0)) tma_load3(a_smem + s * CH, &p.a_map, bar, m0, i * KC);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -253,12 +256,15 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
     mbar_wait(full + 8 * s, phase);
-    const uint64_t da = smem_desc(a_smem + s * TILE);
-    const uint64_t db = smem_desc(b_smem + s * TILE);
     fence_acc<32>(acc);
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+    for (int c = 0; c < KC; ++c) {
+      const uint64_t da = smem_desc(a_smem + s * CH + c * TILE);
+      const uint64_t db = smem_desc(b_smem + s * CH + c * TILE);
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, 64>(acc, da + 2 * kk, db + 2 * kk);
+    }
     wgmma_commit();
     fence_acc<32>(acc);
     wgmma_wait<1>();
@@ -266,7 +272,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
+    if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + KC - 1) / KC) gdc_launch();
     prev = s;
     if (++s == S) {
       s = 0;
@@ -377,10 +383,15 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 #ifndef QA_RT
 #define QA_RT 2
 #endif
+#ifndef QA_KC
+#define QA_KC 2
+#endif
 
-extern "C" int qkv_attn_variant() { return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16); }
+extern "C" int qkv_attn_variant() { return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20); }
 
-extern "C" int qkv_attn_smem_bytes(int stages) { return 1024 + (2 * stages + 1 + 2 * QA_RT) * TILE + 16 * stages + 8; }
+extern "C" int qkv_attn_smem_bytes(int stages) {
+  return 1024 + (2 * stages * QA_KC + 1 + 2 * QA_RT) * TILE + 16 * stages + 8;
+}
 
 extern "C" int qkv_attn_launch(void* x, void* w, const void* bias, void* out, long long* trace, const float* ln_stats,
                                const float* ln_colsum, int M, int D, int seq, int x_stride, int w_stride,
@@ -391,8 +402,8 @@ extern "C" int qkv_attn_launch(void* x, void* w, const void* bias, void* out, lo
     snprintf(err, errlen, "stages=%d must be in 2..%d", stages, MAX_STAGES);
     return 1;
   }
-  if (D % 64 != 0 || seq < 1 || M % seq != 0 || (seq + 63) / 64 != RT) {
-    snprintf(err, errlen, "D=%d must be a multiple of 64 (heads of 64) and seq=%d within 64 %d and divide M=%d", D,
+  if (D % (64 * QA_KC) != 0 || seq < 1 || M % seq != 0 || (seq + 63) / 64 != RT) {
+    snprintf(err, errlen, "D=%d must be a multiple of 64 (heads of 64) and of the chunk and seq=%d within 64 %d and divide M=%d", D,
              seq, RT, M);
     return 1;
   }
@@ -406,8 +417,8 @@ extern "C" int qkv_attn_launch(void* x, void* w, const void* bias, void* out, lo
   }
   Params p;
   memset(&p, 0, sizeof(p));
-  if (encode(&p.a_map, QA_BF16, x, M, D, x_stride, 64, err, errlen) ||
-      encode(&p.b_map, QA_BF16, w, 3 * D, D, w_stride, 64, err, errlen))
+  if (encode3(&p.a_map, QA_BF16, x, M, D, x_stride, 64, QA_KC, err, errlen) ||
+      encode3(&p.b_map, QA_BF16, w, 3 * D, D, w_stride, 64, QA_KC, err, errlen))
     return 1;
   p.bias = bias;
   p.out = out;
@@ -426,7 +437,7 @@ extern "C" int qkv_attn_launch(void* x, void* w, const void* bias, void* out, lo
   p.n_pref = n_pref;
   p.flags = flags;
 
-  auto kernel = qkv_attn_kernel<QA_BF16 != 0, QA_EPI, RT>;
+  auto kernel = qkv_attn_kernel<QA_BF16 != 0, QA_EPI, RT, QA_KC>;
   // One CTA to an SM where the grid could double up (cluster_gemm.cu's rule, perf notes 16.7).
   static int spread = -1, sms = 0;
   if (spread < 0) {

@@ -29,16 +29,25 @@ USE_PDL, RACY = 64, 128  # and flags
 LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 7 + [ctypes.c_int] * 11
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's launch census)
+# K tiles a TMA box (a ring stage's chunk of x and of w): 2 (16 KB boxes) where d_model and the stages allow, else 1.
+# (A/B switch qa_chunk=1 of scripts/timeline.py.)
+CHUNK = 2
 
 
 def row_tiles(seq: int) -> int:
     return (seq + 63) // 64
 
 
-def smem_bytes(stages: int, seq: int) -> int:
-    """qkv_attn.cu's qkv_attn_smem_bytes: 1 KB of alignment, the stages (x and w tiles), the CTA's own tile, the
-    K and V tiles a Q CTA receives, the mbarriers."""
-    return 1024 + (2 * stages + 1 + 2 * row_tiles(seq)) * TILE_BYTES + 16 * stages + 8
+def chunk(d_model: int, stages: int) -> int:
+    """The K tiles a ring stage loads in one box (CHUNK where it divides both and leaves 2 stages, else 1)."""
+    c = CHUNK
+    return c if (d_model // 64) % c == 0 and stages % c == 0 and stages // c >= 2 else 1
+
+
+def smem_bytes(stages: int, seq: int, kc: int = 1) -> int:
+    """qkv_attn.cu's qkv_attn_smem_bytes for ``stages`` 64-wide K tiles of x and w in flight (stages / kc ring
+    stages): 1 KB of alignment, the stages, the CTA's own tile, the K and V tiles a Q CTA receives, the mbarriers."""
+    return 1024 + (2 * stages + 1 + 2 * row_tiles(seq)) * TILE_BYTES + 16 * (stages // kc) + 8
 
 
 def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | None = None,
@@ -62,18 +71,19 @@ def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | No
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, epi: int, rt: int) -> ctypes.CDLL:
-    """The library of one variant (dtype, epilogue, row tiles a sequence), built on first use (cached)."""
-    key = (bf16, epi, rt)
+def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
+    """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
+    (cached)."""
+    key = (bf16, epi, rt, kc)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt}, "qkv_attn")
+    lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc}, "qkv_attn")
     lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
     lib.qkv_attn_launch.restype = ctypes.c_int
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
     lib.qkv_attn_smem_bytes.restype = ctypes.c_int
-    if (lib.qkv_attn_smem_bytes(4) != smem_bytes(4, 64 * rt)
-            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16)):
+    if (lib.qkv_attn_smem_bytes(4) != smem_bytes(4 * kc, 64 * rt, kc)
+            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20)):
         raise RuntimeError(f"qkv_attn: {lib._name} does not match qkv_attn.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -84,8 +94,8 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     """``out = causal_attention(LN(x) @ weight.T + bias)`` per head of 64 and sequence of ``seq`` rows, on the current
     stream. x ``[M, D]``, weight ``[3 D, D]`` (Q, K, V rows), out ``[M, D]``. With ``ln_stats`` ([parts, M, 2] fp32,
     the row sums of x from its producer) and ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm).
-    ``trigger_k``: launch_dependents after that many K tiles (0: at the wait; -1: no PDL); ``n_pref``: weight tiles
-    requested before the wait."""
+    ``stages``: 64-wide K tiles of x and w in flight; ``trigger_k``: launch_dependents after that many K tiles (0: at
+    the wait; -1: no PDL); ``n_pref``: weight K tiles requested before the wait."""
     M, D = x.shape
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
@@ -100,10 +110,11 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
         launch_enter_hook("qkv_attn_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq))
+    kc = chunk(D, stages)
+    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc)
     rc = lib.qkv_attn_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
-        x.stride(0), weight.stride(0), out.stride(0), stages, trigger_k, n_pref, flags,
+        x.stride(0), weight.stride(0), out.stride(0), stages // kc, trigger_k, n_pref, flags,
         ln_stats.shape[0] if ln_stats is not None else 0, ln_eps, stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
