@@ -53,6 +53,12 @@ def test_layer_rules():
     long = DecoderShape(1, 256, 768, 12, 3072, name="256-tokens")
     assert "seq <= 128" in check_config(cfg, long)["qkv"] and repair_config(cfg, long).qkv.fuse == 0
     assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), base)["ffn1"]
+    # the clustered seed computes the attention in QKV's kernel where the fused block does not
+    assert hand_picked_cluster(base).qkv.fuse == 1 and hand_picked_cluster(base, qkv_attn=False).qkv.fuse == 0
+    assert hand_picked_cluster(tiny).qkv.fuse == 0 and hand_picked_cluster(tiny, attn_in=False).qkv.fuse == 1
+    from tuner.report import format_tiles
+
+    assert format_tiles(cfg.to_dict()["kernels"]).split("; ")[1] == "attn in qkv"
 
 
 def _hopper():

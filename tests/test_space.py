@@ -95,19 +95,22 @@ def test_enqueued_configs_lie_inside_the_default_space(shape, which):
         assert values[name] in dim.choices, (name, values[name], dim.choices)
 
 
-def test_gemm_fuse_is_ffn2s_and_outs(tmp_path):
-    # The gemm family's fuse choices apply to FFN2 and the out-projection (computed by FFN1's kernel); the other GEMMs keep 0, and an
-    # override that gives them 1 is an error that names it.
+def test_gemm_fuse_is_ffn2s_outs_and_qkvs(tmp_path):
+    # The gemm family's fuse choices apply to FFN2 and the out-projection (computed by FFN1's kernel) and to QKV (the
+    # attention in its kernel); FFN1 keeps 0, and an override that gives it 1 is an error that names it.
     sp = space.load()
-    assert sp.dims["ffn2"]["fuse"].choices == (0, 1) and sp.dims["out"]["fuse"].choices == (0, 1)
-    assert all(sp.dims[k]["fuse"].choices == (0,) for k in ("qkv", "ffn1"))
+    assert all(sp.dims[k]["fuse"].choices == (0, 1) for k in ("ffn2", "out", "qkv"))
+    assert sp.dims["ffn1"]["fuse"].choices == (0,)
     old = load_edit(tmp_path, lambda d: d["gemm"].pop("fuse"))  # a file written before the switch
-    assert old.dims["ffn2"]["fuse"].choices == (0,)
-    assert load_edit(tmp_path, lambda d: d["gemm"].update(fuse=[0, 1, 2])).dims["out"]["fuse"].choices == (0, 1)
+    assert old.dims["ffn2"]["fuse"].choices == (0,) and old.dims["qkv"]["fuse"].choices == (0,)
+    three = load_edit(tmp_path, lambda d: d["gemm"].update(fuse=[0, 1, 2]))
+    assert three.dims["out"]["fuse"].choices == (0, 1) and three.dims["qkv"]["fuse"].choices == (0, 1)
     with pytest.raises(SpaceError, match=r"kernels.out.fuse: expected a list of 0 and 1"):
         load_edit(tmp_path, lambda d: d.update(kernels={"out": {"fuse": [0, 2]}}))
-    with pytest.raises(SpaceError, match=r"kernels.qkv.fuse: only ffn2 and out can be fused"):
-        load_edit(tmp_path, lambda d: d.update(kernels={"qkv": {"fuse": [0, 1]}}))
+    with pytest.raises(SpaceError, match=r"kernels.qkv.fuse: expected a list of 0 and 1"):
+        load_edit(tmp_path, lambda d: d.update(kernels={"qkv": {"fuse": [0, 2]}}))
+    with pytest.raises(SpaceError, match=r"kernels.ffn1.fuse: only ffn2, out and qkv can be fused"):
+        load_edit(tmp_path, lambda d: d.update(kernels={"ffn1": {"fuse": [0, 1]}}))
 
 
 def test_attn_fuse_switch(tmp_path):

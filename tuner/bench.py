@@ -51,7 +51,7 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
 
 def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True, mlp: bool = True,
                         out_proj: bool = True, attn_in: bool = True,
-                        block_prefetch: float | None = 0.4) -> DecoderConfig:
+                        block_prefetch: float | None = 0.4, qkv_attn: bool = True) -> DecoderConfig:
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
     a layer; bert-large, whose 128 FFN2 programs in clusters of four no longer launch as one wave: 25.7 -> 28.4).
@@ -61,7 +61,8 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     out-projection computed in that kernel too where it fits (``out.fuse``: perf notes section 24); ``attn_in``: and
     the attention in front of it where it fits (``attn.fuse``: perf notes section 25); ``block_prefetch``: with the
     attention there, the block's ``ffn1.prefetch_ratio`` (the share of its weight tiles loaded before the wait; None:
-    hand_picked's).
+    hand_picked's). ``qkv_attn``: where the attention is not in that block, the attention computed by QKV's kernel
+    where it runs (``qkv.fuse``: perf notes section 27).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
     from tuner.kernels import mlp_cluster
     from tuner.kernels.gemm import GemmProblem, check
@@ -93,6 +94,14 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
                 out = replace(out, attn=replace(out.attn, fuse=1))
                 if block_prefetch is not None:
                     out = replace(out, ffn1=replace(out.ffn1, prefetch_ratio=block_prefetch))
+    if qkv_attn and norms == 2 and not out.attn.fuse:
+        from tuner.layer import qkv_attn_error
+
+        # QKV and the attention in one kernel, a cluster a head (H200, bert-base 19.02-19.19 -> 18.69-18.81 us,
+        # bert-large 25.99-26.27 -> 25.10-25.19: perf notes 27)
+        fused = replace(out, qkv=replace(out.qkv, fuse=1))
+        if qkv_attn_error(shape, fused) is None:
+            out = fused
     return out
 
 

@@ -268,7 +268,8 @@ def gemm_op(kernels: dict, g: str) -> str:
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
     '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel, and
-    'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too);
+    'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too,
+    'attn in qkv' where QKV's kernel computes it);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
     'layer cuda 64x64x64/10s out sk4; ffn2 sk4'."""
     f = fused_layer(kernels)
@@ -299,6 +300,8 @@ def format_tiles(kernels: dict) -> str:
                      + ("/tma" if _num(c.get("tma")) == 1 else ""))
         if g == "qkv" and _num((kernels.get("attn") or {}).get("fuse")) == 1:  # (attention in FFN1's kernel too)
             parts.append("attn in ffn1 (mlp)")
+        elif g == "qkv" and _num(c.get("fuse")) == 1:  # (the attention in QKV's kernel)
+            parts.append("attn in qkv")
     return "; ".join(parts)
 
 

@@ -31,9 +31,9 @@ RATIOS = ("overlap_ratio", "prefetch_ratio")
 PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline;
 # GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels; GemmConfig.fuse: 0 is FFN2's and the
-# out-projection's own kernel, and only those two have the choice: the gemm family's fuse applies to them alone, its
-# 2 to FFN2 alone; AttnConfig.fuse: 0 is the attention kernel, 1 the attention in that block). A file that leaves one
-# out gets [0].
+# out-projection's own kernel, and QKV's kernel without the attention: only those three have the choice, the gemm
+# family's fuse applies to them alone, its 2 to FFN2 alone; AttnConfig.fuse: 0 is the attention kernel, 1 the attention
+# in that block). A file that leaves one out gets [0].
 SWITCHES = ("fuse", "tma", "cluster")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows; so has the
 # GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits; and FFN2's fuse: 2 runs the one-kernel
@@ -180,14 +180,13 @@ def parse(data, source: str = "<space>") -> SearchSpace:
             if k not in PREFETCHING and f == "prefetch_ratio":
                 raise SpaceError(f"{source}: kernels.{k}.prefetch_ratio: attention has no weights to prefetch")
             raw[f] = v
-        if fam == "gemm" and k in ("qkv", "ffn1"):  # fuse is FFN2's and the out-projection's (FFN1's kernel)
+        if fam == "gemm" and k == "ffn1":  # fuse is FFN2's, the out-projection's (FFN1's kernel) and QKV's
             if any(v != 0 for v in (ov.get("fuse") or [0])):
-                raise SpaceError(f"{source}: kernels.{k}.fuse: only ffn2 and out can be fused (into FFN1's kernel); "
-                                 "expected [0]")
+                raise SpaceError(f"{source}: kernels.ffn1.fuse: only ffn2, out and qkv can be fused; expected [0]")
             raw["fuse"] = [0]
-        if k == "out" and isinstance(raw.get("fuse"), list):  # 0 or 1: 2 is FFN2's (64 hidden columns a CTA)
+        if k in ("out", "qkv") and isinstance(raw.get("fuse"), list):  # 0 or 1: 2 is FFN2's (64 hidden columns a CTA)
             if "fuse" in ov and any(v not in (0, 1) for v in ov["fuse"]):
-                raise SpaceError(f"{source}: kernels.out.fuse: expected a list of 0 and 1, got {ov['fuse']!r}")
+                raise SpaceError(f"{source}: kernels.{k}.fuse: expected a list of 0 and 1, got {ov['fuse']!r}")
             raw["fuse"] = [v for v in raw["fuse"] if v in (0, 1)] or [0]
         # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
         dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS

@@ -180,11 +180,11 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
              (layer if pdl else layer.without_knobs(), None)]
     if pdl:
         seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
-        # The clustered seed as far as the space holds it: with all of the block's weights before the wait, without
-        # the attention in the fused feed-forward block, without the out-projection there, without the block, then
-        # without the 16-bit exchange.
-        for kw in ({}, {"block_prefetch": None}, {"attn_in": False}, {"out_proj": False}, {"mlp": False},
-                   {"mlp": False, "xchg16": False}):
+        # The clustered seed as far as the space holds it: without the attention in QKV's kernel, with all of the
+        # block's weights before the wait, without the attention in the fused feed-forward block, without the
+        # out-projection there, without the block, then without the 16-bit exchange (and the attention in QKV's).
+        for kw in ({}, {"qkv_attn": False}, {"block_prefetch": None}, {"attn_in": False}, {"out_proj": False},
+                   {"mlp": False}, {"mlp": False, "xchg16": False}, {"mlp": False, "xchg16": False, "qkv_attn": False}):
             clustered = hand_picked_cluster(shape, **kw)
             if space.contains(from_config(clustered, pdl), pdl):
                 break
