@@ -18,8 +18,9 @@
 //   shared memory.
 // * A K or V CTA of row tile t pushes its tile (8 KB, one bulk copy each) to the Q CTAs of row tiles t.. (causal:
 //   row tile t's keys are seen by queries from row tile t on), and exits.
-// * A Q CTA waits for its K and V tiles, computes the causal attention of its 64 query rows (attention_wg: both
-//   products by wgmma, the softmax in registers) and stores O.
+// * A Q CTA waits for its K and V tiles and computes the causal attention of its 64 query rows: two warpgroups, each
+//   over half of the keys (attention_part: both products by wgmma, the softmax in registers), the second's share
+//   merged by the first through shared memory; then it stores O.
 //
 // Grid: (heads, batch, 3 RT), a cluster spans z. Built at run time by kernels/qkv_attn.py (nvcc, sm_90a), one library
 // per variant.
@@ -28,8 +29,9 @@
 
 namespace {
 
-constexpr int CONSUMERS = 128;
-constexpr int THREADS = CONSUMERS + 32;  // + the producer warp
+constexpr int CONSUMERS = 128;  // the GEMM's warpgroup (warps 0-3); warps 4-7, a second warpgroup, only attend
+constexpr int ATTENDERS = 2 * CONSUMERS;
+constexpr int THREADS = ATTENDERS + 32;  // + the producer warp (warp 8)
 constexpr int MAX_STAGES = 12;
 constexpr int MAX_LN_PARTS = 32;
 constexpr int TILE = 64 * BK * 2;  // a 64-row, 64-wide 16-bit tile (8 KB)
@@ -62,14 +64,23 @@ struct Params {
   int flags;
 };
 
-// The causal attention of one head for the warpgroup's 64 query rows (positions q_pos0.. in the sequence) over NK keys
-// (64 or 128): S = Q K^T by wgmma m64nNK (Q at qt, K at kt: K-major, 128-byte swizzled), the softmax in registers (a
-// row's scores lie in the 4 lanes of a quad), O = P V by wgmma with P from registers and V (at vt) as stored, N-major.
-// On return o holds the thread's O / rowsum: o[4 j + 2 h + e] at row 16 warp + lane / 4 + 8 h, column 8 j + 2 (lane %
-// 4) + e. (mma.sync for both products, one warp a 16-row group, was 3.5 us for 128 keys: perf notes 27.)
-template <bool BF16, int NK>
-__device__ __forceinline__ void attention_wg(uint32_t qt, uint32_t kt, uint32_t vt, int q_pos0, int seq, int lane,
-                                             float* o) {
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// One warpgroup's share of a head's causal attention: its 64 query rows (the thread's rows at positions q_pos0 and
+// q_pos0 + 8 of the sequence) against the NK keys key0.. (Q at qt, those keys' K and V rows at kt and vt: 128-byte
+// swizzled tiles as loaded). S = Q K^T by wgmma m64nNK, the softmax in registers (a row's scores lie in the 4 lanes
+// of a quad), O = P V by wgmma with P from registers and V N-major. Returns the unnormalised O (o[4 j + 2 h + e]: row
+// h, column 8 j + 2 (lane % 4) + e), the rows' maxima of the scaled scores (-inf: no key of this share) and the sums
+// of their exponentials, for the merge of the two shares (flash-decoding). MASK: the share crosses the diagonal.
+// (Before: mma.sync, one warp a 16-row group over all keys, 3.5 us for 128 keys; one warpgroup over all keys by wgmma,
+// 1.5 us: perf notes 27.)
+template <bool BF16, int NK, bool MASK>
+__device__ __forceinline__ void attention_part(uint32_t qt, uint32_t kt, uint32_t vt, int key0, int q_pos0, int lane,
+                                               float* o, float* mx, float* l) {
   float sc[NK / 2];
 #pragma unroll
   for (int i = 0; i < NK / 2; ++i) sc[i] = 0.f;
@@ -82,21 +93,26 @@ __device__ __forceinline__ void attention_wg(uint32_t qt, uint32_t kt, uint32_t 
   fence_acc<NK / 2>(sc);
   constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
   const int q2 = (lane % 4) * 2;
-  float mx[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  mx[0] = mx[1] = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const int key = 8 * j + q2 + e, i = 4 * j + 2 * h + e;
-        sc[i] = key <= q_pos0 + 8 * h && key < seq ? sc[i] * scale : -INFINITY;
+        const int i = 4 * j + 2 * h + e;
+        // (a valid row's causal keys lie inside the sequence; rows past it are computed on zeros, never stored)
+        if (MASK && key0 + 8 * j + q2 + e > q_pos0 + 8 * h) sc[i] = -INFINITY;
         mx[h] = fmaxf(mx[h], sc[i]);
       }
+  float ms[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {  // (key 0 is valid for every row: the maxima are finite)
+  for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    mx[h] *= scale;
+    ms[h] = mx[h] == -INFINITY ? 0.f : mx[h];  // (no key here: every exponential is 0)
+    l[h] = 0.f;
   }
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j)
@@ -105,7 +121,7 @@ __device__ __forceinline__ void attention_wg(uint32_t qt, uint32_t kt, uint32_t 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int i = 4 * j + 2 * h + e;
-        sc[i] = exp2f(sc[i] - mx[h]);
+        sc[i] = ex2(fmaf(sc[i], scale, -ms[h]));
         l[h] += sc[i];
       }
 #pragma unroll
@@ -130,9 +146,21 @@ __device__ __forceinline__ void attention_wg(uint32_t qt, uint32_t kt, uint32_t 
   wgmma_commit();
   wgmma_wait<0>();
   fence_acc<32>(o);
-  const float inv[2] = {1.f / l[0], 1.f / l[1]};
-#pragma unroll
-  for (int i = 0; i < 32; ++i) o[i] *= inv[(i / 2) % 2];
+}
+
+// The share of warpgroup wg (0: the first half of the keys 0..NK-1, 1: the second half) for a Q CTA of row tile t.
+template <bool BF16, int RT>
+__device__ __forceinline__ void attention_share(int t, int wg, uint32_t qt, uint32_t kt, uint32_t vt, int q_pos0,
+                                                int lane, float* o, float* mx, float* l) {
+  if (RT == 2 && t == 1) {  // keys 0..63 (none masked), 64..127 (the diagonal)
+    if (wg == 0) {
+      attention_part<BF16, 64, false>(qt, kt, vt, 0, q_pos0, lane, o, mx, l);
+    } else {
+      attention_part<BF16, 64, true>(qt, kt + 64 * 128, vt + 64 * 128, 64, q_pos0, lane, o, mx, l);
+    }
+  } else {  // keys 0..31, 32..63 (both cross the diagonal)
+    attention_part<BF16, 32, true>(qt, kt + wg * 32 * 128, vt + wg * 32 * 128, 32 * wg, q_pos0, lane, o, mx, l);
+  }
 }
 
 template <bool BF16, int EPI, int RT, int KC>
@@ -167,7 +195,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   const int n_iters = p.k_tiles / KC;  // chunks
   const bool pdl = (p.flags & USE_PDL) != 0;
 
-  if (tid == CONSUMERS) {
+  if (tid == ATTENDERS) {
     prefetch_tensormap(&p.a_map);
     prefetch_tensormap(&p.b_map);
     for (int s = 0; s < S; ++s) {
@@ -181,8 +209,11 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   }
   cluster_sync();  // every CTA's barriers initialised before any CTA pushes into them
 
-  if (tid >= CONSUMERS) {
-    if (tid == CONSUMERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
+  const int warp = tid / 32, lane = tid % 32;
+  const int r_lo = (warp % 4) * 16 + lane / 4, c_lo = (lane % 4) * 2;  // the thread's rows r, r + 8 and columns
+  float* const red = reinterpret_cast<float*>(smem_raw + (a_smem - raw));  // the second share, over the idle stages
+  if (tid >= ATTENDERS) {
+    if (tid == ATTENDERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
       const bool racy = (p.flags & RACY) != 0;
       const int pref = (p.n_pref + KC - 1) / KC;  // chunks of weights requested before the wait
       int early = min(S, pref);                   // of which into shared memory
@@ -211,20 +242,35 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
           if (i >= S) phase ^= 1;
         }
       }
-    } else {
-      gdc_wait();
     }
     return;
   }
+  if (tid >= CONSUMERS) {
+    // The second warpgroup of a Q CTA: the second half of the keys, once Q is written and K and V have landed; its
+    // share goes to shared memory (thread-major: conflict-free) for the first warpgroup's merge.
+    if (part != 0) return;
+    if (p.trigger_k == 0) gdc_launch();  // (reads nothing of the predecessor's: no wait)
+    asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A) Q written
+    mbar_wait(kv, 0);
+    float o[32], mx[2], l[2];
+    attention_share<BF16, RT>(t, 1, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
+    const int i0 = tid - CONSUMERS;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) red[i * CONSUMERS + i0] = o[i];
+    red[32 * CONSUMERS + i0] = mx[0];
+    red[33 * CONSUMERS + i0] = mx[1];
+    red[34 * CONSUMERS + i0] = l[0];
+    red[35 * CONSUMERS + i0] = l[1];
+    asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B) the share written
+    return;
+  }
 
-  const int warp = tid / 32, lane = tid % 32;
   gdc_wait();
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 1] = globaltimer();
   if (p.trigger_k == 0) gdc_launch();
 
   // The epilogue's inputs, in flight before the K loop. A thread holds rows r and r + 8 of the tile (r = 16 warp +
   // lane / 4) and columns c + 8 j, c + 8 j + 1 (c = 2 (lane % 4), j < 8): wgmma's accumulator layout.
-  const int r_lo = warp * 16 + lane / 4, c_lo = (lane % 4) * 2;
   BT bias_raw[16];
   float ln_u[LN ? 16 : 1];
   float2 ln_st[LN ? 2 * QUAD_PARTS : 1];  // rows r, r + 8: this lane's share of the parts (summed in the quad)
@@ -334,20 +380,30 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     return;
   }
 
-  // Q: the warpgroup attends its 64 rows once the K and V tiles have landed (every thread's rows of Q written first:
-  // wgmma reads them through the async proxy).
+  // Q: both warpgroups attend the 64 rows once the K and V tiles have landed, each over half of the keys (every
+  // thread's rows of Q written first: wgmma reads them through the async proxy); then this one merges the shares.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-  consumer_sync<CONSUMERS>();
+  asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A)
   mbar_wait(kv, 0);
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = globaltimer();
-  float o[32];
-  const int q_pos0 = 64 * t + r_lo;  // the thread's first row in the sequence
-  if (RT == 2 && t == 1) {
-    attention_wg<BF16, 128>(own, kt, vt, q_pos0, p.seq, lane, o);
-  } else {
-    attention_wg<BF16, 64>(own, kt, vt, q_pos0, p.seq, lane, o);
+  float o[32], mx[2], l[2];
+  attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
+  asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B): the other share is in `red`, and every MMA
+                                                                 // has read Q, which O now overwrites
+  float f0[2], f1[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {  // (this share holds key 0: its maximum is finite)
+    const float m1 = red[(32 + h) * CONSUMERS + tid], m = fmaxf(mx[h], m1);
+    const float a0 = ex2(mx[h] - m), a1 = ex2(m1 - m);
+    const float inv = 1.f / (l[h] * a0 + red[(34 + h) * CONSUMERS + tid] * a1);
+    f0[h] = a0 * inv;
+    f1[h] = a1 * inv;
   }
-  consumer_sync<CONSUMERS>();  // every warp's MMAs have read Q before O overwrites it
+#pragma unroll
+  for (int i = 0; i < 32; ++i) {
+    const int h = (i / 2) % 2;
+    o[i] = o[i] * f0[h] + red[i * CONSUMERS + tid] * f1[h];
+  }
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
