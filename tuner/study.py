@@ -18,7 +18,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import optuna
@@ -190,6 +190,14 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
                 break
         if clustered != hp:
             seeds.insert(2, (clustered, None))
+        # and the hand-picked tiles with the attention in QKV's kernel, where it runs: on bert-large the clustered
+        # seed's out-projection and FFN2 are slow, and a study that meets the fusion only there may not return to it
+        # (session 16's run: 3 of 62 trials; perf notes 27)
+        from tuner.layer import qkv_attn_error
+
+        hp_qa = replace(hp, qkv=replace(hp.qkv, fuse=1))
+        if qkv_attn_error(shape, hp_qa) is None and space.contains(from_config(hp_qa, pdl), pdl):
+            seeds.insert(3, (hp_qa, None))
     study.set_user_attr("seeded", True)
     for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
         params = from_config(cfg, pdl)
