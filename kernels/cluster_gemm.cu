@@ -461,21 +461,8 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   p.flags = flags;
 
   auto kernel = cluster_gemm_kernel<CG_BF16 != 0, SC, CG_EPI, BM, BN>;
-  // One CTA to an SM where the grid could double up: a footprint under half an SM lets two CTAs of this kernel
-  // share one and halve each other's bandwidth (H200, bert-base: the out-projection's 96 CTAs at 66 KB added
-  // 3.84-3.86 us to the layer, padded 2.94-2.95; perf notes 16.7). A grid of at most half the SMs cannot double
-  // up and is left as it is, so that the neighbouring kernels' CTAs may still share its SMs.
-  static int spread = -1, sms = 0;
-  if (spread < 0) {
-    int dev = 0, per_sm = 0, reserved = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    spread = per_sm > 0 ? per_sm / 2 - reserved + 16 : 0;  // two CTAs need 2 * (smem + reserved) <= per_sm
-  }
-  const bool pad = (flags & NO_SPREAD) == 0 && 2 * n_tiles * m_tiles * SC > sms;
-  const int smem = pad ? max(cluster_gemm_smem_bytes(stages), spread) : cluster_gemm_smem_bytes(stages);
+  const int smem = (flags & NO_SPREAD) != 0 ? cluster_gemm_smem_bytes(stages)
+                                            : spread_smem(cluster_gemm_smem_bytes(stages), n_tiles * m_tiles * SC);
   static int configured = 0;
   if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
   return launch_z_clusters(kernel, p, dim3(n_tiles, m_tiles, SC), TV::THREADS, smem, stream, (flags & USE_PDL) != 0,

@@ -494,19 +494,8 @@ extern "C" int qkv_attn_launch(void* x, void* w, const void* bias, void* out, lo
   p.flags = flags;
 
   auto kernel = qkv_attn_kernel<QA_BF16 != 0, QA_EPI, RT, QA_KC>;
-  // One CTA to an SM where the grid could double up (cluster_gemm.cu's rule, perf notes 16.7).
-  static int spread = -1, sms = 0;
-  if (spread < 0) {
-    int dev = 0, per_sm = 0, reserved = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev);
-    cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    spread = per_sm > 0 ? per_sm / 2 - reserved + 16 : 0;
-  }
   const int heads = D / 64, batch = M / seq;
-  const int smem = 2 * heads * batch * 3 * RT > sms ? max(qkv_attn_smem_bytes(stages), spread)
-                                                    : qkv_attn_smem_bytes(stages);
+  const int smem = spread_smem(qkv_attn_smem_bytes(stages), heads * batch * 3 * RT);
   static int configured = 0;
   if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
   return launch_z_clusters(kernel, p, dim3(heads, batch, 3 * RT), THREADS, smem, stream, (flags & USE_PDL) != 0,

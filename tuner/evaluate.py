@@ -150,7 +150,8 @@ class GpuEvaluator:
         return [(t.median_us, t.spread_us) for t in ts]
 
     def breakdown(self, cfg: DecoderConfig) -> dict[str, float]:
-        """Each kernel timed alone (all its launches across the stack in one graph), us per layer."""
+        """Each kernel timed alone (all its launches across the stack in one graph), us per layer; without the first
+        layer where that one launches other kernels."""
         import torch
 
         from tuner.timing import capture, time_replay
@@ -158,14 +159,18 @@ class GpuEvaluator:
         st = self._stack(cfg)
         st.replay()
         torch.cuda.synchronize()
+        # Where the first layer runs other kernels (its QKV gathers the row sums no producer wrote), the layers after
+        # it are the ones the figures describe.
+        skip = st.first_layer_differs()
+        layers = self.n_layers - 1 if skip else self.n_layers
         out = {}
         for k in ("layer",) if cfg.fused else KERNELS:
-            launches = st.launches(k)
+            launches = st.launches(k, skip_first=skip)
             if not launches:  # fused away: this kernel costs nothing of its own
                 out[k] = 0.0
                 continue
             g = capture(lambda: [f() for f in launches], warmup=1)
-            out[k] = time_replay(g.replay, self.n_layers, reps=self.reps, warmup=self.warmup).median_us
+            out[k] = time_replay(g.replay, layers, reps=self.reps, warmup=self.warmup).median_us
         return out
 
     def baselines(self, default: DecoderConfig, with_compile: bool = True) -> Baselines:

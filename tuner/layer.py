@@ -445,25 +445,38 @@ class DecoderStack:
     def out(self) -> torch.Tensor:
         return self.bufs[-1].y
 
-    def _launches(self, faults: bool = True):
-        """(kernel name, launch) of every layer in order: each layer reads the previous one's output and,
-        for a norm with fuse 2, the row sums its FFN2 wrote. ``faults``: with the test-only variants set on
+    def _layer_launches(self, faults: bool = True):
+        """(layer index, kernel name, launch) of every layer in order: each layer reads the previous one's output
+        and, for a norm with fuse 2, the row sums its FFN2 wrote. ``faults``: with the test-only variants set on
         the stack (racy, oob_layer, unchecked)."""
         x, x_stats = self.x, None
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
             kw = dict(racy=self.racy[1] if self.racy and self.racy[0] == i else None, oob=self.oob_layer == i,
                       unchecked=self.unchecked) if faults else {}
-            yield from layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats, **kw)
+            for name, fn in layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats, **kw):
+                yield i, name, fn
             x, x_stats = b.y, b.y_stats
+
+    def _launches(self, faults: bool = True):
+        for _, name, fn in self._layer_launches(faults):
+            yield name, fn
 
     def run(self) -> torch.Tensor:
         for _, launch in self._launches():
             launch()
         return self.out
 
-    def launches(self, kernel: str) -> list:
-        """Every launch of one kernel across the stack (for the per-kernel breakdown)."""
-        return [fn for name, fn in self._launches(faults=False) if name == kernel]
+    def launches(self, kernel: str, skip_first: bool = False) -> list:
+        """Every launch of one kernel across the stack (for the per-kernel breakdown); ``skip_first``: not the first
+        layer's."""
+        return [fn for i, name, fn in self._layer_launches(faults=False)
+                if name == kernel and not (skip_first and i == 0)]
+
+    def first_layer_differs(self) -> bool:
+        """Whether the first layer runs other kernels than the rest: with norm1.fuse 2 no producer wrote the row sums
+        of its input, so its QKV gathers them in a Triton GEMM (and with qkv.fuse 1 the attention kernel runs after
+        it; with the clustered QKV the rest run the CUDA kernel)."""
+        return self.n_layers > 1 and not self.cfg.fused and self.cfg.norm1.fuse == 2
 
     def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
         """One CUDA graph of the whole stack (the warm-up compiles every kernel variant outside it)."""
