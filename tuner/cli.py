@@ -143,7 +143,7 @@ def cmd_verify(args) -> int:
 
     from tuner import bench, manifest, verify
     from tuner.device import DeviceInfo
-    from tuner.layer import check_config, mlp_fused, mlp_out_fused
+    from tuner.layer import check_config, mlp_fused, mlp_out_fused, qkv_attn_fused
 
     shapes = _shapes(args.shape)
     dtype = _dtype(args.dtype)
@@ -174,6 +174,11 @@ def cmd_verify(args) -> int:
         if mlp_attn.attn.fuse and mlp_out_fused(shape, mlp_attn, dtype, "cuda"):
             res["mlp_attn"] = verify.run_verify(shape, mlp_attn, dtype=dtype, race_trials=args.trials,
                                                 racy_kernels=("ffn1",))
+        # And QKV with the attention in one kernel (qkv.fuse 1, kernels/qkv_attn.cu; LayerNorm 1 folded in: norms
+        # 2) where it runs, behind FFN2.
+        if mlp_attn.qkv.fuse and qkv_attn_fused(shape, mlp_attn, "cuda"):
+            res["qkv_attn"] = verify.run_verify(shape, mlp_attn, dtype=dtype, race_trials=args.trials,
+                                                racy_kernels=("qkv",))
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))
