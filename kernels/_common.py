@@ -53,6 +53,14 @@ def smem_limit(device: DeviceInfo | None) -> int:
     return device.smem_per_block_bytes if device is not None else SMEM_DEFAULT_BYTES
 
 
+def hopper_error(device: DeviceInfo | None) -> str | None:
+    """Why the package's CUDA kernels (sm_90a builds) cannot run on ``device``; None on Hopper or when no device is
+    named (the GPU is not checked)."""
+    if device is not None and device.capability != (9, 0):
+        return f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
+    return None
+
+
 def empty_split(k_tiles: int, split_k: int) -> bool:
     """Whether splitting ``k_tiles`` K tiles into ``split_k`` runs of ceil(k_tiles/split_k) leaves the
     last split without a tile."""

@@ -27,9 +27,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tuner.device import DeviceInfo
 
 from . import cluster_gemm
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, interpreting, launch_mode, pdl_trigger,
-                      pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap,
-                      trigger_index)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting, launch_mode,
+                      pdl_trigger, pdl_wait, pow2, prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp,
+                      tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -179,9 +179,8 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
         why = f"need {cluster_gemm.smem_bytes(st, bm, bn)} B of shared memory"
     if why:
         return f"{name}: {st} stages of 64-wide K tiles (num_stages*block_k/64) {why}"
-    if device is not None and device.capability != (9, 0):
-        return f"{name} needs a Hopper GPU (compute capability 9.0), not {device.capability}"
-    return None
+    why = hopper_error(device)
+    return why and f"{name} {why}"
 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvcc
+from ._common import SMEM_DEFAULT_BYTES
 
 SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
@@ -49,7 +50,7 @@ def smem_bytes(d: int, sc: int, bt: int, fs: int = 128, out_proj: bool = False, 
             + COLUMNS_PER_GROUP * xr * 2 + sc * r * xr * 2 + att_in + out_in + 48 + bt * 8)
 
 
-def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = 232448, fs: int = 128,
+def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = SMEM_DEFAULT_BYTES, fs: int = 128,
           out_proj: bool = False, attn: bool = False) -> str | None:
     """Why the kernel cannot run this feed-forward block with ``fs`` hidden columns a CTA (and with ``out_proj`` the
     out-projection in front, with ``attn`` the attention before it); None when it can."""

@@ -15,12 +15,12 @@ from pathlib import Path
 import torch
 
 from . import _nvcc
-from .cluster_gemm import MAX_STAGES, _ptr
+from ._common import SMEM_DEFAULT_BYTES
+from .cluster_gemm import MAX_LN_PARTS, MAX_STAGES, _ptr
 
 SOURCE = Path(__file__).with_name("qkv_attn.cu")
 TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
-MAX_LN_PARTS = 32
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
 USE_PDL, RACY = 64, 128  # and flags
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
@@ -51,7 +51,7 @@ def smem_bytes(stages: int, seq: int, kc: int = 1) -> int:
 
 
 def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | None = None,
-          smem_limit: int = 232448) -> str | None:
+          smem_limit: int = SMEM_DEFAULT_BYTES) -> str | None:
     """Why the kernel cannot run this shape and config; None when it can."""
     if head_dim != 64:
         return f"needs head_dim 64, not {head_dim}"

@@ -16,7 +16,8 @@ from tuner.kernels.attention import AttnConfig
 from tuner.kernels._common import REL_TOLERANCE, tile_cap
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
-from tuner.layer import DecoderStack, check_config, default_config, fit_config, random_stack_weights, stack_depth
+from tuner.layer import (DecoderStack, check_config, default_config, fit_config, qkv_attn_error, random_stack_weights,
+                         stack_depth)
 from tuner.shapes import DecoderShape
 from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
 
@@ -95,8 +96,6 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
                 if block_prefetch is not None:
                     out = replace(out, ffn1=replace(out.ffn1, prefetch_ratio=block_prefetch))
     if qkv_attn and norms == 2 and not out.attn.fuse:
-        from tuner.layer import qkv_attn_error
-
         # QKV and the attention in one kernel, a cluster a head (H200, bert-base 19.02-19.19 -> 18.69-18.81 us,
         # bert-large 25.99-26.27 -> 25.10-25.19: perf notes 27)
         fused = replace(out, qkv=replace(out.qkv, fuse=1))

@@ -21,7 +21,8 @@ from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
-from tuner.kernels._common import REL_TOLERANCE, prefetch_count, rel_error, tile_cap, trigger_index
+from tuner.kernels._common import (REL_TOLERANCE, hopper_error, prefetch_count, rel_error, smem_limit, tile_cap,
+                                   trigger_index)
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
@@ -44,12 +45,9 @@ def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
             return "with attn.fuse 1 needs out.fuse 1 (the out-projection in the block too)"
         if shape.batch != 1 or shape.head_dim != 64:
             return f"with attn.fuse 1 needs batch 1 and head_dim 64, not {shape.batch} and {shape.head_dim}"
-    why = mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, dtype_bytes,
-                            device.smem_per_block_bytes if device is not None else 232448, mlp_fs(cfg),
-                            out_proj=bool(cfg.out.fuse), attn=bool(cfg.attn.fuse))
-    if why is None and device is not None and device.capability != (9, 0):
-        why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
-    return why
+    return (mlp_cluster.error(shape.tokens, shape.d_model, shape.ffn, dtype_bytes, smem_limit(device), mlp_fs(cfg),
+                              out_proj=bool(cfg.out.fuse), attn=bool(cfg.attn.fuse))
+            or hopper_error(device))
 
 
 def mlp_fs(cfg: DecoderConfig) -> int:
@@ -80,11 +78,9 @@ def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo |
         return "needs attn.fuse 0 (with attn.fuse 1 the attention is computed by FFN1's kernel)"
     if cfg.norm1.fuse == 1:
         return "needs norm1.fuse 0 or 2 (the row sums from the previous layer), not 1"
-    why = qkv_attn.error(shape.seq, shape.head_dim, shape.d_model, gemm_k.cluster_stages(cfg.qkv),
-                         smem_limit=device.smem_per_block_bytes if device is not None else 232448)
-    if why is None and device is not None and device.capability != (9, 0):
-        why = f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
-    return why
+    return (qkv_attn.error(shape.seq, shape.head_dim, shape.d_model, gemm_k.cluster_stages(cfg.qkv),
+                           smem_limit=smem_limit(device))
+            or hopper_error(device))
 
 
 def qkv_attn_fused(shape: DecoderShape, cfg: DecoderConfig, device) -> bool:
@@ -271,7 +267,8 @@ class LayerBuffers:
         self.mlp = mlp_fused(shape, cfg, dtype, device)
         self.mlp_out = self.mlp and bool(cfg.out.fuse)
         self.mlp_attn = self.mlp_out and bool(cfg.attn.fuse)  # the attention in the block too: qkv is its input
-        self.qkv_attn = qkv_attn_fused(shape, cfg, device)  # the attention in QKV's kernel: qkv is not written
+        self.qkv_attn = qkv_attn_fused(shape, cfg, device)  # the attention in QKV's kernel (where the layer has its
+        # input's row sums for a norm1.fuse of 2: not the stack's first layer): qkv is not written
         if self.mlp:
             from tuner.kernels import mlp_cluster
 

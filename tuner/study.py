@@ -27,7 +27,7 @@ from optuna.trial import TrialState
 from tuner import manifest
 from tuner.config import DecoderConfig
 from tuner.evaluate import TrialResult
-from tuner.layer import default_config
+from tuner.layer import default_config, qkv_attn_error
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
 from tuner.storage import OWNER_ATTR, default_url, open_storage, recover_orphans, redact, this_owner
@@ -193,8 +193,6 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
         # and the hand-picked tiles with the attention in QKV's kernel, where it runs: on bert-large the clustered
         # seed's out-projection and FFN2 are slow, and a study that meets the fusion only there may not return to it
         # (session 16's run: 3 of 62 trials; perf notes 27)
-        from tuner.layer import qkv_attn_error
-
         hp_qa = replace(hp, qkv=replace(hp.qkv, fuse=1))
         if qkv_attn_error(shape, hp_qa) is None and space.contains(from_config(hp_qa, pdl), pdl):
             seeds.insert(3, (hp_qa, None))

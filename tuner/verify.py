@@ -87,7 +87,7 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
         # nor the out-projection with out.fuse 1, nor the attention with attn.fuse 1
         gone = ("ffn2",) + (("out",) if stack.bufs[0].mlp_out else ()) + (("attn",) if stack.bufs[0].mlp_attn else ())
         racy_kernels = tuple(k for k in racy_kernels if k not in gone) + (() if "ffn1" in racy_kernels else ("ffn1",))
-    if stack.bufs[1 if stack.n_layers > 1 else 0].qkv_attn:  # the attention computed by QKV's kernel (qkv.fuse 1)
+    if stack.bufs[0].qkv_attn:  # the attention computed by QKV's kernel (qkv.fuse 1; from layer 1 on with norm1.fuse 2)
         racy_kernels = tuple(k for k in racy_kernels if k != "attn")
     out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
     out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
