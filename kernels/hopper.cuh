@@ -243,6 +243,18 @@ __device__ __forceinline__ void wgmma_64x64x16_rs_tb(float* d, const uint32_t* a
   }
 }
 
+// Calls f(i, h, col) for each of a thread's 4 NJ values of a wgmma m64n(8 NJ) fp32 accumulator: d[i] lies in the
+// thread's row h (0: 16 (warp % 4) + lane / 4, 1: that + 8) at column `col` (attention: the scores, a key each).
+template <int NJ, typename F>
+__device__ __forceinline__ void each_acc(int lane, F&& f) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) f(4 * j + 2 * h + e, h, 8 * j + (lane % 4) * 2 + e);
+}
+
 // mma.sync m16n8k16 (A from registers, B fragments through ldmatrix.trans): attention's P @ V.
 template <bool BF16>
 __device__ __forceinline__ void mma_16x8x16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {

@@ -338,18 +338,6 @@ __device__ void producer(const Params& p, const Smem& sm, int lane) {
   }
 }
 
-// Calls f(i, h, key) for each of a thread's 64 scores of the m64n128 accumulator: sc[i] lies in the thread's row h
-// (0: lane / 4, 1: that + 8) at key column `key`.
-template <typename F>
-__device__ __forceinline__ void each_score(int lane, F&& f) {
-#pragma unroll
-  for (int j = 0; j < 16; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) f(4 * j + 2 * h + e, h, 8 * j + (lane % 4) * 2 + e);
-}
-
 // One head's causal attention for 64 query rows (the 128-byte swizzled tiles at `att`: Q, then up to two 64-row K
 // tiles, then the V tiles): S = Q K^T by wgmma m64n128 into registers, the softmax per row (a row's scores lie in
 // the 4 lanes of a quad), O = P V by mma.sync over the loaded key tiles, O / rowsum stored to `out` (row stride D).
@@ -372,7 +360,7 @@ __device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq
   const int g = lane / 4, q2 = (lane % 4) * 2;
   const int n_keys = min(seq, 64 * nkt);
   float mx[2] = {-1e30f, -1e30f}, l[2] = {0.f, 0.f};
-  each_score(lane, [&](int i, int h, int key) {
+  each_acc<16>(lane, [&](int i, int h, int key) {
     const bool ok = key <= q_pos0 + 8 * h && key < n_keys;
     sc[i] = ok ? sc[i] * scale : -INFINITY;
     mx[h] = fmaxf(mx[h], sc[i]);
@@ -382,7 +370,7 @@ __device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
   }
-  each_score(lane, [&](int i, int h, int) {
+  each_acc<16>(lane, [&](int i, int h, int) {
     sc[i] = exp2f(sc[i] - mx[h]);
     l[h] += sc[i];
   });

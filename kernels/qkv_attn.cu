@@ -92,19 +92,12 @@ __device__ __forceinline__ void attention_part(uint32_t qt, uint32_t kt, uint32_
   wgmma_wait<0>();
   fence_acc<NK / 2>(sc);
   constexpr float scale = 1.4426950408889634f * 0.125f;  // log2(e) / sqrt(64)
-  const int q2 = (lane % 4) * 2;
   mx[0] = mx[1] = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = 4 * j + 2 * h + e;
-        // (a valid row's causal keys lie inside the sequence; rows past it are computed on zeros, never stored)
-        if (MASK && key0 + 8 * j + q2 + e > q_pos0 + 8 * h) sc[i] = -INFINITY;
-        mx[h] = fmaxf(mx[h], sc[i]);
-      }
+  each_acc<NK / 8>(lane, [&](int i, int h, int key) {
+    // (a valid row's causal keys lie inside the sequence; rows past it are computed on zeros, never stored)
+    if (MASK && key0 + key > q_pos0 + 8 * h) sc[i] = -INFINITY;
+    mx[h] = fmaxf(mx[h], sc[i]);
+  });
   float ms[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -114,16 +107,10 @@ __device__ __forceinline__ void attention_part(uint32_t qt, uint32_t kt, uint32_
     ms[h] = mx[h] == -INFINITY ? 0.f : mx[h];  // (no key here: every exponential is 0)
     l[h] = 0.f;
   }
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int i = 4 * j + 2 * h + e;
-        sc[i] = ex2(fmaf(sc[i], scale, -ms[h]));
-        l[h] += sc[i];
-      }
+  each_acc<NK / 8>(lane, [&](int i, int h, int) {
+    sc[i] = ex2(fmaf(sc[i], scale, -ms[h]));
+    l[h] += sc[i];
+  });
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
