@@ -45,9 +45,10 @@ def variant(shape, name):
 def _switches():
     from tuner.kernels import cluster_gemm, qkv_attn
 
-    return {"qa_chunk": (qkv_attn, "CHUNK"), "fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
+    return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
-            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED")}
+            "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
+            "qa_chunk": (qkv_attn, "CHUNK")}
 
 
 _DEFAULTS = {}

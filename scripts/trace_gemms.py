@@ -94,15 +94,16 @@ def trace(shape, name, hot=False):
         return real_mlp(x, w1, b1, w2, b2, residual, out, trace=traces[key], **kw)
 
     real_qa = qkv_attn.launch
-    qa_keys = {}  # key -> (heads, batch, cluster size) of a QKV-and-attention launch (qkv.fuse 1)
+    qa_keys = {}  # key -> heads x batch (CTAs a cluster rank) of a QKV-and-attention launch (qkv.fuse 1)
 
     def traced_qa(x, weight, bias, out, **kw):
         key = (out.data_ptr(), weight.data_ptr())
         if key not in traces:
-            heads, batch, c = x.shape[1] // 64, x.shape[0] // kw["seq"], 3 * qkv_attn.row_tiles(kw["seq"])
-            traces[key] = torch.zeros(heads * batch * c, 6, dtype=torch.int64, device=x.device)
+            per_rank = (x.shape[1] // 64) * (x.shape[0] // kw["seq"])  # heads x sequences
+            traces[key] = torch.zeros(per_rank * 3 * qkv_attn.row_tiles(kw["seq"]), 6, dtype=torch.int64,
+                                      device=x.device)
             order.append(key)
-            qa_keys[key] = (heads, batch, c)
+            qa_keys[key] = per_rank
         return real_qa(x, weight, bias, out, trace=traces[key], **kw)
 
     gemm_k.linear, mlp_cluster.launch, qkv_attn.launch = traced, traced_mlp, traced_qa
@@ -141,8 +142,7 @@ def trace(shape, name, hot=False):
                              skew))
             prev_end = float(end.max())
             if key in qa_keys:
-                heads, batch, c = qa_keys[key]
-                q = (torch.arange(t.shape[0], device=t.device) // (heads * batch)) % 3 == 0
+                q = (torch.arange(t.shape[0], device=t.device) // qa_keys[key]) % 3 == 0  # the Q CTAs
                 qa_steps.append([float(v.median()) for v in (
                     t[q, 3] - loop[q], t[~q, 3] - loop[~q], t[~q, 4] - t[~q, 3], t[q, 4] - t[q, 3],
                     t[q, 5] - t[q, 4], t[q, 5] - wait[q])] + [float(t[q, 5].max() - wait.min())])
