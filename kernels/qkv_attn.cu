@@ -42,7 +42,21 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
+  // How a K or V CTA hands its tile to the Q CTAs (none: one bulk copy a Q CTA from its shared-memory tile):
+  PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
+  PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
 };
+
+// A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
+// the async proxy.
+__device__ __forceinline__ void kv_wait(uint32_t kv, int flags) {
+  if ((flags & (PUSH_ST | PUSH_REG)) != 0) {
+    mbar_wait_cluster(kv, 0);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  } else {
+    mbar_wait(kv, 0);
+  }
+}
 
 struct Params {
   CUtensorMap a_map;  // x [M, D]: box {64, 64}
@@ -238,7 +252,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     if (part != 0) return;
     if (p.trigger_k == 0) gdc_launch();  // (reads nothing of the predecessor's: no wait)
     asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A) Q written
-    mbar_wait(kv, 0);
+    kv_wait(kv, p.flags);
     float o[32], mx[2], l[2];
     attention_share<BF16, RT>(t, 1, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
     const int i0 = tid - CONSUMERS;
@@ -331,6 +345,13 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       ln_mr[h] = f.y;
     }
   }
+  // K or V: the tile's place in the Q CTAs of row tiles t.. (causal: row tile t's keys are seen by queries from row
+  // tile t on), and their mbarriers.
+  const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
+  const bool from_regs = part != 0 && (p.flags & PUSH_REG) != 0;
+  uint32_t rbar[RT];
+#pragma unroll
+  for (int q = 0; q < RT; ++q) rbar[q] = map_to_cta(kv, 3 * q);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -347,18 +368,47 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
         }
         v[e] = r_lo + 8 * h < valid ? a : 0.f;
       }
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)),
-                   "r"(pack2<BF16>(v[0], v[1])) : "memory");
+      const uint32_t w = pack2<BF16>(v[0], v[1]);
+      if (from_regs) {
+        const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j + c_lo);
+#pragma unroll
+        for (int q = 0; q < RT; ++q)
+          if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
+      } else {
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
+      }
     }
 
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 3] = globaltimer();
   if (part != 0) {
-    // K or V: push the tile to the Q CTAs of row tiles t.. (the bulk copies read it through the async proxy).
+    // K or V: the tile to the Q CTAs of row tiles t.. (A/B: perf notes 28).
+    if ((p.flags & PUSH_REG) != 0) {  // stored already
+      if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = p.trace[prog * 6 + 5] = globaltimer();
+      return;
+    }
+    if ((p.flags & PUSH_ST) != 0) {  // 16 bytes a thread a step, the same byte offsets (the same swizzle) there
+      consumer_sync<CONSUMERS>();
+#pragma unroll
+      for (int i = 0; i < TILE / 16 / CONSUMERS; ++i) {
+        const uint32_t off = 16 * (tid + CONSUMERS * i);
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(own + off));
+#pragma unroll
+        for (int q = 0; q < RT; ++q)
+          if (q >= t) st_async_v4(map_to_cta(dst + off, 3 * q), v, rbar[q]);
+      }
+      if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = p.trace[prog * 6 + 5] = globaltimer();
+      return;
+    }
+    // one bulk copy a Q CTA (the bulk copies read the tile through the async proxy).
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     consumer_sync<CONSUMERS>();
     if (tid == 0) {
-      const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
-      for (int q = t; q < RT; ++q) bulk_push(map_to_cta(dst, 3 * q), own, TILE, map_to_cta(kv, 3 * q));
+#pragma unroll
+      for (int q = 0; q < RT; ++q)
+        if (q >= t) bulk_push(map_to_cta(dst, 3 * q), own, TILE, rbar[q]);
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       // The tile must stay, and this CTA must not exit, until the pushes have read it.
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
@@ -371,7 +421,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   // thread's rows of Q written first: wgmma reads them through the async proxy); then this one merges the shares.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A)
-  mbar_wait(kv, 0);
+  kv_wait(kv, p.flags);
   if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = globaltimer();
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);

@@ -83,7 +83,7 @@ def _reference(x, w, b, seq, ln=None):
                                            (1, 65, 320), (2, 128, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ln", [False, True], ids=["plain", "layernorm-folded"])
-def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln):
+def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None):
     _hopper()
     m = batch * seq
     g = torch.Generator().manual_seed(seq + d)
@@ -96,13 +96,24 @@ def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln):
         xf = x.float()
         # the producer's row sums in parts of 64 columns, as FFN2's epilogue writes them
         parts = torch.stack([xf.view(m, -1, 64).sum(2).T, (xf * xf).view(m, -1, 64).sum(2).T], dim=2).contiguous()
-        qkv_attn.launch(x, wf, bf, out, seq=seq, stages=4, trigger_k=0, n_pref=4, ln_stats=parts, ln_colsum=u)
+        qkv_attn.launch(x, wf, bf, out, seq=seq, stages=4, trigger_k=0, n_pref=4, ln_stats=parts, ln_colsum=u,
+                        push=push)
         ref = _reference(x, w, b, seq, ln=(gamma, beta))
     else:
-        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0)
+        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0, push=push)
         ref = _reference(x, w, b, seq)
     torch.cuda.synchronize()
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+
+
+@gpu
+@pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (2, 100, 256), (1, 65, 320), (3, 33, 192)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("push", [1, 2], ids=["st-async-16B", "st-async-regs"])
+def test_qkv_attn_push_by_st_async(batch, seq, d, dtype, push):
+    # K and V handed to the Q CTAs by st.async instead of bulk copies (qkv_attn.PUSH; row tile 0's K and V go to two
+    # Q CTAs where seq > 64)
+    test_qkv_attn_matches_reference(batch, seq, d, dtype, ln=seq % 2 == 0, push=push)
 
 
 def _stack_cfg(shape):
@@ -132,8 +143,10 @@ def test_stack_with_the_attention_in_qkv(pdl, device):
 
 
 @gpu
-def test_stack_with_the_attention_in_qkv_graphed():
+@pytest.mark.parametrize("push", [0, 1, 2], ids=["bulk", "st-async-16B", "st-async-regs"])
+def test_stack_with_the_attention_in_qkv_graphed(push, monkeypatch):
     _hopper()
+    monkeypatch.setattr(qkv_attn, "PUSH", push)
     from tuner.layer import DecoderStack
     from tuner.shapes import resolve
 
