@@ -14,10 +14,11 @@
 // * CTA rank = 3 t + part computes rows 64 t.. of the sequence, columns part * D + 64 h.. (part 0 Q, 1 K, 2 V), as
 //   cluster_gemm.cu computes one split: one consumer warpgroup (wgmma m64n64k16) and one producer warp (TMA, the
 //   weight tiles of the first stages before griddepcontrol.wait). The epilogue applies the folded LayerNorm (its row
-//   sums from x's producer, norm1.fuse 2) and the bias, and writes the tile in 16 bits, 128-byte swizzled, into
-//   shared memory.
-// * A K or V CTA of row tile t pushes its tile (8 KB, one bulk copy each) to the Q CTAs of row tiles t.. (causal:
-//   row tile t's keys are seen by queries from row tile t on), and exits.
+//   sums from x's producer, norm1.fuse 2) and the bias, and writes the tile in 16 bits, 128-byte swizzled: a Q CTA
+//   into its own shared memory, a K or V CTA of row tile t straight into the Q CTAs of row tiles t.. (causal: row
+//   tile t's keys are seen by queries from row tile t on) by st.async from the epilogue's registers, counted on their
+//   mbarrier, and exits. (Before: the tile into its own shared memory, then one bulk copy a Q CTA: 0.1-0.25 us a
+//   layer slower, perf notes 28; the flags PUSH_ST and none keep both older paths for A/B.)
 // * A Q CTA waits for its K and V tiles and computes the causal attention of its 64 query rows: two warpgroups, each
 //   over half of the keys (attention_part: both products by wgmma, the softmax in registers), the second's share
 //   merged by the first through shared memory; then it stores O.

@@ -33,8 +33,9 @@ launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's lau
 # (A/B switch qa_chunk=1 of scripts/timeline.py.)
 CHUNK = 2
 # How a K or V CTA hands its tile to the Q CTAs: 0 one bulk copy a Q CTA, 1 st.async of 16 bytes a thread from its
-# shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28).
-PUSH = 0
+# shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
+# 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
+PUSH = 2
 PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
 
 
