@@ -46,6 +46,7 @@ enum Flags {
   // How a K or V CTA hands its tile to the Q CTAs (none: one bulk copy a Q CTA from its shared-memory tile):
   PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
   PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
+  CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 8 a program, two more in the epilogue
 };
 
 // A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
@@ -69,7 +70,8 @@ struct Params {
   float ln_eps;
   int ln_parts;
   long long* trace;   // diagnostics: %globaltimer [programs, 6]: entry, wait returned, K loop done, tile written to
-                      // shared memory, K and V landed (Q) or pushed (K, V), end
+                      // shared memory, K and V landed (Q) or pushed (K, V), end; with CYCLES, clock64 [programs, 8]:
+                      // the same, then the LayerNorm's factors done and the first 8-column group stored
   int M, D, seq;
   int out_stride;
   int k_tiles;        // 64-wide K tiles of D
@@ -190,7 +192,16 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 6 + 0] = globaltimer();
+  const bool cycles = (p.flags & CYCLES) != 0;
+  // thread 0's trace stamp(s) (diagnostics only: nothing when p.trace is null)
+  auto stamp = [&](int slot, int also = -1) {
+    if (tid != 0 || p.trace == nullptr) return;
+    long long* const row = p.trace + prog * (cycles ? 8 : 6);
+    const long long now = cycles ? static_cast<long long>(clock64()) : globaltimer();
+    row[slot] = now;
+    if (also >= 0) row[also] = now;
+  };
+  stamp(0);
   const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
   const int valid = min(64, p.seq - 64 * t);  // rows of this tile inside the sequence
   const int m0 = blockIdx.y * p.seq + 64 * t, n0 = part * p.D + 64 * head;
@@ -268,7 +279,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   }
 
   gdc_wait();
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 1] = globaltimer();
+  stamp(1);
   if (p.trigger_k == 0) gdc_launch();
 
   // The epilogue's inputs, in flight before the K loop. A thread holds rows r and r + 8 of the tile (r = 16 warp +
@@ -328,7 +339,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     }
   }
   wgmma_wait<0>();
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 2] = globaltimer();
+  stamp(2);
 
   // The epilogue: the folded LayerNorm, the bias, 16 bits into this CTA's tile (rows past the sequence zero: they are
   // masked keys, which must be finite).
@@ -346,6 +357,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       ln_mr[h] = f.y;
     }
   }
+  if (cycles) stamp(6);
   // K or V: the tile's place in the Q CTAs of row tiles t.. (causal: row tile t's keys are seen by queries from row
   // tile t on), and their mbarriers.
   const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
@@ -354,7 +366,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 #pragma unroll
   for (int q = 0; q < RT; ++q) rbar[q] = map_to_cta(kv, 3 * q);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float v[2];
@@ -379,12 +391,14 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
       }
     }
+    if (cycles && j == 0) stamp(7);
+  }
 
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 3] = globaltimer();
+  stamp(3);
   if (part != 0) {
     // K or V: the tile to the Q CTAs of row tiles t.. (A/B: perf notes 28).
     if ((p.flags & PUSH_REG) != 0) {  // stored already
-      if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = p.trace[prog * 6 + 5] = globaltimer();
+      stamp(4, 5);
       return;
     }
     if ((p.flags & PUSH_ST) != 0) {  // 16 bytes a thread a step, the same byte offsets (the same swizzle) there
@@ -400,7 +414,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
         for (int q = 0; q < RT; ++q)
           if (q >= t) st_async_v4(map_to_cta(dst + off, 3 * q), v, rbar[q]);
       }
-      if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = p.trace[prog * 6 + 5] = globaltimer();
+      stamp(4, 5);
       return;
     }
     // one bulk copy a Q CTA (the bulk copies read the tile through the async proxy).
@@ -413,7 +427,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
       // The tile must stay, and this CTA must not exit, until the pushes have read it.
       asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      if (p.trace != nullptr) p.trace[prog * 6 + 4] = p.trace[prog * 6 + 5] = globaltimer();
+      stamp(4, 5);
     }
     return;
   }
@@ -423,7 +437,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A)
   kv_wait(kv, p.flags);
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 4] = globaltimer();
+  stamp(4);
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B): the other share is in `red`, and every MMA
@@ -463,7 +477,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       *reinterpret_cast<uint4*>(op) = v;
     }
   }
-  if (tid == 0 && p.trace != nullptr) p.trace[prog * 6 + 5] = globaltimer();
+  stamp(5);
 }
 
 }  // namespace
