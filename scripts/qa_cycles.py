@@ -26,7 +26,7 @@ from tuner.shapes import resolve  # noqa: E402
 from tuner.timing import time_replay  # noqa: E402
 
 STEPS = [  # (name, from slot, to slot)
-    ("loop", 1, 2), ("LN factors", 2, 6), ("group 0", 6, 7), ("groups 1-7", 7, 3), ("wait K/V | push", 3, 4),
+    ("loop", 1, 2), ("LN factors", 2, 6), ("group 0", 6, 7), ("groups 1-7", 7, 3), ("wait K/V or push", 3, 4),
     ("attention+store", 4, 5), ("wait to end", 1, 5)]
 
 
