@@ -47,7 +47,6 @@ enum Flags {
   PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
   PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
   CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 8 a program, two more in the epilogue
-  LN_LATE = 2048,  // A/B: the LayerNorm's row factors after the K loop, not in it
 };
 
 // A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
@@ -309,27 +308,6 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     }
   }
 
-  // The folded LayerNorm's row factors (rstd, mean * rstd) from the producer's row sums. They need no accumulator, so
-  // the K loop computes them while its second chunk's MMAs run: after the loop they took ~800 cycles of the
-  // epilogue's critical path (a chain of shuffles, IEEE divisions and a square root; perf notes 28).
-  float ln_rstd[2] = {1.f, 1.f}, ln_mr[2] = {0.f, 0.f};
-  auto ln_rows = [&]() {
-    if constexpr (LN) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float s1 = 0.f, s2 = 0.f;
-#pragma unroll
-        for (int i = 0; i < QUAD_PARTS; ++i)
-          if (lane % 4 + 4 * i < p.ln_parts) s1 += ln_st[h * QUAD_PARTS + i].x, s2 += ln_st[h * QUAD_PARTS + i].y;
-        lane_sum2<4>(s1, s2);
-        const float2 f = ln_factors(s1, s2, p.D, p.ln_eps);
-        ln_rstd[h] = f.x;
-        ln_mr[h] = f.y;
-      }
-    }
-  };
-  const int ln_at = (p.flags & LN_LATE) != 0 ? -1 : min(1, n_iters - 1);  // the chunk after whose MMAs' issue
-
   float acc[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) acc[i] = 0.f;
@@ -353,7 +331,6 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if (i == ln_at) ln_rows();
     if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + KC - 1) / KC) gdc_launch();
     prev = s;
     if (++s == S) {
@@ -366,7 +343,20 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   // The epilogue: the folded LayerNorm, the bias, 16 bits into this CTA's tile (rows past the sequence zero: they are
   // masked keys, which must be finite).
-  if (ln_at < 0) ln_rows();
+  float ln_rstd[2] = {1.f, 1.f}, ln_mr[2] = {0.f, 0.f};
+  if constexpr (LN) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+      for (int i = 0; i < QUAD_PARTS; ++i)
+        if (lane % 4 + 4 * i < p.ln_parts) s1 += ln_st[h * QUAD_PARTS + i].x, s2 += ln_st[h * QUAD_PARTS + i].y;
+      lane_sum2<4>(s1, s2);
+      const float2 f = ln_factors(s1, s2, p.D, p.ln_eps);
+      ln_rstd[h] = f.x;
+      ln_mr[h] = f.y;
+    }
+  }
   if (cycles) stamp(6);
   // K or V: the tile's place in the Q CTAs of row tiles t.. (causal: row tile t's keys are seen by queries from row
   // tile t on), and their mbarriers.
@@ -375,40 +365,33 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   uint32_t rbar[RT];
 #pragma unroll
   for (int q = 0; q < RT; ++q) rbar[q] = map_to_cta(kv, 3 * q);
-  // (one loop a store path: a branch between the groups would keep the scheduler from overlapping their chains)
-  auto write_tile = [&](auto store) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v[2];
+    for (int h = 0; h < 2; ++h) {
+      float v[2];
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float a = acc[4 * j + 2 * h + e];
-          if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
-          if constexpr ((EPI & BIAS_F32) != 0) {
-            a += bias_raw[2 * j + e];
-          } else {
-            a += E::f(bias_raw[2 * j + e]);
-          }
-          v[e] = r_lo + 8 * h < valid ? a : 0.f;
+      for (int e = 0; e < 2; ++e) {
+        float a = acc[4 * j + 2 * h + e];
+        if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
+        if constexpr ((EPI & BIAS_F32) != 0) {
+          a += bias_raw[2 * j + e];
+        } else {
+          a += E::f(bias_raw[2 * j + e]);
         }
-        store(r_lo + 8 * h, 8 * j + c_lo, pack2<BF16>(v[0], v[1]));
+        v[e] = r_lo + 8 * h < valid ? a : 0.f;
       }
-      if (cycles && j == 0) stamp(7);
-    }
-  };
-  if (from_regs) {
-    write_tile([&](int row, int col, uint32_t w) {
-      const uint32_t at = swz(dst, row, col);
+      const uint32_t w = pack2<BF16>(v[0], v[1]);
+      if (from_regs) {
+        const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j + c_lo);
 #pragma unroll
-      for (int q = 0; q < RT; ++q)
-        if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
-    });
-  } else {
-    write_tile([&](int row, int col, uint32_t w) {
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, row, col)), "r"(w) : "memory");
-    });
+        for (int q = 0; q < RT; ++q)
+          if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
+      } else {
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
+      }
+    }
+    if (cycles && j == 0) stamp(7);
   }
 
   stamp(3);

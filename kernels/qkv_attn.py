@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("qkv_attn.cu")
 TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
-USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES, LN_LATE = 64, 128, 256, 512, 1024, 2048  # and flags
+USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES = 64, 128, 256, 512, 1024  # and flags
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
 # ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
 # stream, the error buffer and its length.
@@ -40,8 +40,6 @@ PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, 8 a program, not 6 globaltimer
 # readings.
 TRACE_CYCLES = False
-# The folded LayerNorm's row factors after the K loop, as before session 17, not inside it (A/B switch qa_ln_late=1).
-LN_LATE_DEFAULT = False
 
 
 def row_tiles(seq: int) -> int:
@@ -100,13 +98,13 @@ def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
 
 
 def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5, racy=False, trace=None, push=None, ln_late=None) -> None:
+           ln_eps=1e-5, racy=False, trace=None, push=None) -> None:
     """``out = causal_attention(LN(x) @ weight.T + bias)`` per head of 64 and sequence of ``seq`` rows, on the current
     stream. x ``[M, D]``, weight ``[3 D, D]`` (Q, K, V rows), out ``[M, D]``. With ``ln_stats`` ([parts, M, 2] fp32,
     the row sums of x from its producer) and ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm).
     ``stages``: 64-wide K tiles of x and w in flight; ``trigger_k``: launch_dependents after that many K tiles (0: at
     the wait; -1: no PDL); ``n_pref``: weight K tiles requested before the wait; ``push``: how K and V reach the Q
-    CTAs (PUSH when None); ``ln_late``: the LayerNorm's row factors after the K loop (LN_LATE_DEFAULT when None)."""
+    CTAs (PUSH when None)."""
     M, D = x.shape
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
@@ -117,8 +115,6 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0) | PUSH_FLAGS[PUSH if push is None else push]
-    if LN_LATE_DEFAULT if ln_late is None else ln_late:
-        flags |= LN_LATE
     if trace is not None and TRACE_CYCLES:
         flags |= CYCLES
     if launch_enter_hook is not None:
