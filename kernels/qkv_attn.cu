@@ -47,15 +47,12 @@ enum Flags {
   PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
   PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
   CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 8 a program, two more in the epilogue
-  // A/B (perf notes 28), not yet kept:
-  PUSH_REG16 = 2048,  // st.async of 16 bytes from the registers, after an exchange in each row's quad of lanes
-  HOIST = 4096,       // the tile's 16 words computed first, then stored to shared memory (no branch between stores)
 };
 
 // A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
 // the async proxy.
 __device__ __forceinline__ void kv_wait(uint32_t kv, int flags) {
-  if ((flags & (PUSH_ST | PUSH_REG | PUSH_REG16)) != 0) {
+  if ((flags & (PUSH_ST | PUSH_REG)) != 0) {
     mbar_wait_cluster(kv, 0);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   } else {
@@ -368,80 +365,39 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   uint32_t rbar[RT];
 #pragma unroll
   for (int q = 0; q < RT; ++q) rbar[q] = map_to_cta(kv, 3 * q);
-  // The thread's 16-bit pair of row r_lo + 8 h, columns 8 j + c_lo, c_lo + 1.
-  auto word = [&](int j, int h) {
-    float v[2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float a = acc[4 * j + 2 * h + e];
-      if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
-      if constexpr ((EPI & BIAS_F32) != 0) {
-        a += bias_raw[2 * j + e];
-      } else {
-        a += E::f(bias_raw[2 * j + e]);
+  for (int j = 0; j < 8; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float a = acc[4 * j + 2 * h + e];
+        if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
+        if constexpr ((EPI & BIAS_F32) != 0) {
+          a += bias_raw[2 * j + e];
+        } else {
+          a += E::f(bias_raw[2 * j + e]);
+        }
+        v[e] = r_lo + 8 * h < valid ? a : 0.f;
       }
-      v[e] = r_lo + 8 * h < valid ? a : 0.f;
-    }
-    return pack2<BF16>(v[0], v[1]);
-  };
-  const bool wide = part != 0 && (p.flags & PUSH_REG16) != 0;
-  if (wide || (!from_regs && (p.flags & HOIST) != 0)) {
-    uint32_t wd[16];  // wd[2 j + h]
-#pragma unroll
-    for (int c = 0; c < 16; ++c) wd[c] = word(c / 2, c % 2);
-    if (cycles) stamp(7);
-    if (!wide) {
-#pragma unroll
-      for (int c = 0; c < 16; ++c)
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * (c % 2), 8 * (c / 2) + c_lo)), "r"(wd[c])
-                     : "memory");
-    } else {
-      // A row's 16 contiguous bytes of 8 columns lie in its quad's 4 lanes, a word each. Per group m of 4 (j, h)
-      // pairs, a 4x4 transpose in the quad (two butterfly steps) gives lane qi the whole row piece of pair 4 m + qi.
-      const int qi = lane & 3;
-      const bool b1 = (qi & 1) != 0, b2 = (qi & 2) != 0;
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const uint32_t x0 = wd[4 * m], x1 = wd[4 * m + 1], x2 = wd[4 * m + 2], x3 = wd[4 * m + 3];
-        // lanes qi, qi ^ 1: keep the pair whose bit 0 is qi's, hand over the other
-        const uint32_t r0 = __shfl_xor_sync(0xffffffffu, b1 ? x0 : x1, 1), k0 = b1 ? x1 : x0;
-        const uint32_t r1 = __shfl_xor_sync(0xffffffffu, b1 ? x2 : x3, 1), k1 = b1 ? x3 : x2;
-        const uint32_t a00 = b1 ? r0 : k0, a01 = b1 ? k0 : r0;  // the pair 2 * 0 + bit 0: the words of the lanes
-        const uint32_t a10 = b1 ? r1 : k1, a11 = b1 ? k1 : r1;  // with bit 0 clear, set; likewise for 2 * 1 + bit 0
-        // lanes qi, qi ^ 2: keep the pair whose bit 1 is qi's
-        const uint32_t q0 = __shfl_xor_sync(0xffffffffu, b2 ? a00 : a10, 2), kk0 = b2 ? a10 : a00;
-        const uint32_t q1 = __shfl_xor_sync(0xffffffffu, b2 ? a01 : a11, 2), kk1 = b2 ? a11 : a01;
-        const uint4 v = {b2 ? q0 : kk0, b2 ? q1 : kk1, b2 ? kk0 : q0, b2 ? kk1 : q1};
-        const int j = 2 * m + (qi >> 1), h = qi & 1;
-        const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j);
+      const uint32_t w = pack2<BF16>(v[0], v[1]);
+      if (from_regs) {
+        const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j + c_lo);
 #pragma unroll
         for (int q = 0; q < RT; ++q)
-          if (q >= t) st_async_v4(map_to_cta(at, 3 * q), v, rbar[q]);
+          if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
+      } else {
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
       }
     }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t w = word(j, h);
-        if (from_regs) {
-          const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j + c_lo);
-#pragma unroll
-          for (int q = 0; q < RT; ++q)
-            if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
-        } else {
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
-        }
-      }
-      if (cycles && j == 0) stamp(7);
-    }
+    if (cycles && j == 0) stamp(7);
   }
 
   stamp(3);
   if (part != 0) {
     // K or V: the tile to the Q CTAs of row tiles t.. (A/B: perf notes 28).
-    if ((p.flags & (PUSH_REG | PUSH_REG16)) != 0) {  // stored already
+    if ((p.flags & PUSH_REG) != 0) {  // stored already
       stamp(4, 5);
       return;
     }

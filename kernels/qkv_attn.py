@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("qkv_attn.cu")
 TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
-USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES, PUSH_REG16, HOIST = 64, 128, 256, 512, 1024, 2048, 4096  # and flags
+USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES = 64, 128, 256, 512, 1024  # and flags
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
 # ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
 # stream, the error buffer and its length.
@@ -33,13 +33,10 @@ launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's lau
 # (A/B switch qa_chunk=1 of scripts/timeline.py.)
 CHUNK = 2
 # How a K or V CTA hands its tile to the Q CTAs: 0 one bulk copy a Q CTA, 1 st.async of 16 bytes a thread from its
-# shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers, 3 st.async of 16 bytes from the
-# registers after an exchange in each row's quad of lanes (A/B switch qa_push=N; perf notes 28: 2 took 0.1-0.25 us a
-# layer off 0's on bert-base and bert-large, 1 about as much).
+# shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
+# 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
 PUSH = 2
-PUSH_FLAGS = (0, PUSH_ST, PUSH_REG, PUSH_REG16)
-# The epilogue's 16 words computed first, then stored to the CTA's own tile, where it writes one (A/B switch qa_hoist).
-HOIST_STORES = False
+PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, 8 a program, not 6 globaltimer
 # readings.
 TRACE_CYCLES = False
@@ -101,13 +98,13 @@ def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
 
 
 def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5, racy=False, trace=None, push=None, hoist=None) -> None:
+           ln_eps=1e-5, racy=False, trace=None, push=None) -> None:
     """``out = causal_attention(LN(x) @ weight.T + bias)`` per head of 64 and sequence of ``seq`` rows, on the current
     stream. x ``[M, D]``, weight ``[3 D, D]`` (Q, K, V rows), out ``[M, D]``. With ``ln_stats`` ([parts, M, 2] fp32,
     the row sums of x from its producer) and ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm).
     ``stages``: 64-wide K tiles of x and w in flight; ``trigger_k``: launch_dependents after that many K tiles (0: at
     the wait; -1: no PDL); ``n_pref``: weight K tiles requested before the wait; ``push``: how K and V reach the Q
-    CTAs (PUSH when None); ``hoist``: the epilogue's words computed before its stores (HOIST_STORES when None)."""
+    CTAs (PUSH when None)."""
     M, D = x.shape
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
@@ -118,8 +115,6 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0) | PUSH_FLAGS[PUSH if push is None else push]
-    if HOIST_STORES if hoist is None else hoist:
-        flags |= HOIST
     if trace is not None and TRACE_CYCLES:
         flags |= CYCLES
     if launch_enter_hook is not None:

@@ -83,7 +83,7 @@ def _reference(x, w, b, seq, ln=None):
                                            (1, 65, 320), (2, 128, 128)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ln", [False, True], ids=["plain", "layernorm-folded"])
-def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None, hoist=None):
+def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None):
     _hopper()
     m = batch * seq
     g = torch.Generator().manual_seed(seq + d)
@@ -97,10 +97,10 @@ def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None, hoist=N
         # the producer's row sums in parts of 64 columns, as FFN2's epilogue writes them
         parts = torch.stack([xf.view(m, -1, 64).sum(2).T, (xf * xf).view(m, -1, 64).sum(2).T], dim=2).contiguous()
         qkv_attn.launch(x, wf, bf, out, seq=seq, stages=4, trigger_k=0, n_pref=4, ln_stats=parts, ln_colsum=u,
-                        push=push, hoist=hoist)
+                        push=push)
         ref = _reference(x, w, b, seq, ln=(gamma, beta))
     else:
-        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0, push=push, hoist=hoist)
+        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0, push=push)
         ref = _reference(x, w, b, seq)
     torch.cuda.synchronize()
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
@@ -109,12 +109,11 @@ def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None, hoist=N
 @gpu
 @pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (2, 100, 256), (1, 65, 320), (3, 33, 192)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("push, hoist", [(0, False), (1, False), (3, False), (0, True), (3, True)],
-                         ids=["bulk", "st-async-16B", "st-async-16B-regs", "bulk-hoisted", "st-async-16B-regs-hoisted"])
-def test_qkv_attn_other_pushes(batch, seq, d, dtype, push, hoist):
+@pytest.mark.parametrize("push", [0, 1], ids=["bulk", "st-async-16B"])
+def test_qkv_attn_other_pushes(batch, seq, d, dtype, push):
     # K and V handed to the Q CTAs by the A/B paths, not the default st.async from registers (qkv_attn.PUSH; row tile
     # 0's K and V go to two Q CTAs where seq > 64)
-    test_qkv_attn_matches_reference(batch, seq, d, dtype, ln=seq % 2 == 0, push=push, hoist=hoist)
+    test_qkv_attn_matches_reference(batch, seq, d, dtype, ln=seq % 2 == 0, push=push)
 
 
 def _stack_cfg(shape):
@@ -144,7 +143,7 @@ def test_stack_with_the_attention_in_qkv(pdl, device):
 
 
 @gpu
-@pytest.mark.parametrize("push", [0, 1, 2, 3], ids=["bulk", "st-async-16B", "st-async-regs", "st-async-16B-regs"])
+@pytest.mark.parametrize("push", [0, 1, 2], ids=["bulk", "st-async-16B", "st-async-regs"])
 def test_stack_with_the_attention_in_qkv_graphed(push, monkeypatch):
     _hopper()
     monkeypatch.setattr(qkv_attn, "PUSH", push)
