@@ -47,27 +47,22 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
 
+// Spin until the mbarrier completes its phase `parity`. CLUSTER: acquire at cluster scope, for bytes that other CTAs'
+// threads stored with st.async (whose complete_tx releases at cluster scope).
+#define PDL_TUNE_MBAR_WAIT(SEM)                                        \
+  "{\n\t.reg .pred p;\n"                                               \
+  "CG_WAIT:\n\t"                                                       \
+  "mbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%0], %1;\n\t" \
+  "@!p bra CG_WAIT;\n\t}"
+template <bool CLUSTER = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "CG_WAIT:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra CG_WAIT;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+  if constexpr (CLUSTER) {
+    asm volatile(PDL_TUNE_MBAR_WAIT(".acquire.cluster")::"r"(bar), "r"(parity) : "memory");
+  } else {
+    asm volatile(PDL_TUNE_MBAR_WAIT("")::"r"(bar), "r"(parity) : "memory");
+  }
 }
-
-// mbar_wait at cluster scope: for bytes that other CTAs' threads stored with st.async (whose complete_tx releases at
-// cluster scope).
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred p;\n"
-      "CG_WAIT_CL:\n\t"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t"
-      "@!p bra CG_WAIT_CL;\n\t}" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
+#undef PDL_TUNE_MBAR_WAIT
 
 // A store into another CTA's shared memory that completes its bytes on that CTA's mbarrier (st.async: no arrival;
 // the receiver's expect_tx counts the bytes). dst and bar are shared::cluster addresses (map_to_cta).

@@ -53,7 +53,7 @@ enum Flags {
 // the async proxy.
 __device__ __forceinline__ void kv_wait(uint32_t kv, int flags) {
   if ((flags & (PUSH_ST | PUSH_REG)) != 0) {
-    mbar_wait_cluster(kv, 0);
+    mbar_wait<true>(kv, 0);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   } else {
     mbar_wait(kv, 0);
