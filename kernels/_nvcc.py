@@ -20,6 +20,11 @@ from pathlib import Path
 HERE = Path(__file__).parent
 HEADER = HERE / "hopper.cuh"
 
+# Every kernel's LayerNorm row factors and softmax normaliser (hopper.cuh's ln_factors, softmax_rcp) by the MUFU's
+# reciprocal and rsqrt; False builds the IEEE division and square root instead (an A/B switch: scripts/timeline.py's
+# mufu=0). A kernel module's library cache keys on it.
+MUFU_MATH = True
+
 
 def nvcc() -> str | None:
     for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
@@ -34,6 +39,8 @@ def cache_dir() -> Path:
 
 def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     """The shared library of ``source`` built for sm_90a with ``-Dname=value`` for each define (cached)."""
+    if not MUFU_MATH:
+        defines = {**defines, "HOPPER_IEEE_MATH": 1}
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")

@@ -140,11 +140,34 @@ __device__ __forceinline__ void lane_sum2(float& a, float& b) {
   }
 }
 
-// A LayerNorm's row factors from the row's sums of x and x^2 over n elements: (rstd, mean * rstd).
+#ifndef HOPPER_IEEE_MATH
+#define HOPPER_IEEE_MATH 0
+#endif
+
+// A LayerNorm's row factors from the row's sums of x and x^2 over n elements: (rstd, mean * rstd). By the MUFU's
+// reciprocal and reciprocal square root (a few ulp, far inside a 16-bit output's rounding): IEEE division and square
+// root each sit behind a slow-path branch, which serialises the row chains of an epilogue (~800 cycles for two rows,
+// perf notes 28.4). HOPPER_IEEE_MATH=1 builds the IEEE forms here and in softmax_rcp (an A/B switch:
+// kernels._nvcc.MUFU_MATH).
 __device__ __forceinline__ float2 ln_factors(float s1, float s2, int n, float eps) {
+#if HOPPER_IEEE_MATH
   const float mean = s1 / n;
   const float rstd = 1.0f / sqrtf(fmaxf(s2 / n - mean * mean, 0.f) + eps);
+#else
+  const float inv_n = __fdividef(1.0f, static_cast<float>(n));
+  const float mean = s1 * inv_n;
+  const float rstd = rsqrtf(fmaxf(fmaf(s2, inv_n, -mean * mean), 0.f) + eps);
+#endif
   return make_float2(rstd, mean * rstd);
+}
+
+// 1 / x for a softmax's sum of exponentials (x >= 1: the row maximum's term is 1), by the MUFU's reciprocal.
+__device__ __forceinline__ float softmax_rcp(float x) {
+#if HOPPER_IEEE_MATH
+  return 1.0f / x;
+#else
+  return __fdividef(1.0f, x);
+#endif
 }
 
 // The consumer warpgroups' own barrier (the producer warp does not take part).

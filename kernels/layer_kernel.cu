@@ -400,7 +400,7 @@ __device__ __forceinline__ void attention_tile(uint32_t att, int q_pos0, int seq
     }
   }
   const int r0 = (warp % 4) * 16 + g;
-  const float inv0 = 1.f / l[0], inv1 = 1.f / l[1];
+  const float inv0 = softmax_rcp(l[0]), inv1 = softmax_rcp(l[1]);
 #pragma unroll
   for (int v = 0; v < 8; ++v) {
     *reinterpret_cast<float2*>(stage + r0 * SROW + 8 * v + q2) = make_float2(o[v][0] * inv0, o[v][1] * inv0);

@@ -168,7 +168,7 @@ __device__ __forceinline__ void attention_keys(uint32_t qt, uint32_t kt, uint32_
       mma_16x8x16<BF16>(o[2 * u + 1], a, b[2], b[3]);
     }
   }
-  const float inv0 = 1.f / l[0], inv1 = 1.f / l[2];
+  const float inv0 = softmax_rcp(l[0]), inv1 = softmax_rcp(l[2]);
   __syncwarp();  // every lane's Q reads done before the rows are overwritten
 #pragma unroll
   for (int v = 0; v < 8; ++v) {

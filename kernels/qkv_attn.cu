@@ -46,7 +46,8 @@ enum Flags {
   // How a K or V CTA hands its tile to the Q CTAs (none: one bulk copy a Q CTA from its shared-memory tile):
   PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
   PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
-  CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 8 a program, two more in the epilogue
+  CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 10 a program: two more in the epilogue,
+                   // two in a Q CTA's attention
 };
 
 // A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
@@ -70,8 +71,9 @@ struct Params {
   float ln_eps;
   int ln_parts;
   long long* trace;   // diagnostics: %globaltimer [programs, 6]: entry, wait returned, K loop done, tile written to
-                      // shared memory, K and V landed (Q) or pushed (K, V), end; with CYCLES, clock64 [programs, 8]:
-                      // the same, then the LayerNorm's factors done and the first 8-column group stored
+                      // shared memory, K and V landed (Q) or pushed (K, V), end; with CYCLES, clock64 [programs, 10]:
+                      // the same, then the LayerNorm's factors done, the first 8-column group stored, (Q) the first
+                      // warpgroup's attention share done and the second's share in (barrier B)
   int M, D, seq;
   int out_stride;
   int k_tiles;        // 64-wide K tiles of D
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   // thread 0's trace stamp(s) (diagnostics only: nothing when p.trace is null)
   auto stamp = [&](int slot, int also = -1) {
     if (tid != 0 || p.trace == nullptr) return;
-    long long* const row = p.trace + prog * (cycles ? 8 : 6);
+    long long* const row = p.trace + prog * (cycles ? 10 : 6);
     const long long now = cycles ? static_cast<long long>(clock64()) : globaltimer();
     row[slot] = now;
     if (also >= 0) row[also] = now;
@@ -440,14 +442,16 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   stamp(4);
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
+  if (cycles) stamp(8);
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B): the other share is in `red`, and every MMA
                                                                  // has read Q, which O now overwrites
+  if (cycles) stamp(9);
   float f0[2], f1[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // (this share holds key 0: its maximum is finite)
     const float m1 = red[(32 + h) * CONSUMERS + tid], m = fmaxf(mx[h], m1);
     const float a0 = ex2(mx[h] - m), a1 = ex2(m1 - m);
-    const float inv = 1.f / (l[h] * a0 + red[(34 + h) * CONSUMERS + tid] * a1);
+    const float inv = softmax_rcp(l[h] * a0 + red[(34 + h) * CONSUMERS + tid] * a1);
     f0[h] = a0 * inv;
     f1[h] = a1 * inv;
   }

@@ -4,11 +4,13 @@ usage: python3 scripts/qa_cycles.py SHAPE VARIANT [VARIANT ...]   (variants as s
 
 trace_gemms.py stamps the kernel with %globaltimer, whose 0.25 us steps cannot split a 1 us epilogue. Here the kernel
 runs with qkv_attn.TRACE_CYCLES: thread 0 of every CTA reads clock64 (its SM's cycle counter, so only differences
-within a CTA mean anything) at the same six places and two more inside the epilogue. Per role (the Q CTAs of each row
-tile, the K and the V CTAs), medians over the CTAs of the middle layers, in cycles: the K loop from the wait; the
-epilogue's LayerNorm factors (the row sums' parts added, the quad's shuffles, mean and rstd); its first 8-column
-group (the folded LayerNorm, the bias, 2 stores); the other 7 groups; then, for a Q CTA, the wait for K and V and the
-attention with the store; for a K or V CTA, its push (the bulk copies' issue and read; nothing with st.async).
+within a CTA mean anything) at the same six places, two more inside the epilogue and two inside the attention. Per
+role (the Q CTAs of each row tile, the K and the V CTAs), medians over the CTAs of the middle layers, in cycles: the
+K loop from the wait; the epilogue's LayerNorm factors (the row sums' parts added, the quad's shuffles, mean and
+rstd); its first 8-column group (the folded LayerNorm, the bias, 2 stores); the other 7 groups; then, for a Q CTA,
+the wait for K and V and the attention with the store, split into the first warpgroup's share of the keys, its wait
+for the second's share (barrier B) and the merge with the store of O; for a K or V CTA, its push (the bulk copies'
+issue and read; nothing with st.async).
 """
 
 import statistics
@@ -27,7 +29,8 @@ from tuner.timing import time_replay  # noqa: E402
 
 STEPS = [  # (name, from slot, to slot)
     ("loop", 1, 2), ("LN factors", 2, 6), ("group 0", 6, 7), ("groups 1-7", 7, 3), ("wait K/V or push", 3, 4),
-    ("attention+store", 4, 5), ("wait to end", 1, 5)]
+    ("attention+store", 4, 5), ("share 0", 4, 8), ("wait share 1", 8, 9), ("merge+store", 9, 5), ("wait to end", 1, 5)]
+Q_ONLY = (8, 9)  # slots a K or V CTA does not stamp
 
 
 def probe(shape, name):
@@ -42,7 +45,7 @@ def probe(shape, name):
         key = (out.data_ptr(), weight.data_ptr())
         if key not in traces:
             per_rank = (x.shape[1] // 64) * (x.shape[0] // kw["seq"])  # heads x sequences: CTAs a cluster rank
-            traces[key] = torch.zeros(per_rank * 3 * qkv_attn.row_tiles(kw["seq"]), 8, dtype=torch.int64,
+            traces[key] = torch.zeros(per_rank * 3 * qkv_attn.row_tiles(kw["seq"]), 10, dtype=torch.int64,
                                       device=x.device)
             order.append(key)
             geometry[key] = per_rank
@@ -75,7 +78,8 @@ def probe(shape, name):
     print("|---|---:|" + "---:|" * len(STEPS))
     for role in sorted(roles):
         rows = roles[role]
-        cells = [str(statistics.median(r[b] - r[a] for r in rows)) for _, a, b in STEPS]
+        q_only = lambda a, b: role[0] != "Q" and (a in Q_ONLY or b in Q_ONLY)  # noqa: E731
+        cells = ["" if q_only(a, b) else str(statistics.median(r[b] - r[a] for r in rows)) for _, a, b in STEPS]
         print(f"| {role} | {len(rows)} | " + " | ".join(cells) + " |")
 
 

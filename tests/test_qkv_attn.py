@@ -84,6 +84,12 @@ def _reference(x, w, b, seq, ln=None):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("ln", [False, True], ids=["plain", "layernorm-folded"])
 def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None):
+    out, ref = _run(batch, seq, d, dtype, ln, push)
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+
+
+def _run(batch, seq, d, dtype, ln, push=None):
+    """The kernel's output and the fp32 reference for one case (seeded by the shape)."""
     _hopper()
     m = batch * seq
     g = torch.Generator().manual_seed(seq + d)
@@ -103,7 +109,21 @@ def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None):
         qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0, push=push)
         ref = _reference(x, w, b, seq)
     torch.cuda.synchronize()
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    return out, ref
+
+
+@gpu
+@pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (3, 33, 192), (1, 65, 320)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qkv_attn_mufu_math_against_ieee(batch, seq, d, dtype, monkeypatch):
+    # The LayerNorm's row factors and the softmax's 1/sum by the MUFU (the default) against the IEEE division and
+    # square root (_nvcc.MUFU_MATH False, the A/B build): both correct, and the two outputs differ by 16-bit rounding
+    # at most
+    fast, ref = _run(batch, seq, d, dtype, ln=True)
+    monkeypatch.setattr(_nvcc, "MUFU_MATH", False)
+    ieee, _ = _run(batch, seq, d, dtype, ln=True)
+    assert rel_error(fast, ref) < REL_TOLERANCE[dtype] and rel_error(ieee, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(fast, ieee.float()) < (2e-3 if dtype == torch.float16 else 1e-2)
 
 
 @gpu
