@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("qkv_attn.cu")
 TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
-USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES, SPLIT_MERGE = 64, 128, 256, 512, 1024, 2048  # and flags
+USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES = 64, 128, 256, 512, 1024  # and flags
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
 # ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
 # stream, the error buffer and its length.
@@ -40,9 +40,6 @@ PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, 10 a program, not 6
 # globaltimer readings.
 TRACE_CYCLES = False
-# A Q CTA's two attention shares merged by both warpgroups, each for half of O's columns, O stored from the registers
-# (True), or by the first warpgroup for all 64 columns through a shared-memory tile (False). A/B switch qa_split=0|1.
-SPLIT_MERGE_O = False
 
 
 def row_tiles(seq: int) -> int:
@@ -118,8 +115,6 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
     flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0) | PUSH_FLAGS[PUSH if push is None else push]
-    if SPLIT_MERGE_O:
-        flags |= SPLIT_MERGE
     if trace is not None and TRACE_CYCLES:
         flags |= CYCLES
     if launch_enter_hook is not None:

@@ -113,15 +113,6 @@ def _run(batch, seq, d, dtype, ln, push=None):
 
 
 @gpu
-@pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (1, 17, 256), (2, 100, 256), (3, 33, 192), (1, 65, 320)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_qkv_attn_split_merge(batch, seq, d, dtype, monkeypatch):
-    # the A/B path: both warpgroups merge the two attention shares, each for half of O's columns, stored from registers
-    monkeypatch.setattr(qkv_attn, "SPLIT_MERGE_O", True)
-    test_qkv_attn_matches_reference(batch, seq, d, dtype, ln=seq % 2 == 1)
-
-
-@gpu
 @pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (3, 33, 192), (1, 65, 320)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_qkv_attn_mufu_math_against_ieee(batch, seq, d, dtype, monkeypatch):
