@@ -46,7 +46,6 @@ enum Flags {
   // How a K or V CTA hands its tile to the Q CTAs (none: one bulk copy a Q CTA from its shared-memory tile):
   PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
   PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
-  KV_LOOPS = 2048,  // with PUSH_REG: the K and V CTAs' stores in a loop of their own (A/B: qa_push=3)
   CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 10 a program: two more in the epilogue,
                    // two in a Q CTA's attention
 };
@@ -368,64 +367,33 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   uint32_t rbar[RT];
 #pragma unroll
   for (int q = 0; q < RT; ++q) rbar[q] = map_to_cta(kv, 3 * q);
-  // word (j, h): the thread's two columns 8 j + c_lo.. of row r_lo + 8 h, LayerNorm and bias applied, in 16 bits
-  auto word = [&](int j, int h) -> uint32_t {
-    float v[2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float a = acc[4 * j + 2 * h + e];
-      if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
-      if constexpr ((EPI & BIAS_F32) != 0) {
-        a += bias_raw[2 * j + e];
-      } else {
-        a += E::f(bias_raw[2 * j + e]);
-      }
-      v[e] = r_lo + 8 * h < valid ? a : 0.f;
-    }
-    return pack2<BF16>(v[0], v[1]);
-  };
-  if (from_regs && (p.flags & KV_LOOPS) != 0) {
-    // K or V (A/B against the loop below, qa_push=3): one loop a number of Q CTAs, each remote address an offset
-    // from one mapped base (a CTA's shared memory is one linear window of the cluster's): no branch and no mapa
-    // between the stores
-    const uint32_t d0 = map_to_cta(dst, 3 * t), b0 = map_to_cta(kv, 3 * t);
-    if (RT == 2 && t == 0) {  // row tile 0's keys: to the Q CTAs of row tiles 0 and 1
-      const uint32_t d1 = map_to_cta(dst, 3), b1 = map_to_cta(kv, 3);
+  for (int j = 0; j < 8; ++j) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+    for (int h = 0; h < 2; ++h) {
+      float v[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t off = swz(0, r_lo + 8 * h, 8 * j + c_lo), w = word(j, h);
-          st_async_b32(d0 + off, w, b0);
-          st_async_b32(d1 + off, w, b1);
-        }
-        if (cycles && j == 0) stamp(7);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) st_async_b32(d0 + swz(0, r_lo + 8 * h, 8 * j + c_lo), word(j, h), b0);
-        if (cycles && j == 0) stamp(7);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t w = word(j, h);
-        if (from_regs) {
-          const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j + c_lo);
-#pragma unroll
-          for (int q = 0; q < RT; ++q)
-            if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
+      for (int e = 0; e < 2; ++e) {
+        float a = acc[4 * j + 2 * h + e];
+        if constexpr (LN) a = ln_rstd[h] * a - ln_mr[h] * ln_u[2 * j + e];
+        if constexpr ((EPI & BIAS_F32) != 0) {
+          a += bias_raw[2 * j + e];
         } else {
-          asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
+          a += E::f(bias_raw[2 * j + e]);
         }
+        v[e] = r_lo + 8 * h < valid ? a : 0.f;
       }
-      if (cycles && j == 0) stamp(7);
+      const uint32_t w = pack2<BF16>(v[0], v[1]);
+      if (from_regs) {
+        const uint32_t at = swz(dst, r_lo + 8 * h, 8 * j + c_lo);
+#pragma unroll
+        for (int q = 0; q < RT; ++q)
+          if (q >= t) st_async_b32(map_to_cta(at, 3 * q), w, rbar[q]);
+      } else {
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
+      }
     }
+    if (cycles && j == 0) stamp(7);
   }
 
   stamp(3);

@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("qkv_attn.cu")
 TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
-USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES, KV_LOOPS = 64, 128, 256, 512, 1024, 2048  # and flags
+USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES = 64, 128, 256, 512, 1024  # and flags
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
 # ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
 # stream, the error buffer and its length.
@@ -34,10 +34,9 @@ launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's lau
 CHUNK = 2
 # How a K or V CTA hands its tile to the Q CTAs: 0 one bulk copy a Q CTA, 1 st.async of 16 bytes a thread from its
 # shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
-# 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much); 3 as 2, the K and V CTAs' stores in
-# a loop of their own, each remote address an offset from one mapped base (no branch, no mapa between the stores).
+# 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
 PUSH = 2
-PUSH_FLAGS = (0, PUSH_ST, PUSH_REG, PUSH_REG | KV_LOOPS)
+PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, 10 a program, not 6
 # globaltimer readings.
 TRACE_CYCLES = False
