@@ -37,13 +37,27 @@ CHUNK = 2
 # 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
 PUSH = 2
 PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
-# Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, 10 a program, not 6
-# globaltimer readings.
+# Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, CYCLE_SLOTS a program, not
+# TRACE_SLOTS globaltimer readings (qkv_attn.cu's stamp).
 TRACE_CYCLES = False
+TRACE_SLOTS, CYCLE_SLOTS = 6, 10
 
 
 def row_tiles(seq: int) -> int:
     return (seq + 63) // 64
+
+
+def _trace_geometry(m: int, d: int, seq: int) -> tuple[tuple[int, int], int]:
+    """A launch's trace shape ([CTAs, slots], the slots as TRACE_CYCLES says) and the CTAs of a cluster rank (heads x
+    sequences): CTA ``prog`` has rank ``prog // that``."""
+    per_rank = (d // 64) * (m // seq)
+    return (per_rank * 3 * row_tiles(seq), CYCLE_SLOTS if TRACE_CYCLES else TRACE_SLOTS), per_rank
+
+
+def trace_buffer(x: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
+    """A zeroed int64 trace for a launch on ``x`` and the CTAs of a cluster rank (the diagnostics scripts')."""
+    shape, per_rank = _trace_geometry(*x.shape, seq)
+    return torch.zeros(shape, dtype=torch.int64, device=x.device), per_rank
 
 
 def chunk(d_model: int, stages: int) -> int:
@@ -111,6 +125,8 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None)
     if why is None and (M % seq or weight.shape != (3 * D, D) or out.shape != (M, D)):
         why = f"shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}, seq {seq}"
+    if why is None and trace is not None and tuple(trace.shape) != _trace_geometry(M, D, seq)[0]:
+        why = f"trace {tuple(trace.shape)}, not {_trace_geometry(M, D, seq)[0]} (the kernel writes every slot)"
     if why:
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)

@@ -44,11 +44,8 @@ def probe(shape, name):
     def traced(x, weight, bias, out, **kw):
         key = (out.data_ptr(), weight.data_ptr())
         if key not in traces:
-            per_rank = (x.shape[1] // 64) * (x.shape[0] // kw["seq"])  # heads x sequences: CTAs a cluster rank
-            traces[key] = torch.zeros(per_rank * 3 * qkv_attn.row_tiles(kw["seq"]), 10, dtype=torch.int64,
-                                      device=x.device)
+            traces[key], geometry[key] = qkv_attn.trace_buffer(x, kw["seq"])
             order.append(key)
-            geometry[key] = per_rank
         return real(x, weight, bias, out, trace=traces[key], **kw)
 
     qkv_attn.launch, qkv_attn.TRACE_CYCLES = traced, True

@@ -99,11 +99,8 @@ def trace(shape, name, hot=False):
     def traced_qa(x, weight, bias, out, **kw):
         key = (out.data_ptr(), weight.data_ptr())
         if key not in traces:
-            per_rank = (x.shape[1] // 64) * (x.shape[0] // kw["seq"])  # heads x sequences
-            traces[key] = torch.zeros(per_rank * 3 * qkv_attn.row_tiles(kw["seq"]), 6, dtype=torch.int64,
-                                      device=x.device)
+            traces[key], qa_keys[key] = qkv_attn.trace_buffer(x, kw["seq"])
             order.append(key)
-            qa_keys[key] = per_rank
         return real_qa(x, weight, bias, out, trace=traces[key], **kw)
 
     gemm_k.linear, mlp_cluster.launch, qkv_attn.launch = traced, traced_mlp, traced_qa

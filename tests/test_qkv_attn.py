@@ -34,6 +34,19 @@ def test_error_accepts_bert_shapes():
     assert qkv_attn.smem_bytes(8, 128) == 1024 + 21 * 8192 + 136 and qkv_attn.smem_bytes(4, 32) == 1024 + 11 * 8192 + 72
 
 
+@pytest.mark.parametrize("cycles", [False, True], ids=["globaltimer", "clock64"])
+def test_trace_buffer_fits_the_launch(cycles, monkeypatch):
+    # a trace of 3 x row tiles x heads x sequences CTAs, 6 or 10 stamps each (qkv_attn.cu's stamp writes every slot of
+    # its row: a narrower buffer is refused before the launch)
+    monkeypatch.setattr(qkv_attn, "TRACE_CYCLES", cycles)
+    x = torch.zeros(2 * 100, 256, dtype=torch.float16)
+    trace, per_rank = qkv_attn.trace_buffer(x, 100)
+    assert per_rank == 4 * 2 and tuple(trace.shape) == (3 * 2 * 8, 10 if cycles else 6)
+    w, b, out = torch.zeros(768, 256, dtype=x.dtype), torch.zeros(768, dtype=x.dtype), torch.zeros_like(x)
+    with pytest.raises(ValueError, match="trace"):
+        qkv_attn.launch(x, w, b, out, seq=100, trace=trace[:, :-1])
+
+
 def test_layer_rules():
     """qkv.fuse 1 needs attn.fuse 0, norm1.fuse 0 or 2, head_dim 64, seq <= 128; repair_config unfuses it elsewhere."""
     from tuner.bench import hand_picked, hand_picked_cluster
