@@ -48,21 +48,6 @@ _DESC_PREFETCH = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
-# A/B switch (scripts/timeline.py's w_kn): the Triton TMA path reads every [N, K] weight from a K x N copy made
-# at its first eager call (outside any graph capture), as if the layer stored it so.
-_W_KN = False
-_kn_copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _kn_view(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ([N, K], rows contiguous) as a view of a K x N copy, made once (the cache holds ``weight``, so
-    that its storage is not reused under the same key)."""
-    hit = _kn_copies.get(id(weight))
-    if hit is None or hit[0] is not weight:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("linear: _W_KN needs an eager call before the graph capture")
-        hit = _kn_copies[id(weight)] = (weight, weight.t().contiguous())
-    return hit[1].t()
 
 
 @dataclass(frozen=True)
@@ -383,7 +368,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, W_KN: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -411,17 +396,11 @@ def _gemm_kernel(
     if PREFETCH:
         # Weights do not depend on the predecessor: pull this program's first K tiles into L2 while it
         # is still running. One pointer per 128-byte line, clamped inside the weight.
-        if W_KN:  # (the weight's rows run along N: a line per K row and LINES along the tile's columns)
-            n_idx = tl.minimum(pid_n * BLOCK_N + tl.arange(0, LINES) * LINE_ELEMS, N - 1)
-            for i in range(0, tl.minimum(n_prefetch, n_iters)):
-                k_idx = tl.minimum((k_first + i) * BLOCK_K + offs_k, K - 1)
-                prefetch_l2(w_ptr + k_idx[:, None] * stride_wk + n_idx[None, :] * stride_wn)
-        else:
-            n_idx = tl.minimum(offs_n, N - 1)
-            lines = tl.arange(0, LINES) * LINE_ELEMS
-            for i in range(0, tl.minimum(n_prefetch, n_iters)):
-                k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
-                prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
+        n_idx = tl.minimum(offs_n, N - 1)
+        lines = tl.arange(0, LINES) * LINE_ELEMS
+        for i in range(0, tl.minimum(n_prefetch, n_iters)):
+            k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
+            prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RACY_READ_BEFORE_WAIT:
@@ -462,10 +441,7 @@ def _gemm_kernel(
             if i == 0:
                 a = a0
         if USE_TMA:
-            if W_KN:  # (one box of BLOCK_N columns a K row: 16 KB at 128x64, where [N, K] rows take two 8 KB)
-                b = w_desc.load([(k_first + i) * BLOCK_K, pid_n * BLOCK_N])
-            else:
-                b = w_desc.load([pid_n * BLOCK_N, (k_first + i) * BLOCK_K]).T
+            b = w_desc.load([pid_n * BLOCK_N, (k_first + i) * BLOCK_K]).T
         else:
             b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
                         mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
@@ -651,7 +627,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, with no workspace and
     # no reduction kernel. A fused LayerNorm that gathers its row sums in the K loop (no ln_stats), or rows that
     # are not contiguous, run on the Triton kernels.
-    on_cluster = bool(c.cluster and cluster_gemm.usable(x.device) and out.stride(1) == 1 and weight.stride(1) == 1
+    on_cluster = bool(c.cluster and cluster_gemm.usable(x.device) and out.stride(1) == 1
                       and (ln_colsum is None or (ln_stats is not None
                                                  and ln_stats.shape[0] <= cluster_gemm.MAX_LN_PARTS))
                       and (residual is None or residual.stride(1) == 1))
@@ -675,18 +651,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                or _trace.device != x.device):
         raise ValueError(f"linear: _trace must be int64 [{tiles * splits}, 4] on {x.device}")
     if c.tma:
-        if _W_KN and not on_cluster and weight.stride(1) == 1 and x.is_cuda:
-            weight = _kn_view(weight)
-        # A weight with contiguous columns (a K x N tensor's transpose, strides (1, N)) is read by rows of N.
-        w_kn = weight.stride(0) == 1 and weight.stride(1) != 1 and N > 1
-        for name, t in (("x", x), ("weight", weight.t() if w_kn else weight)):
+        for name, t in (("x", x), ("weight", weight)):
             if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
                 raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
                                  f"(strides {tuple(t.stride())})")
-    else:
-        w_kn = False
-    if w_kn:  # the prefetch's 128-byte lines run along N
-        lines = max(1, c.block_n * x.element_size() // 128)
     if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
@@ -701,8 +669,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])
-        w_desc = (TensorDescriptor(weight.t(), [K, N], [weight.stride(1), 1], [c.block_k, c.block_n]) if w_kn
-                  else TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k]))
+        w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
     _gemm_kernel[(tiles, splits)](
@@ -723,7 +690,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, W_KN=w_kn, num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

@@ -215,44 +215,6 @@ def test_linear_tma_loads(dtype, split_k, device):
         linear(torch.empty(k, m, dtype=dtype, device=device).T, w, b, config=cfg)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
-@pytest.mark.parametrize("tma, split_k", [(0, 1), (1, 1), (1, 3)])
-def test_linear_weight_with_contiguous_columns(dtype, tma, split_k, device):
-    # A weight stored K x N (passed as its [N, K] transpose, strides (1, N)): the TMA path reads it by rows of N,
-    # the pointer path by its strides; odd M and K, tiles past every edge, the same result as row-major.
-    m, k, n = 37, 208, 88
-    x, w, b, r = _inputs(m, n, k, dtype, device, seed=80 + split_k)
-    w_kn = w.t().contiguous().t()
-    assert w_kn.stride() == (1, n)
-    cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k, tma=tma, prefetch_ratio=1.0)
-    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
-    linear(x, w_kn, b, config=cfg, activation="gelu", residual=r, out=out)
-    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
-    if tma:
-        with pytest.raises(ValueError, match="tma=1 needs weight with contiguous"):  # rows of N not 16-byte aligned
-            linear(x[:, :k - 8], torch.empty(k - 8, n - 1, dtype=dtype, device=device).t(), b[:n - 1], config=cfg)
-
-
-@pytest.mark.gpu
-def test_linear_weight_by_rows_of_n_loads_fewer_boxes():
-    # At 64x64x128 a [N, K] weight tile is two 8 KB TMA boxes (128-byte swizzle: 64 halves a box row); from a
-    # K x N weight it is one 16 KB box. The PTX of the two builds: fewer tensor copies, and the same result.
-    import tuner.kernels.gemm as gemm_k
-
-    m, k, n = 128, 768, 3072
-    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=94)
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=5, tma=1, overlap_ratio=0.0, prefetch_ratio=1.0)
-    copies = []
-    for weight in (w, w.t().contiguous().t()):
-        gemm_k._gemm_kernel.device_caches.clear()
-        out = linear(x, weight, b, config=cfg, activation="gelu")
-        torch.cuda.synchronize()
-        assert rel_error(out, linear_ref(x, w, b, activation="gelu")) < 1e-2
-        (kern,) = [kern for cache in gemm_k._gemm_kernel.device_caches.values() for kern in cache[0].values()]
-        copies.append(kern.asm["ptx"].count("cp.async.bulk.tensor"))
-    assert copies[1] < copies[0], copies
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("split_k, overlap", [(1, 0.0), (4, 0.0), (1, -1.0)])
 def test_linear_tma_on_gpu(split_k, overlap):
