@@ -156,10 +156,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       if (racy && early == 0 && n_iters > 0) early = 1;
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
-        tma_load(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
+        tma_load<HINT_WEIGHT>(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
       for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
-      if (racy && n_iters > 0) tma_load(a_smem, &p.a_map, full, k_first * BK, m0);
+      if (racy && n_iters > 0) tma_load<HINT_ACT>(a_smem, &p.a_map, full, k_first * BK, m0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
@@ -169,9 +169,9 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
           mbar_expect_tx(bar, TL::STAGE_BYTES);
-          tma_load(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
+          tma_load<HINT_WEIGHT>(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) tma_load(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
+        if (!(racy && i == 0)) tma_load<HINT_ACT>(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;

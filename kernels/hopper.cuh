@@ -77,21 +77,60 @@ __device__ __forceinline__ void st_async_v4(uint32_t dst, uint4 v, uint32_t bar)
                : "memory");
 }
 
+// L2 eviction priority of a TMA load (CUTLASS example 63's hints): weights are read once a layer (evict first),
+// activations by every column tile of the next kernel too (evict last). Built only with -DHOPPER_CACHE_HINTS=1
+// (kernels._nvcc.CACHE_HINTS, an A/B switch); otherwise every load takes the default policy.
+enum L2Hint { HINT_NONE = 0, HINT_WEIGHT = 1, HINT_ACT = 2 };
+
+template <int H>
+__device__ __forceinline__ uint64_t l2_policy() {
+  uint64_t pol;
+  if constexpr (H == HINT_WEIGHT)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  else
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+#ifdef HOPPER_CACHE_HINTS
+constexpr bool CACHE_HINTS = true;
+#else
+constexpr bool CACHE_HINTS = false;
+#endif
+
+template <int H = HINT_NONE>
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
-      : "memory");
+  if constexpr (CACHE_HINTS && H != HINT_NONE) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "l"(l2_policy<H>())
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+        : "memory");
+  }
 }
 
 // 3-D tensor maps (encode3): coordinates {0, row, 64-wide column tile}; a box is `kt` consecutive 64 x 64 tiles.
+template <int H = HINT_NONE>
 __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row, int ctile) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::
-          "r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(0), "r"(row), "r"(ctile)
-      : "memory");
+  if constexpr (CACHE_HINTS && H != HINT_NONE) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(0), "r"(row), "r"(ctile), "l"(l2_policy<H>())
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];" ::
+            "r"(dst),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(0), "r"(row), "r"(ctile)
+        : "memory");
+  }
 }
 
 __device__ __forceinline__ void tma_prefetch_l2_3d(const CUtensorMap* map, int row, int ctile) {

@@ -297,10 +297,10 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       const bool racy = (p.flags & RACY) != 0;
       auto load_input = [&]() {  // after the wait: the token tile (ATT_IN: its Q, K and V, x_map over qkv)
         mbar_expect_tx(xbar, (ATT ? 3 : 1) * kt1 * XT);
-        tma_load3(xs, &p.x_map, xbar, t0, 0);
+        tma_load3<HINT_ACT>(xs, &p.x_map, xbar, t0, 0);
         if constexpr (ATT) {
-          tma_load3(kvs, &p.x_map, xbar, t0, kt1);
-          tma_load3(kvs + kt1 * XT, &p.x_map, xbar, t0, 2 * kt1);
+          tma_load3<HINT_ACT>(kvs, &p.x_map, xbar, t0, kt1);
+          tma_load3<HINT_ACT>(kvs + kt1 * XT, &p.x_map, xbar, t0, 2 * kt1);
         }
       };
       // Weight tile i: wo's (OUT_IN: the first thing needed after the wait), w1's, w2's; each barrier's bytes are
@@ -309,15 +309,15 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       auto load_weight = [&](int i) {
         if (i < NWO) {
           if (i == 0) mbar_expect_tx(wobar, kt1 * WOT);
-          tma_load(wos + i * WOT, &p.wo_map, wobar, i * 64, jt * 64);
+          tma_load<HINT_WEIGHT>(wos + i * WOT, &p.wo_map, wobar, i * 64, jt * 64);
         } else if (i < NWO + kt1) {
           const int k = i - NWO;
           if (k == 0) mbar_expect_tx(w1bar, kt1 * W1T);
-          tma_load(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
+          tma_load<HINT_WEIGHT>(w1s + k * W1T, &p.w1_map, w1bar, k * 64, f0);
         } else {
           const int k = i - NWO - kt1;
           if (k == 0) mbar_expect_tx(w2bar, FT * TILE_BYTES);
-          tma_load(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
+          tma_load<HINT_WEIGHT>(w2s + k * TILE_BYTES, &p.w2_map, w2bar, f0 + k * 64, n0);
         }
       };
       const int early = min(max(p.n_early, 0), NW);

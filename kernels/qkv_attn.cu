@@ -234,10 +234,10 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       int early = min(S, pref);                   // of which into shared memory
       if (racy && early == 0) early = 1;
       // (the racy x chunk first: queued behind the weight chunks it would reach memory too late, perf notes 23)
-      if (racy) tma_load3(a_smem, &p.a_map, full, m0, 0);
+      if (racy) tma_load3<HINT_ACT>(a_smem, &p.a_map, full, m0, 0);
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, 2 * CH);
-        tma_load3(b_smem + i * CH, &p.b_map, full + 8 * i, n0, i * KC);
+        tma_load3<HINT_WEIGHT>(b_smem + i * CH, &p.b_map, full + 8 * i, n0, i * KC);
       }
       for (int i = early; i < min(pref, n_iters); ++i) tma_prefetch_l2_3d(&p.b_map, n0, i * KC);
       gdc_wait();
@@ -249,9 +249,9 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
           mbar_expect_tx(bar, 2 * CH);
-          tma_load3(b_smem + s * CH, &p.b_map, bar, n0, i * KC);
+          tma_load3<HINT_WEIGHT>(b_smem + s * CH, &p.b_map, bar, n0, i * KC);
         }
-        if (!(racy && i == 0)) tma_load3(a_smem + s * CH, &p.a_map, bar, m0, i * KC);
+        if (!(racy && i == 0)) tma_load3<HINT_ACT>(a_smem + s * CH, &p.a_map, bar, m0, i * KC);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;

@@ -96,7 +96,7 @@ _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
     (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH)
+    key = (bf16, epi, rt, kc, _nvcc.flags())
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc}, "qkv_attn")

@@ -133,6 +133,17 @@ def test_cluster_linear_16_bit_exchange(dtype, tile, split, epilogue):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("epilogue", ["bias-gelu-res-stats", "layernorm"])
+def test_cluster_linear_with_cache_hints(dtype, epilogue, monkeypatch):
+    # The A/B build with the L2 eviction hints on its TMA loads (_nvcc.CACHE_HINTS): the same results on odd tiles
+    from tuner.kernels import _nvcc
+
+    monkeypatch.setattr(_nvcc, "CACHE_HINTS", True)
+    _check_odd_tile(dtype, (64, 64), 2, epilogue, 2, seed=17)
+
+
+@gpu
 @pytest.mark.parametrize("m, block_m", [(20, 32), (16, 16)])
 def test_cluster_linear_few_rows(m, block_m):
     k, n = 1024, 256

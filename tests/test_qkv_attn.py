@@ -140,6 +140,16 @@ def test_qkv_attn_mufu_math_against_ieee(batch, seq, d, dtype, monkeypatch):
 
 
 @gpu
+@pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (3, 33, 192)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_qkv_attn_with_cache_hints(batch, seq, d, dtype, monkeypatch):
+    # The A/B build with the L2 eviction hints on its TMA loads (_nvcc.CACHE_HINTS): within the reference's tolerance
+    monkeypatch.setattr(_nvcc, "CACHE_HINTS", True)
+    out, ref = _run(batch, seq, d, dtype, ln=True)
+    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+
+
+@gpu
 @pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (2, 100, 256), (1, 65, 320), (3, 33, 192)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("push", [0, 1], ids=["bulk", "st-async-16B"])
