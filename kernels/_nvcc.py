@@ -24,14 +24,6 @@ HEADER = HERE / "hopper.cuh"
 # reciprocal and rsqrt; False builds the IEEE division and square root instead (an A/B switch: scripts/timeline.py's
 # mufu=0). A kernel module's library cache keys on it.
 MUFU_MATH = True
-# The TMA loads of the weights with an L2 evict-first policy and of the activations with evict-last (hopper.cuh's
-# L2Hint, -DHOPPER_CACHE_HINTS=1); False: the default policy (an A/B switch: scripts/timeline.py's hints=1).
-CACHE_HINTS = False
-
-
-def flags() -> tuple[bool, bool]:
-    """The module-level build switches, for the kernel modules' library caches to key on."""
-    return MUFU_MATH, CACHE_HINTS
 
 
 def nvcc() -> str | None:
@@ -47,11 +39,8 @@ def cache_dir() -> Path:
 
 def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     """The shared library of ``source`` built for sm_90a with ``-Dname=value`` for each define (cached)."""
-    variant = "-".join([str(v) for v in defines.values()] + ["ieee"] * (not MUFU_MATH) + ["hints"] * CACHE_HINTS)
     if not MUFU_MATH:
         defines = {**defines, "HOPPER_IEEE_MATH": 1}
-    if CACHE_HINTS:
-        defines = {**defines, "HOPPER_CACHE_HINTS": 1}
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")
@@ -59,6 +48,7 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     extra = ["-lineinfo"] if os.environ.get("PDL_TUNE_NVCC_LINEINFO") == "1" else []
     tag = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + compiler.encode()
                          + " ".join(extra).encode()).hexdigest()[:16]
+    variant = "-".join(str(v) for v in defines.values())
     out = cache_dir() / f"{source.stem}-{tag}-{variant}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -31,6 +31,9 @@ HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
 USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 128, 8, 4096, 16384
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
+# L2 eviction hints on this kernel's TMA loads (hopper.cuh's HOPPER_CACHE_HINTS; an A/B switch, scripts/timeline.py's
+# cg_hints=N): bit 0 the weights evict-first, bit 1 the activations evict-last; 0, the default policy.
+HINTS = 0
 SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
@@ -80,10 +83,11 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctypes.CDLL:
     """The library of one variant, built now if this source version has not been built for it on this machine
     (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.flags())
+    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, HINTS)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn},
+    lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
+                                  "HOPPER_CACHE_HINTS": HINTS},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int

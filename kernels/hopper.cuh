@@ -78,8 +78,9 @@ __device__ __forceinline__ void st_async_v4(uint32_t dst, uint4 v, uint32_t bar)
 }
 
 // L2 eviction priority of a TMA load (CUTLASS example 63's hints): weights are read once a layer (evict first),
-// activations by every column tile of the next kernel too (evict last). Built only with -DHOPPER_CACHE_HINTS=1
-// (kernels._nvcc.CACHE_HINTS, an A/B switch); otherwise every load takes the default policy.
+// activations by every column tile of the next kernel too (evict last). HOPPER_CACHE_HINTS (a build define, each
+// kernel module's HINTS, an A/B switch): bit 0 the weights' hint, bit 1 the activations'; 0 (the default): every
+// load takes the default policy.
 enum L2Hint { HINT_NONE = 0, HINT_WEIGHT = 1, HINT_ACT = 2 };
 
 template <int H>
@@ -92,15 +93,14 @@ __device__ __forceinline__ uint64_t l2_policy() {
   return pol;
 }
 
-#ifdef HOPPER_CACHE_HINTS
-constexpr bool CACHE_HINTS = true;
-#else
-constexpr bool CACHE_HINTS = false;
+#ifndef HOPPER_CACHE_HINTS
+#define HOPPER_CACHE_HINTS 0
 #endif
+constexpr int CACHE_HINTS = HOPPER_CACHE_HINTS;
 
 template <int H = HINT_NONE>
 __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
-  if constexpr (CACHE_HINTS && H != HINT_NONE) {
+  if constexpr ((CACHE_HINTS & H) != 0) {
     asm volatile(
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
         " [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(dst),
@@ -118,7 +118,7 @@ __device__ __forceinline__ void tma_load(uint32_t dst, const CUtensorMap* map, u
 // 3-D tensor maps (encode3): coordinates {0, row, 64-wide column tile}; a box is `kt` consecutive 64 x 64 tiles.
 template <int H = HINT_NONE>
 __device__ __forceinline__ void tma_load3(uint32_t dst, const CUtensorMap* map, uint32_t bar, int row, int ctile) {
-  if constexpr (CACHE_HINTS && H != HINT_NONE) {
+  if constexpr ((CACHE_HINTS & H) != 0) {
     asm volatile(
         "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
         " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),

@@ -24,6 +24,9 @@ from ._common import SMEM_DEFAULT_BYTES
 SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
+# L2 eviction hints on this kernel's TMA loads (hopper.cuh's HOPPER_CACHE_HINTS; an A/B switch, scripts/timeline.py's
+# mlp_hints=N): bit 0 the weights evict-first, bit 1 the activations evict-last; 0, the default policy.
+HINTS = 0
 MAX_LN_PARTS = 32
 B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
 USE_PDL, RACY = 64, 128
@@ -83,10 +86,11 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
 
 
 def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> ctypes.CDLL:
-    key = (bf16, sc, epi, bt, d, fs, _nvcc.flags())
+    key = (bf16, sc, epi, bt, d, fs, _nvcc.MUFU_MATH, HINTS)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs},
+    lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,
+                                  "HOPPER_CACHE_HINTS": HINTS},
                       "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int

@@ -32,6 +32,9 @@ launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's lau
 # K tiles a TMA box (a ring stage's chunk of x and of w): 2 (16 KB boxes) where d_model and the stages allow, else 1.
 # (A/B switch qa_chunk=1 of scripts/timeline.py.)
 CHUNK = 2
+# L2 eviction hints on this kernel's TMA loads (hopper.cuh's HOPPER_CACHE_HINTS; an A/B switch, scripts/timeline.py's
+# qa_hints=N): bit 0 the weights evict-first, bit 1 the activations evict-last; 0, the default policy.
+HINTS = 0
 # How a K or V CTA hands its tile to the Q CTAs: 0 one bulk copy a Q CTA, 1 st.async of 16 bytes a thread from its
 # shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
 # 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
@@ -96,10 +99,11 @@ _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
     (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.flags())
+    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, HINTS)
     if key in _LIBS:
         return _LIBS[key]
-    lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc}, "qkv_attn")
+    lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc,
+                                  "HOPPER_CACHE_HINTS": HINTS}, "qkv_attn")
     lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
     lib.qkv_attn_launch.restype = ctypes.c_int
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]

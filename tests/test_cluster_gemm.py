@@ -136,10 +136,10 @@ def test_cluster_linear_16_bit_exchange(dtype, tile, split, epilogue):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("epilogue", ["bias-gelu-res-stats", "layernorm"])
 def test_cluster_linear_with_cache_hints(dtype, epilogue, monkeypatch):
-    # The A/B build with the L2 eviction hints on its TMA loads (_nvcc.CACHE_HINTS): the same results on odd tiles
-    from tuner.kernels import _nvcc
+    # The A/B build with the L2 eviction hints on its TMA loads (cluster_gemm.HINTS 3): the same results on odd tiles
+    from tuner.kernels import cluster_gemm
 
-    monkeypatch.setattr(_nvcc, "CACHE_HINTS", True)
+    monkeypatch.setattr(cluster_gemm, "HINTS", 3)
     _check_odd_tile(dtype, (64, 64), 2, epilogue, 2, seed=17)
 
 
