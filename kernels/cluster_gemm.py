@@ -31,9 +31,6 @@ HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
 USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 128, 8, 4096, 16384
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
-# L2 eviction hints on this kernel's TMA loads (hopper.cuh's HOPPER_CACHE_HINTS; an A/B switch, scripts/timeline.py's
-# cg_hints=N): bit 0 the weights evict-first, bit 1 the activations evict-last; 0, the default policy.
-HINTS = 0
 SPREAD = True
 # The most weight tiles a CTA loads into shared memory before griddepcontrol.wait (the rest of its prefetch goes to
 # L2 only); None: one per stage. (A/B switch of scripts/timeline.py: cg_early=N.)
@@ -80,14 +77,14 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 
 
-def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64) -> ctypes.CDLL:
+def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0) -> ctypes.CDLL:
     """The library of one variant, built now if this source version has not been built for it on this machine
     (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, HINTS)
+    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": HINTS},
+                                  "HOPPER_CACHE_HINTS": hints},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
@@ -115,11 +112,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
            trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5, xchg16=False) -> None:
+           ln_eps=1e-5, xchg16=False, hints=0) -> None:
     """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles; the
     output tile is ``bm`` x ``bn``. With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
     ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm.
-    ``xchg16``: the split-K partials are exchanged in x's 16-bit type, not fp32 (half the bytes)."""
+    ``xchg16``: the split-K partials are exchanged in x's 16-bit type, not fp32 (half the bytes). ``hints``: L2
+    eviction hints on the TMA loads (hopper.cuh's HOPPER_CACHE_HINTS): bit 0 the weights evict-first, bit 1 the
+    activations evict-last (GemmConfig.hints 1 is 3)."""
     M, K = x.shape
     N = weight.shape[0]
     if (ln_stats is None) != (ln_colsum is None):
@@ -139,7 +138,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

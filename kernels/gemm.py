@@ -75,6 +75,11 @@ class GemmConfig(KnobConfig):
     # kernel either: the same kernel computes it in front of the block (with FFN2's fuse 1 or 2 and norm2's fuse 2,
     # the cluster a multiple of d_model / 64 CTAs).
     fuse: int = 0
+    # 1: the CUDA kernels (cluster=1/2, QKV's fuse 1, FFN2's fuse 1/2, whose block takes FFN1's) load the weights
+    # with an L2 evict-first policy and the activations with evict-last (CUTLASS example 63's hints); the Triton
+    # kernels ignore it. H100, same process: tiny 7.69-7.72 -> 7.49-7.51 us with QKV's and FFN1's on (either alone
+    # -0.05 at most), bert-base 18.95-19.05 -> 19.03-19.34 (docs/perf-notes.md section 30).
+    hints: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -132,6 +137,8 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"tma={c.tma} must be 0 or 1"
     if c.fuse not in (0, 1, 2):
         return f"fuse={c.fuse} must be 0, 1 or 2"
+    if c.hints not in (0, 1):
+        return f"hints={c.hints} must be 0 or 1"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
@@ -665,7 +672,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
             ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps,  # (ln_colsum here comes with ln_stats)
-            xchg16=c.cluster == 2)
+            xchg16=c.cluster == 2, hints=3 * c.hints)
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])

@@ -24,9 +24,6 @@ from ._common import SMEM_DEFAULT_BYTES
 SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
-# L2 eviction hints on this kernel's TMA loads (hopper.cuh's HOPPER_CACHE_HINTS; an A/B switch, scripts/timeline.py's
-# mlp_hints=N): bit 0 the weights evict-first, bit 1 the activations evict-last; 0, the default policy.
-HINTS = 0
 MAX_LN_PARTS = 32
 B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
 USE_PDL, RACY = 64, 128
@@ -85,12 +82,12 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
     return d // (COLUMNS_PER_GROUP // (f // fs))
 
 
-def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128) -> ctypes.CDLL:
-    key = (bf16, sc, epi, bt, d, fs, _nvcc.MUFU_MATH, HINTS)
+def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128, hints: int = 0) -> ctypes.CDLL:
+    key = (bf16, sc, epi, bt, d, fs, _nvcc.MUFU_MATH, hints)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,
-                                  "HOPPER_CACHE_HINTS": HINTS},
+                                  "HOPPER_CACHE_HINTS": hints},
                       "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int
@@ -118,7 +115,8 @@ def early_tiles(prefetch: float, d: int, fs: int = 128, out_proj: bool = False) 
 
 
 def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=None, ln_colsum=None, ln_eps=1e-5,
-           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, qkv=None, prefetch=1.0) -> None:
+           pdl=False, racy=False, trace=None, fs=128, wo=None, bo=None, qkv=None, prefetch=1.0,
+           hints=0) -> None:
     """``out = act(x @ w1.T + b1) @ w2.T + b2 + residual`` on the current stream (one launch). With ``ln_stats``
     ([parts, M, 2] fp32 row sums of x from its producer) and ``ln_colsum``, w1 and b1 are LayerNorm-folded
     (gemm.fold_layernorm) and the first epilogue applies the norm. ``stats_out`` ([stats_parts, M, 2] fp32): the
@@ -134,7 +132,8 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     ``residual + x @ wo.T + bo``, computed in the kernel and never written out; it is also the block's residual. With
     LayerNorm folded (``ln_colsum``), its row sums come from the kernel itself: no ``ln_stats``. With ``qkv`` ([M, 3D],
     batch 1, heads of 64: attn.fuse 1, ATT_IN) the kernel computes the causal attention from it too, and ``x`` is
-    not read."""
+    not read. ``hints``: L2 eviction hints on the TMA loads (hopper.cuh's HOPPER_CACHE_HINTS): bit 0 the weights
+    evict-first, bit 1 the activations evict-last (GemmConfig.hints 1 is 3)."""
     M, D = x.shape
     Fh = w1.shape[0]
     out_proj = wo is not None
@@ -164,7 +163,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
-    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs)
+    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs, hints)
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     src = x if qkv is None else qkv  # (ATT_IN: the kernel's x_map reads qkv)

@@ -32,9 +32,6 @@ launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's lau
 # K tiles a TMA box (a ring stage's chunk of x and of w): 2 (16 KB boxes) where d_model and the stages allow, else 1.
 # (A/B switch qa_chunk=1 of scripts/timeline.py.)
 CHUNK = 2
-# L2 eviction hints on this kernel's TMA loads (hopper.cuh's HOPPER_CACHE_HINTS; an A/B switch, scripts/timeline.py's
-# qa_hints=N): bit 0 the weights evict-first, bit 1 the activations evict-last; 0, the default policy.
-HINTS = 0
 # How a K or V CTA hands its tile to the Q CTAs: 0 one bulk copy a Q CTA, 1 st.async of 16 bytes a thread from its
 # shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
 # 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
@@ -96,14 +93,14 @@ def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | No
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
+def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
     (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, HINTS)
+    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc,
-                                  "HOPPER_CACHE_HINTS": HINTS}, "qkv_attn")
+                                  "HOPPER_CACHE_HINTS": hints}, "qkv_attn")
     lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
     lib.qkv_attn_launch.restype = ctypes.c_int
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
@@ -116,13 +113,14 @@ def library(bf16: int, epi: int, rt: int, kc: int) -> ctypes.CDLL:
 
 
 def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5, racy=False, trace=None, push=None) -> None:
+           ln_eps=1e-5, racy=False, trace=None, push=None, hints=0) -> None:
     """``out = causal_attention(LN(x) @ weight.T + bias)`` per head of 64 and sequence of ``seq`` rows, on the current
     stream. x ``[M, D]``, weight ``[3 D, D]`` (Q, K, V rows), out ``[M, D]``. With ``ln_stats`` ([parts, M, 2] fp32,
     the row sums of x from its producer) and ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm).
     ``stages``: 64-wide K tiles of x and w in flight; ``trigger_k``: launch_dependents after that many K tiles (0: at
     the wait; -1: no PDL); ``n_pref``: weight K tiles requested before the wait; ``push``: how K and V reach the Q
-    CTAs (PUSH when None)."""
+    CTAs (PUSH when None); ``hints``: L2 eviction hints on the TMA loads (hopper.cuh's HOPPER_CACHE_HINTS): bit 0 the
+    weights evict-first, bit 1 the activations evict-last (GemmConfig.hints 1 is 3)."""
     M, D = x.shape
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
@@ -142,7 +140,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kc = chunk(D, stages)
-    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc)
+    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints)
     rc = lib.qkv_attn_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
         x.stride(0), weight.stride(0), out.stride(0), stages // kc, trigger_k, n_pref, flags,

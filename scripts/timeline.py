@@ -3,8 +3,7 @@
 usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
-desc_prefetch, cg_spread, cg_all_slabs, qa_chunk=N, qa_push=N, mufu,
-cg_hints=N, qa_hints=N, mlp_hints=N.
+desc_prefetch, cg_spread, cg_all_slabs, qa_chunk=N, qa_push=N, mufu.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
 replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
@@ -44,14 +43,13 @@ def variant(shape, name):
 
 
 def _switches():
-    from tuner.kernels import _nvcc, cluster_gemm, mlp_cluster, qkv_attn
+    from tuner.kernels import _nvcc, cluster_gemm, qkv_attn
 
     return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
             "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
             "qa_chunk": (qkv_attn, "CHUNK"), "qa_push": (qkv_attn, "PUSH"),
-            "mufu": (_nvcc, "MUFU_MATH"), "cg_hints": (cluster_gemm, "HINTS"),
-            "qa_hints": (qkv_attn, "HINTS"), "mlp_hints": (mlp_cluster, "HINTS")}
+            "mufu": (_nvcc, "MUFU_MATH")}
 
 
 _DEFAULTS = {}
@@ -68,7 +66,7 @@ def apply_switches(name: str) -> str:
     if "@" in name:
         for e in name.split("@", 1)[1].split(","):
             key, v = e.split("=")
-            setattr(*switches[key], int(v) if key in ("cg_early", "qa_chunk", "qa_push", "cg_hints", "qa_hints", "mlp_hints") else bool(int(v)))
+            setattr(*switches[key], int(v) if key in ("cg_early", "qa_chunk", "qa_push") else bool(int(v)))
     return name.split("@", 1)[0]
 
 

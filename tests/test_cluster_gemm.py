@@ -135,12 +135,9 @@ def test_cluster_linear_16_bit_exchange(dtype, tile, split, epilogue):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("epilogue", ["bias-gelu-res-stats", "layernorm"])
-def test_cluster_linear_with_cache_hints(dtype, epilogue, monkeypatch):
-    # The A/B build with the L2 eviction hints on its TMA loads (cluster_gemm.HINTS 3): the same results on odd tiles
-    from tuner.kernels import cluster_gemm
-
-    monkeypatch.setattr(cluster_gemm, "HINTS", 3)
-    _check_odd_tile(dtype, (64, 64), 2, epilogue, 2, seed=17)
+def test_cluster_linear_with_cache_hints(dtype, epilogue):
+    # GemmConfig.hints 1: the build with L2 eviction hints on its TMA loads, the same results on odd tiles
+    _check_odd_tile(dtype, (64, 64), 2, epilogue, 2, seed=17, hints=1)
 
 
 @gpu
@@ -178,7 +175,7 @@ def test_cluster_linear_tiles(tile, split, epilogue):
     _check_odd_tile(torch.float16, tile, split, epilogue, cluster=1, seed=split * 100 + sum(tile))
 
 
-def _check_odd_tile(dtype, tile, split, epilogue, cluster, seed):
+def _check_odd_tile(dtype, tile, split, epilogue, cluster, seed, hints=0):
     """One clustered GEMM on odd shapes against its reference: a partial second row tile (150 rows), a partial
     column tile (N 330), K splits of unequal length (K 456); outputs and row sums poisoned; with ``layernorm``, the
     LayerNorm folded into the weights and applied in the epilogue from the producer's row sums (13 parts)."""
@@ -186,7 +183,7 @@ def _check_odd_tile(dtype, tile, split, epilogue, cluster, seed):
     m, k, n = 150, 456, 330
     x, w, b, r = _inputs(m, n, k, dtype, "cuda", seed=seed)
     cfg = replace(CL, block_m=bm, block_n=bn, num_warps=4 * bm // 64, split_k=split, num_stages=3, cluster=cluster,
-                  overlap_ratio=0.0, prefetch_ratio=1.0)
+                  overlap_ratio=0.0, prefetch_ratio=1.0, hints=hints)
     assert check(cfg, GemmProblem(m, n, k), DeviceInfo.from_torch()) is None
     out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
     stats = None

@@ -71,8 +71,9 @@ def test_linear_big_tile_small_problem(device):
         (GemmConfig(block_m=128, block_n=256, num_warps=2), GemmProblem(128, 768, 768), "registers"),
         (GemmConfig(overlap_ratio=1.5), GemmProblem(128, 768, 768), "overlap_ratio"),
         (GemmConfig(prefetch_ratio=float("nan")), GemmProblem(128, 768, 768), "prefetch_ratio"),
+        (GemmConfig(hints=3), GemmProblem(128, 768, 768), "hints=3 must be 0 or 1"),
     ],
-    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan"],
+    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan", "hints3"],
 )
 def test_check_rejects(cfg, problem, needle):
     why = check(cfg, problem, DeviceInfo.interpreter())

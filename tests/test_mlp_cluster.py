@@ -250,11 +250,12 @@ def test_attention_in_the_block_rules():
     assert "; attn in ffn1 (mlp); out in ffn1 (mlp); " in tiles and tiles.startswith("qkv ")
 
 
-@pytest.mark.parametrize("fuse, out, attn, prefetch", [(1, 0, 0, 1.0), (2, 0, 0, 1.0), (1, 1, 0, 1.0), (2, 1, 0, 1.0),
-                                                      (1, 1, 1, 1.0), (2, 1, 1, 1.0), (1, 1, 1, 0.4)],
-                         ids=["128-a-cta", "64-a-cta", "128-a-cta-out", "64-a-cta-out", "128-a-cta-attn",
-                              "64-a-cta-attn", "128-a-cta-attn-wo-early"])
-def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, prefetch, device):
+@pytest.mark.parametrize("fuse, out, attn, prefetch, hints", [
+    (1, 0, 0, 1.0, 0), (2, 0, 0, 1.0, 0), (1, 1, 0, 1.0, 0), (2, 1, 0, 1.0, 0), (1, 1, 1, 1.0, 0), (2, 1, 1, 1.0, 0),
+    (1, 1, 1, 0.4, 0), (1, 1, 1, 1.0, 1)],
+    ids=["128-a-cta", "64-a-cta", "128-a-cta-out", "64-a-cta-out", "128-a-cta-attn", "64-a-cta-attn",
+         "128-a-cta-attn-wo-early", "128-a-cta-attn-l2-hints"])
+def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, prefetch, hints, device):
     # On a Hopper GPU one launch computes FFN1, GELU and FFN2 (no FFN2 launch); elsewhere (the interpreter) the two
     # GEMMs run. Three layers: the next layer's norm1 reads the fused kernel's row sums (one part a CTA).
     from dataclasses import replace
@@ -266,7 +267,8 @@ def test_stack_with_the_feed_forward_block_as_one_kernel(fuse, out, attn, prefet
     cfg = hand_picked_cluster(shape)
     assert cfg.ffn2.fuse == 1 and cfg.norm1.fuse == 2 and cfg.norm2.fuse == 2
     cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=fuse), out=replace(cfg.out, fuse=out),
-                  attn=replace(cfg.attn, fuse=attn), ffn1=replace(cfg.ffn1, prefetch_ratio=prefetch))
+                  attn=replace(cfg.attn, fuse=attn), ffn1=replace(cfg.ffn1, prefetch_ratio=prefetch, hints=hints),
+                  qkv=replace(cfg.qkv, hints=hints))  # (hints: the L2 policies of the block's and QKV's loads)
     st = DecoderStack(shape, cfg, n_layers=3, dtype=torch.float16, device=device, seed=5)
     one = st.bufs[0].mlp
     assert one == (device == "cuda" and torch.cuda.get_device_capability() == (9, 0))

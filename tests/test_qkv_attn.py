@@ -101,7 +101,7 @@ def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None):
     assert rel_error(out, ref) < REL_TOLERANCE[dtype]
 
 
-def _run(batch, seq, d, dtype, ln, push=None):
+def _run(batch, seq, d, dtype, ln, push=None, hints=0):
     """The kernel's output and the fp32 reference for one case (seeded by the shape)."""
     _hopper()
     m = batch * seq
@@ -116,10 +116,10 @@ def _run(batch, seq, d, dtype, ln, push=None):
         # the producer's row sums in parts of 64 columns, as FFN2's epilogue writes them
         parts = torch.stack([xf.view(m, -1, 64).sum(2).T, (xf * xf).view(m, -1, 64).sum(2).T], dim=2).contiguous()
         qkv_attn.launch(x, wf, bf, out, seq=seq, stages=4, trigger_k=0, n_pref=4, ln_stats=parts, ln_colsum=u,
-                        push=push)
+                        push=push, hints=hints)
         ref = _reference(x, w, b, seq, ln=(gamma, beta))
     else:
-        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0, push=push)
+        qkv_attn.launch(x, w, b, out, seq=seq, stages=3, trigger_k=-1, n_pref=0, push=push, hints=hints)
         ref = _reference(x, w, b, seq)
     torch.cuda.synchronize()
     return out, ref
@@ -142,11 +142,13 @@ def test_qkv_attn_mufu_math_against_ieee(batch, seq, d, dtype, monkeypatch):
 @gpu
 @pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (3, 33, 192)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_qkv_attn_with_cache_hints(batch, seq, d, dtype, monkeypatch):
-    # The A/B build with the L2 eviction hints on its TMA loads (qkv_attn.HINTS 3): within the reference's tolerance
-    monkeypatch.setattr(qkv_attn, "HINTS", 3)
-    out, ref = _run(batch, seq, d, dtype, ln=True)
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+@pytest.mark.parametrize("hints", [1, 2, 3])
+def test_qkv_attn_with_cache_hints(batch, seq, d, dtype, hints):
+    # The builds with L2 eviction hints on the TMA loads (the weights', the activations', both: GemmConfig.hints 1
+    # is 3): within the reference's tolerance, with and without the LayerNorm
+    for ln in (True, False):
+        out, ref = _run(batch, seq, d, dtype, ln=ln, hints=hints)
+        assert rel_error(out, ref) < REL_TOLERANCE[dtype]
 
 
 @gpu
@@ -186,15 +188,19 @@ def test_stack_with_the_attention_in_qkv(pdl, device):
 
 
 @gpu
-@pytest.mark.parametrize("push", [0, 1, 2], ids=["bulk", "st-async-16B", "st-async-regs"])
-def test_stack_with_the_attention_in_qkv_graphed(push, monkeypatch):
+@pytest.mark.parametrize("push, hints", [(0, 0), (1, 0), (2, 0), (2, 1)],
+                         ids=["bulk", "st-async-16B", "st-async-regs", "st-async-regs-l2-hints"])
+def test_stack_with_the_attention_in_qkv_graphed(push, hints, monkeypatch):
     _hopper()
     monkeypatch.setattr(qkv_attn, "PUSH", push)
     from tuner.layer import DecoderStack
     from tuner.shapes import resolve
 
     shape = resolve("bert-base")
-    st = DecoderStack(shape, _stack_cfg(shape), n_layers=4, dtype=torch.float16, device="cuda", seed=8)
+    cfg = _stack_cfg(shape)
+    if hints:  # every GEMM's L2 hints (those on the CUDA kernels act)
+        cfg = replace(cfg, **{g: replace(getattr(cfg, g), hints=1) for g in ("qkv", "out", "ffn1", "ffn2")})
+    st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=8)
     st.capture()
     for seed in range(3):
         err = st.check(seed=seed)

@@ -186,6 +186,15 @@ def test_overrides_under_kernels(tmp_path):
     assert params["attn.block_m"].choices == (64,)
 
 
+def test_cache_hints_switch(tmp_path):
+    # GemmConfig.hints is a per-GEMM switch of the default space; a space written before it (no gemm.hints) keeps
+    # every GEMM on the default L2 policy.
+    params = space.load().params()
+    assert all(params[f"{k}.hints"].choices == (0, 1) for k in ("qkv", "out", "ffn1", "ffn2"))
+    old = load_edit(tmp_path, lambda d: d["gemm"].pop("hints")).params()
+    assert all(old[f"{k}.hints"].choices == (0,) for k in ("qkv", "out", "ffn1", "ffn2"))
+
+
 def test_attention_prefetch_override_is_rejected(tmp_path):
     path = write_space(tmp_path, edited(lambda d: d.update(kernels={"attn": {"prefetch_ratio": [0.5]}})))
     with pytest.raises(SpaceError) as e:
@@ -231,6 +240,7 @@ BAD_SPACES = [
     ("layer-switch-3", _set("layer", "fuse", value=[0, 3]), ["layer.fuse:", "0 (off) or 1 or 2"]),
     ("norm-switch-3", _set("norm", "fuse", value=[0, 3]), ["norm.fuse:", "0 (off) or 1 or 2"]),
     ("cluster-switch-3", _set("gemm", "cluster", value=[0, 3]), ["gemm.cluster:", "0 (off) or 1 or 2"]),
+    ("hints-switch-2", _set("gemm", "hints", value=[0, 2]), ["gemm.hints:", "0 (off) or 1 (on)"]),
     ("ratio-1.5", _set("ratios", "overlap", value=[-1.0, 0.5, 1.5]), ["ratios.overlap:", "1.5"]),
     ("ratio-not-a-list", _set("ratios", "prefetch", value=0.5), ["ratios.prefetch:", "list"]),
     ("ratios-unknown-key", _set("ratios", "overlapp", value=[0.5]), ["'ratios'", "overlap"]),

@@ -297,7 +297,7 @@ def format_tiles(kernels: dict) -> str:
             continue
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"
-                     + ("/tma" if _num(c.get("tma")) == 1 else ""))
+                     + ("/tma" if _num(c.get("tma")) == 1 else "") + ("/l2hints" if _num(c.get("hints")) == 1 else ""))
         if g == "qkv" and _num((kernels.get("attn") or {}).get("fuse")) == 1:  # (attention in FFN1's kernel too)
             parts.append("attn in ffn1 (mlp)")
         elif g == "qkv" and _num(c.get("fuse")) == 1:  # (the attention in QKV's kernel)

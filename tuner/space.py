@@ -16,7 +16,7 @@ FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out"
           "ffn2": "gemm", "layer": "layer"}
 TILE_FIELDS = {
     "gemm": ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma", "cluster",
-             "fuse"),
+             "fuse", "hints"),
     "norm": ("rows_per_program", "num_warps", "fuse"),
     "attn": ("block_m", "block_n", "num_warps", "num_stages", "fuse"),
     # The one-kernel layer (tuner.kernels.fused_layer); fuse: 1 replaces the seven kernels above.
@@ -33,8 +33,8 @@ PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # GemmConfig.tma: 0 is cp.async; GemmConfig.cluster: 0 is the Triton kernels; GemmConfig.fuse: 0 is FFN2's and the
 # out-projection's own kernel, and QKV's kernel without the attention: only those three have the choice, the gemm
 # family's fuse applies to them alone, its 2 to FFN2 alone; AttnConfig.fuse: 0 is the attention kernel, 1 the attention
-# in that block). A file that leaves one out gets [0].
-SWITCHES = ("fuse", "tma", "cluster")
+# in that block; GemmConfig.hints: 0 is the default L2 policy). A file that leaves one out gets [0].
+SWITCHES = ("fuse", "tma", "cluster", "hints")
 # The norms' switch has a third state: 2 takes the row statistics from the GEMM that produced the rows; so has the
 # GEMMs' cluster switch: 2 exchanges the split-K partials in 16 bits; and FFN2's fuse: 2 runs the one-kernel
 # feed-forward block with 64 hidden columns a CTA. Keys: a family, or (family, field).
