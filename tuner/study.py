@@ -302,7 +302,10 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
 def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     """``params`` with one categorical parameter moved to an adjacent choice (a local step around the
     best trial). Only parameters that act are moved: the one-kernel layer's when it is on, else the
-    seven kernels' (and the switch between the two). None where the space has continuous ranges."""
+    seven kernels' (and the switch between the two). The GEMMs' L2 hints (``*.hints``) move together: the
+    policies act as one (H100, tiny: QKV's and FFN1's together -0.2 us, either alone -0.05 at most;
+    docs/perf-notes.md section 30), so a one-kernel step would not find them. None where the space has
+    continuous ranges."""
     dims = space.params(pdl)
     if any(d.choices is None for d in dims.values()) or set(dims) - set(params):
         return None
@@ -316,7 +319,9 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     i = choices.index(params[name]) if params[name] in choices else 0
     j = i + (1 if rng.random() < 0.5 else -1)
     j = j if 0 <= j < len(choices) else 2 * i - j  # at an end: the other neighbour
-    return {**{n: params[n] for n in dims}, name: choices[j]}
+    moved = [n for n in names if n.endswith(".hints") and choices[j] in dims[n].choices] if name.endswith(
+        ".hints") else [name]
+    return {**{n: params[n] for n in dims}, **{n: choices[j] for n in moved}}
 
 
 def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials) -> bool:
