@@ -193,22 +193,25 @@ def test_same_identity_continues(tmp_path, replay):
 # ------------------------------------------------------------------------------------------------
 
 def test_first_trial_is_the_enqueued_baseline(tmp_path, replay):
-    folder = run(tmp_path, replay, sampler="random", trials=6)
+    folder = run(tmp_path, replay, sampler="random", trials=7)
     name = study_name(BERT_BASE, "float16", "NVIDIA H200", "cold", replayed=True)
     trials = load_study(tmp_path, name).trials
     base = default_config(BERT_BASE)
     assert trials[0].user_attrs["is_baseline"] and trials[0].params == space.from_config(base)
     assert not any(t.user_attrs.get("is_baseline") for t in trials[1:])
     # Then the hand-picked tiles with PDL + full prefetch, the same with split-K reduced in clusters (and the attention
-    # in QKV's kernel), the hand-picked tiles with the attention in QKV's kernel, the one-kernel layer, and the
-    # hand-picked tiles with the knobs off.
+    # in QKV's kernel), the hand-picked tiles with the attention in QKV's kernel, the clustered seed with every GEMM's
+    # L2 hints on, the one-kernel layer, and the hand-picked tiles with the knobs off.
     hp = hand_picked(BERT_BASE)
     assert trials[1].params == space.from_config(hp)
-    assert trials[2].params == space.from_config(hand_picked_cluster(BERT_BASE))
+    clustered = hand_picked_cluster(BERT_BASE)
+    assert trials[2].params == space.from_config(clustered)
     assert trials[2].params["qkv.fuse"] == 1
+    hinted = {**trials[2].params, **{f"{g}.hints": 1 for g in ("qkv", "out", "ffn1", "ffn2")}}
     assert trials[3].params == space.from_config(replace(hp, qkv=replace(hp.qkv, fuse=1)))
-    assert trials[4].params == space.from_config(hand_picked_fused(BERT_BASE))
-    assert trials[5].params == space.from_config(hp.without_knobs())
+    assert trials[4].params == hinted and clustered.qkv.hints == 0
+    assert trials[5].params == space.from_config(hand_picked_fused(BERT_BASE))
+    assert trials[6].params == space.from_config(hp.without_knobs())
     # The baseline's replayed latency is the recording's baseline trial.
     recorded = pd.read_csv(REPLAY / "trials.csv")
     assert trials[0].value == recorded.loc[recorded["is_baseline"], "latency_us"].item()

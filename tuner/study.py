@@ -25,7 +25,7 @@ import optuna
 from optuna.trial import TrialState
 
 from tuner import manifest
-from tuner.config import DecoderConfig
+from tuner.config import GEMMS, DecoderConfig
 from tuner.evaluate import TrialResult
 from tuner.layer import default_config, qkv_attn_error
 from tuner.shapes import DecoderShape
@@ -190,6 +190,12 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
                 break
         if clustered != hp:
             seeds.insert(2, (clustered, None))
+            # and the same with every GEMM's L2 hints on: they act as one policy across the kernels (H100, tiny: -0.2
+            # us together, within the noise one at a time), which neither a one-parameter local step nor TPE's
+            # per-parameter model finds easily (two default-budget tiny runs without this seed never met it)
+            hinted = replace(clustered, **{g: replace(getattr(clustered, g), hints=1) for g in GEMMS})
+            if space.contains(from_config(hinted, pdl), pdl):
+                seeds.insert(3, (hinted, None))
         # and the hand-picked tiles with the attention in QKV's kernel, where it runs: on bert-large the clustered
         # seed's out-projection and FFN2 are slow, and a study that meets the fusion only there may not return to it
         # (session 16's run: 3 of 62 trials; perf notes 27)
