@@ -77,8 +77,8 @@ class GemmConfig(KnobConfig):
     fuse: int = 0
     # 1: the CUDA kernels (cluster=1/2, QKV's fuse 1, FFN2's fuse 1/2, whose block takes FFN1's) load the weights
     # with an L2 evict-first policy and the activations with evict-last (CUTLASS example 63's hints); the Triton
-    # kernels ignore it. H100, same process: tiny 7.69-7.72 -> 7.49-7.51 us with QKV's and FFN1's on (either alone
-    # -0.05 at most), bert-base 18.95-19.05 -> 19.03-19.34 (docs/perf-notes.md section 30).
+    # kernels ignore it. H100, same process: tiny 7.69-7.77 -> 7.49-7.54 us with QKV's and FFN1's on (either alone
+    # -0.05 at most), bert-base 18.95-19.11 -> 19.00-19.34 with any on (docs/perf-notes.md section 30).
     hints: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
