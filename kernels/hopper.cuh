@@ -78,9 +78,9 @@ __device__ __forceinline__ void st_async_v4(uint32_t dst, uint4 v, uint32_t bar)
 }
 
 // L2 eviction priority of a TMA load (CUTLASS example 63's hints): weights are read once a layer (evict first),
-// activations by every column tile of the next kernel too (evict last). HOPPER_CACHE_HINTS (a build define, each
-// kernel module's HINTS, an A/B switch): bit 0 the weights' hint, bit 1 the activations'; 0 (the default): every
-// load takes the default policy.
+// activations by every column tile of the next kernel too (evict last). HOPPER_CACHE_HINTS (a build define: the
+// launchers' `hints`, 3 for GemmConfig.hints 1): bit 0 the weights' hint, bit 1 the activations'; 0 (the default):
+// every load takes the default policy.
 enum L2Hint { HINT_NONE = 0, HINT_WEIGHT = 1, HINT_ACT = 2 };
 
 template <int H>
