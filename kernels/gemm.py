@@ -84,6 +84,12 @@ class GemmConfig(KnobConfig):
     prefetch_ratio: float = -1.0
 
 
+def l2_hints(c: GemmConfig) -> int:
+    """The CUDA launchers' ``hints`` bits for ``c`` (hopper.cuh's HOPPER_CACHE_HINTS): both policies where c.hints
+    is 1."""
+    return 3 * c.hints
+
+
 @dataclass(frozen=True)
 class GemmProblem:
     m: int
@@ -672,7 +678,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
             ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps,  # (ln_colsum here comes with ln_stats)
-            xchg16=c.cluster == 2, hints=3 * c.hints)
+            xchg16=c.cluster == 2, hints=l2_hints(c))
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])

@@ -60,6 +60,21 @@ def trace_buffer(x: torch.Tensor, seq: int) -> tuple[torch.Tensor, int]:
     return torch.zeros(shape, dtype=torch.int64, device=x.device), per_rank
 
 
+def traced(launch, traces: dict, order: list, ranks: dict):
+    """``launch`` (this module's) with one trace buffer per (out, weight) pair, the diagnostics scripts' wrapper: the
+    buffers in ``traces``, their keys in first-launch order in ``order``, each launch's CTAs of a cluster rank in
+    ``ranks``."""
+
+    def wrapper(x, weight, bias, out, **kw):
+        key = (out.data_ptr(), weight.data_ptr())
+        if key not in traces:
+            traces[key], ranks[key] = trace_buffer(x, kw["seq"])
+            order.append(key)
+        return launch(x, weight, bias, out, trace=traces[key], **kw)
+
+    return wrapper
+
+
 def chunk(d_model: int, stages: int) -> int:
     """The K tiles a ring stage loads in one box (CHUNK where it divides both and leaves 2 stages, else 1)."""
     c = CHUNK
@@ -127,8 +142,8 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None)
     if why is None and (M % seq or weight.shape != (3 * D, D) or out.shape != (M, D)):
         why = f"shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}, seq {seq}"
-    if why is None and trace is not None and tuple(trace.shape) != _trace_geometry(M, D, seq)[0]:
-        why = f"trace {tuple(trace.shape)}, not {_trace_geometry(M, D, seq)[0]} (the kernel writes every slot)"
+    if why is None and trace is not None and tuple(trace.shape) != (want := _trace_geometry(M, D, seq)[0]):
+        why = f"trace {tuple(trace.shape)}, not {want} (the kernel writes every slot)"
     if why:
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)

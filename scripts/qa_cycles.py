@@ -40,15 +40,7 @@ def probe(shape, name):
     weights = random_stack_weights(shape, n, torch.float16, "cuda", 0)
     traces, order, geometry = {}, [], {}
     real = qkv_attn.launch
-
-    def traced(x, weight, bias, out, **kw):
-        key = (out.data_ptr(), weight.data_ptr())
-        if key not in traces:
-            traces[key], geometry[key] = qkv_attn.trace_buffer(x, kw["seq"])
-            order.append(key)
-        return real(x, weight, bias, out, trace=traces[key], **kw)
-
-    qkv_attn.launch, qkv_attn.TRACE_CYCLES = traced, True
+    qkv_attn.launch, qkv_attn.TRACE_CYCLES = qkv_attn.traced(real, traces, order, geometry), True
     try:
         st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
         st.capture()

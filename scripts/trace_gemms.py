@@ -95,13 +95,7 @@ def trace(shape, name, hot=False):
 
     real_qa = qkv_attn.launch
     qa_keys = {}  # key -> heads x batch (CTAs a cluster rank) of a QKV-and-attention launch (qkv.fuse 1)
-
-    def traced_qa(x, weight, bias, out, **kw):
-        key = (out.data_ptr(), weight.data_ptr())
-        if key not in traces:
-            traces[key], qa_keys[key] = qkv_attn.trace_buffer(x, kw["seq"])
-            order.append(key)
-        return real_qa(x, weight, bias, out, trace=traces[key], **kw)
+    traced_qa = qkv_attn.traced(real_qa, traces, order, qa_keys)
 
     gemm_k.linear, mlp_cluster.launch, qkv_attn.launch = traced, traced_mlp, traced_qa
     st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)

@@ -47,6 +47,21 @@ def test_trace_buffer_fits_the_launch(cycles, monkeypatch):
         qkv_attn.launch(x, w, b, out, seq=100, trace=trace[:, :-1])
 
 
+def test_traced_launch_keeps_one_trace_per_launch():
+    # the diagnostics scripts' wrapper: one buffer per (out, weight) pair, made at its first launch and passed to every
+    # later one, keys in first-launch order, each with its CTAs a cluster rank
+    calls = []
+    traces, order, ranks = {}, [], {}
+    launch = qkv_attn.traced(lambda x, w, b, out, **kw: calls.append(kw["trace"]), traces, order, ranks)
+    x = torch.zeros(2 * 100, 256, dtype=torch.float16)
+    w, b, out1, out2 = torch.zeros(768, 256), torch.zeros(768), torch.zeros_like(x), torch.zeros_like(x)
+    for out in (out1, out2, out1):
+        launch(x, w, b, out, seq=100)
+    assert order == [(out1.data_ptr(), w.data_ptr()), (out2.data_ptr(), w.data_ptr())]
+    assert calls[0] is calls[2] is traces[order[0]] and calls[1] is traces[order[1]]
+    assert ranks == {key: 4 * 2 for key in order} and tuple(calls[1].shape) == (3 * 2 * 8, qkv_attn.TRACE_SLOTS)
+
+
 def test_layer_rules():
     """qkv.fuse 1 needs attn.fuse 0, norm1.fuse 0 or 2, head_dim 64, seq <= 128; repair_config unfuses it elsewhere."""
     from tuner.bench import hand_picked, hand_picked_cluster

@@ -355,7 +355,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             h_in, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, res, b.y, act=gemm_k.act_code("gelu", b.h),
             stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"),  # (None with out.fuse: no h_stats)
             ln_colsum=ln2.get("ln_colsum"), ln_eps=LN_EPS, pdl=cfg.ffn1.overlap_ratio >= 0, racy=r("ffn1"),
-            fs=mlp_fs(cfg), prefetch=cfg.ffn1.prefetch_ratio, hints=3 * cfg.ffn1.hints, **o))
+            fs=mlp_fs(cfg), prefetch=cfg.ffn1.prefetch_ratio, hints=gemm_k.l2_hints(cfg.ffn1), **o))
         skip.add("ffn2")
         if b.mlp_out:
             skip.add("out")
@@ -370,7 +370,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             x if ln1 else b.ln1, w_qkv, b_qkv, b.attn, seq=shape.seq, stages=gemm_k.cluster_stages(cfg.qkv),
             trigger_k=trigger_index(k_tiles, cfg.qkv.overlap_ratio),
             n_pref=prefetch_count(k_tiles, cfg.qkv.prefetch_ratio), ln_stats=ln1.get("ln_stats"),
-            ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv"), hints=3 * cfg.qkv.hints))
+            ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv"), hints=gemm_k.l2_hints(cfg.qkv)))
         skip.add("attn")
     return [(n, f) for n, f in launches if n not in skip]
 
