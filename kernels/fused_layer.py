@@ -119,12 +119,27 @@ def sync_numel(c: FusedLayerConfig, p: LayerProblem) -> int:
     return _TILE_COUNTERS + max(_n_items(c, m, n, g)[0] for g, (m, n, _) in p.gemms().items())
 
 
-def smem_bytes(c: FusedLayerConfig, p: LayerProblem) -> int:
-    """The largest phase's pipelined tiles (GEMM A+B per stage; attention K+V per stage + Q)."""
-    gemm = max(c.num_stages * (c.block_m + getattr(c, f"{g}_block_n")) * c.block_k * p.dtype_bytes
+LN_PHASES = ("qkv", "ffn1")  # the phases that also load their A tile for the LayerNorm row sums
+
+
+def smem_bytes(c: FusedLayerConfig, p: LayerProblem, device: DeviceInfo | None = None) -> int:
+    """Triton's shared memory for the kernel: its largest phase (phases run one after another).
+
+    A GEMM phase's K loop keeps ``num_stages`` A+B buffers where Triton 3.6 makes the dot a Hopper wgmma
+    (``block_m`` >= 64, whole warpgroups), one fewer where it makes it mma.sync, and in the LayerNorm phases
+    ``num_stages - 1`` more A tiles for the row sums' second load; the attention phase one Q, K and V tile. Checked
+    against ``triton.compile``'s ``metadata.shared`` for sm_90 (tests/test_fused_layer.py) and against the GPU's
+    "Required" of the configs a study's launches failed with (results/*/trials.csv, status out_of_resources, before
+    this count). Without a device (``fit``) and on the interpreter it counts as on Hopper, the larger of the two.
+    """
+    mma_v2 = device is not None and 0 < device.capability[0] < 9
+    wgmma = not mma_v2 and c.block_m >= 64 and c.num_warps % 4 == 0
+    s = c.num_stages
+    bufs = s if wgmma else max(s - 1, 1)
+    a = c.block_m * c.block_k * p.dtype_bytes
+    gemm = max(bufs * (a + getattr(c, f"{g}_block_n") * c.block_k * p.dtype_bytes) + (s - 1) * a * (g in LN_PHASES)
                for g in GEMM_PHASES)
-    bd = block_d(p.head_dim)
-    attn = 2 * c.attn_block_n * bd * 2 * p.dtype_bytes + c.attn_block_m * bd * p.dtype_bytes
+    attn = (c.attn_block_m + 2 * c.attn_block_n) * block_d(p.head_dim) * p.dtype_bytes
     return max(gemm, attn)
 
 
@@ -182,7 +197,7 @@ def check(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | 
         if c.block_m * bn // (32 * c.num_warps) > 256:
             return f"{g}: accumulator {c.block_m}x{bn} needs more than 256 registers per thread at num_warps={c.num_warps}"
     limit = smem_limit(device)
-    need = smem_bytes(c, p)
+    need = smem_bytes(c, p, device)
     if need > limit:
         return f"shared memory {need} B > {limit} B"
     return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)

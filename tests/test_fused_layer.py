@@ -97,6 +97,81 @@ def test_fit_repairs_what_the_search_samples():
     assert (fitted.block_m, fitted.attn_block_m, fitted.attn_block_n) == (32, 32, 32)
 
 
+H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 << 20, 232448)
+A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 40 << 20, 166912)
+BERT_BASE = fk.LayerProblem(128, 128, 768, 12, 3072)
+# One of each way a phase can set the kernel's shared memory: a wgmma LayerNorm phase (FFN1 at 128 columns), a
+# wgmma plain one (the out-projection), mma.sync at 32 rows and at two warps, one stage (nothing pipelined), the
+# attention's tiles over small GEMM tiles, and split-K.
+SMEM_CASES = [
+    fk.FusedLayerConfig(fuse=1, block_m=64, block_k=128, num_stages=4, ffn1_block_n=128, qkv_block_n=16,
+                        out_block_n=16, ffn2_block_n=16, attn_block_m=32, attn_block_n=32),
+    fk.FusedLayerConfig(fuse=1, block_m=128, block_k=64, num_stages=3, out_block_n=128, qkv_block_n=16,
+                        ffn1_block_n=16, ffn2_block_n=16, attn_block_m=32, attn_block_n=32),
+    fk.FusedLayerConfig(fuse=1, block_m=32, block_k=128, num_stages=5, ffn1_block_n=128, qkv_block_n=16,
+                        out_block_n=64, ffn2_block_n=32, ffn2_split_k=8, attn_block_m=32, attn_block_n=32),
+    fk.FusedLayerConfig(fuse=1, block_m=128, block_k=64, num_stages=3, num_warps=2, out_block_n=64, qkv_block_n=16,
+                        ffn1_block_n=16, ffn2_block_n=16, attn_block_m=32, attn_block_n=32),
+    fk.FusedLayerConfig(fuse=1, block_m=64, block_k=64, num_stages=1, ffn1_block_n=64, qkv_block_n=16,
+                        out_block_n=16, ffn2_block_n=16, attn_block_m=32, attn_block_n=32),
+    fk.FusedLayerConfig(fuse=1, block_m=16, block_k=16, num_stages=1, qkv_block_n=16, out_block_n=16,
+                        ffn1_block_n=16, ffn2_block_n=16, attn_block_m=64, attn_block_n=128),
+    fk.FusedLayerConfig(fuse=1, block_m=64, block_k=64, num_stages=8, num_warps=8, qkv_block_n=32, qkv_split_k=3,
+                        out_block_n=16, out_split_k=3, ffn1_block_n=128, ffn2_block_n=16, ffn2_split_k=2,
+                        attn_block_m=32, attn_block_n=32),
+]
+
+
+def test_smem_bytes_is_what_triton_allocates():
+    """The estimate against triton.compile's allocation for sm_90 (no GPU needed; a process without the
+    interpreter, since the interpreter replaces the kernels the compiler reads)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from dataclasses import asdict
+    from pathlib import Path
+
+    dims = [BERT_BASE.tokens, BERT_BASE.seq, BERT_BASE.d_model, BERT_BASE.heads, BERT_BASE.ffn]
+    # Every case on Hopper; before it (mma.sync everywhere: one stage fewer of A+B) the two wgmma ones.
+    cases = [(c, H100, 90) for c in SMEM_CASES] + [(c, A100, 80) for c in SMEM_CASES[:2]]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_smem.py"))],
+                         input=json.dumps([[asdict(c), dims, arch] for c, _, arch in cases]), capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    compiled = json.loads(run.stdout)
+    assert [fk.smem_bytes(c, BERT_BASE, dev) for c, dev, _ in cases] == compiled
+    assert compiled[-2] < compiled[0] and compiled[-1] < compiled[1]
+
+
+def test_smem_bytes_refuses_what_the_gpu_refused():
+    """Every one-kernel-layer launch that a study's GPU refused for shared memory (the committed run folders' trials,
+    status out_of_resources) is refused by check() with the GPU's own count, and fit() repairs it."""
+    import csv
+    from pathlib import Path
+
+    from tuner.shapes import resolve as shape_of
+
+    refused = {}
+    for f in sorted(Path(__file__).parents[1].glob("results/*/*/trials.csv")):
+        for row in csv.DictReader(f.open()):
+            if row["status"] == "out_of_resources" and row.get("layer.fuse") == "1":
+                kw = {k[6:]: float(v) if "ratio" in k else int(v) for k, v in row.items() if k.startswith("layer.")}
+                need = int(row["reason"].split("Required: ")[1].split(",")[0])
+                refused[(f.parts[-3], need)] = kw
+    assert len(refused) >= 4, refused
+    for (name, need), kw in refused.items():
+        p = layer_problem(shape_of(name))
+        # What the evaluator launched: fit's tiles and splits at the sampled depth (the count before this one
+        # lowered none of these depths).
+        launched = replace(fk.fit(fk.FusedLayerConfig(**kw), p), num_stages=kw["num_stages"])
+        assert fk.smem_bytes(launched, p, H100) == need, (name, launched)
+        assert "shared memory" in fk.check(launched, p, H100)
+        repaired = fk.fit(fk.FusedLayerConfig(**kw), p)
+        assert fk.check(repaired, p, H100) is None and repaired.num_stages < launched.num_stages
+
+
 def test_space_and_reports_know_the_fused_layer():
     sp = space.load()
     params = space.from_config(hand_picked_fused(resolve("bert-base")))
