@@ -46,7 +46,7 @@ def main() -> None:
         err = st.check(seed=1)
         new = sorted(set(compiled_shared()) - before)
         print(f"{name}: refused at {need} B with {kw['num_stages']} stages; fitted {cfg.num_stages} stages, "
-              f"count {fk.smem_bytes(cfg, p, dev)} B, compiled {new or 'cached'} B, check() "
+              f"count {fk.smem_bytes(cfg, p, dev)} B, compiled {new or 'as above (same kernel)'} B, check() "
               f"{fk.check(cfg, p, dev) or 'ok'}, rel. error {err:.2e} (tolerance {st.tolerance():g})")
     torch.cuda.synchronize()
 
