@@ -123,8 +123,8 @@ SMEM_CASES = [
 
 
 def test_smem_bytes_is_what_triton_allocates():
-    """The estimate against triton.compile's allocation for sm_90 (no GPU needed; a process without the
-    interpreter, since the interpreter replaces the kernels the compiler reads)."""
+    """The count against triton.compile's allocation for sm_90 and sm_80 (no GPU needed; in a process without the
+    interpreter, which replaces the kernels the compiler reads)."""
     import json
     import os
     import subprocess
