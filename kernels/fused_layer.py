@@ -128,9 +128,10 @@ def smem_bytes(c: FusedLayerConfig, p: LayerProblem, device: DeviceInfo | None =
     A GEMM phase's K loop keeps ``num_stages`` A+B buffers where Triton 3.6 makes the dot a Hopper wgmma
     (``block_m`` >= 64, whole warpgroups), one fewer where it makes it mma.sync, and in the LayerNorm phases
     ``num_stages - 1`` more A tiles for the row sums' second load; the attention phase one Q, K and V tile. Checked
-    against ``triton.compile``'s ``metadata.shared`` for sm_90 (tests/test_fused_layer.py) and against the GPU's
-    "Required" of the configs a study's launches failed with (results/*/trials.csv, status out_of_resources, before
-    this count). Without a device (``fit``) and on the interpreter it counts as on Hopper, the larger of the two.
+    against ``triton.compile``'s ``metadata.shared`` for sm_90 and sm_80 (tests/test_fused_layer.py) and against the
+    GPU's "Required" of the configs a study's launches failed with (results/*/trials.csv, status out_of_resources,
+    before this count). Without a device (``fit``) and on the interpreter it counts as on Hopper, the larger of the
+    two.
     """
     mma_v2 = device is not None and 0 < device.capability[0] < 9
     wgmma = not mma_v2 and c.block_m >= 64 and c.num_warps % 4 == 0

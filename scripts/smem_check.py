@@ -9,8 +9,6 @@ usage: python scripts/smem_check.py
 import csv
 from pathlib import Path
 
-import torch
-
 from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels import fused_layer as fk
@@ -33,22 +31,21 @@ def main() -> None:
     for f in sorted(Path(__file__).parents[1].glob("results/*/*/trials.csv")):
         for row in csv.DictReader(f.open()):
             if row["status"] == "out_of_resources" and row.get("layer.fuse") == "1":
-                kw = {k[6:]: float(v) if "ratio" in k else int(v) for k, v in row.items() if k.startswith("layer.")}
-                seen.setdefault((f.parts[-3], int(row["reason"].split("Required: ")[1].split(",")[0])), kw)
+                sampled = fk.FusedLayerConfig.from_dict({k[6:]: v for k, v in row.items() if k.startswith("layer.")})
+                seen.setdefault((f.parts[-3], int(row["reason"].split("Required: ")[1].split(",")[0])), sampled)
     print(f"{dev.name}: {len(seen)} refused configurations")
-    for (name, need), kw in seen.items():
+    for (name, need), sampled in seen.items():
         shape = resolve(name)
         p = layer_problem(shape)
-        cfg = fk.fit(fk.FusedLayerConfig(**kw), p)
+        cfg = fk.fit(sampled, p)
         before = set(compiled_shared())
         st = DecoderStack(shape, DecoderConfig(layer=cfg), n_layers=2)
         st.capture()
         err = st.check(seed=1)
         new = sorted(set(compiled_shared()) - before)
-        print(f"{name}: refused at {need} B with {kw['num_stages']} stages; fitted {cfg.num_stages} stages, "
+        print(f"{name}: refused at {need} B with {sampled.num_stages} stages; fitted {cfg.num_stages} stages, "
               f"count {fk.smem_bytes(cfg, p, dev)} B, compiled {new or 'as above (same kernel)'} B, check() "
               f"{fk.check(cfg, p, dev) or 'ok'}, rel. error {err:.2e} (tolerance {st.tolerance():g})")
-    torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

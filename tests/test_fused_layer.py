@@ -157,18 +157,18 @@ def test_smem_bytes_refuses_what_the_gpu_refused():
     for f in sorted(Path(__file__).parents[1].glob("results/*/*/trials.csv")):
         for row in csv.DictReader(f.open()):
             if row["status"] == "out_of_resources" and row.get("layer.fuse") == "1":
-                kw = {k[6:]: float(v) if "ratio" in k else int(v) for k, v in row.items() if k.startswith("layer.")}
+                sampled = fk.FusedLayerConfig.from_dict({k[6:]: v for k, v in row.items() if k.startswith("layer.")})
                 need = int(row["reason"].split("Required: ")[1].split(",")[0])
-                refused[(f.parts[-3], need)] = kw
+                refused[(f.parts[-3], need)] = sampled
     assert len(refused) >= 4, refused
-    for (name, need), kw in refused.items():
+    for (name, need), sampled in refused.items():
         p = layer_problem(shape_of(name))
+        repaired = fk.fit(sampled, p)
         # What the evaluator launched: fit's tiles and splits at the sampled depth (the count before this one
         # lowered none of these depths).
-        launched = replace(fk.fit(fk.FusedLayerConfig(**kw), p), num_stages=kw["num_stages"])
+        launched = replace(repaired, num_stages=sampled.num_stages)
         assert fk.smem_bytes(launched, p, H100) == need, (name, launched)
         assert "shared memory" in fk.check(launched, p, H100)
-        repaired = fk.fit(fk.FusedLayerConfig(**kw), p)
         assert fk.check(repaired, p, H100) is None and repaired.num_stages < launched.num_stages
 
 
