@@ -123,24 +123,16 @@ SMEM_CASES = [
 
 
 def test_smem_bytes_is_what_triton_allocates():
-    """The count against triton.compile's allocation for sm_90 and sm_80 (no GPU needed; in a process without the
-    interpreter, which replaces the kernels the compiler reads)."""
-    import json
-    import os
-    import subprocess
-    import sys
+    """The count against triton.compile's allocation for sm_90 and sm_80 (no GPU needed; compile_smem.py compiles
+    the launcher's own launch in a process without the interpreter, which replaces the kernels the compiler reads)."""
     from dataclasses import asdict
-    from pathlib import Path
+
+    from compile_smem import compiled_shared
 
     dims = [BERT_BASE.tokens, BERT_BASE.seq, BERT_BASE.d_model, BERT_BASE.heads, BERT_BASE.ffn]
     # Every case on Hopper; before it (mma.sync everywhere: one stage fewer of A+B) the two wgmma ones.
     cases = [(c, H100, 90) for c in SMEM_CASES] + [(c, A100, 80) for c in SMEM_CASES[:2]]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("compile_smem.py"))],
-                         input=json.dumps([[asdict(c), dims, arch] for c, _, arch in cases]), capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    compiled = json.loads(run.stdout)
+    compiled = compiled_shared([dict(kind="layer", config=asdict(c), problem=dims, arch=arch) for c, _, arch in cases])
     assert [fk.smem_bytes(c, BERT_BASE, dev) for c, dev, _ in cases] == compiled
     assert compiled[-2] < compiled[0] and compiled[-1] < compiled[1]
 
