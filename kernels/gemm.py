@@ -100,10 +100,34 @@ class GemmProblem:
 
 
 
-def smem_bytes(c: GemmConfig, dtype_bytes: int) -> int:
-    """The K loop's stages of A and B tiles (and, with TMA, one 8-byte mbarrier a stage: measured on
-    sm_90 builds, e.g. 196632 B for 64x64x256 in 3 stages)."""
-    return c.num_stages * ((c.block_m + c.block_n) * c.block_k * dtype_bytes + 8 * c.tma)
+def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None) -> int:
+    """Triton's shared memory for :func:`_gemm_kernel` (Triton 3.6): the K loop's A+B buffers or, with split-K, the fp32
+    partial tile where it is larger (the epilogue stages it for the workspace store after the loop, in the same memory).
+
+    The loop keeps ``num_stages`` buffers where Triton makes the dot a Hopper wgmma (``block_m`` >= 64, whole
+    warpgroups), one fewer (at least one) where it makes it mma.sync (``block_m`` < 64, 1 or 2 warps, any GPU before
+    Hopper), each with an 8-byte mbarrier under TMA. Before Hopper the descriptor loads are emulated, with no mbarrier:
+    4-byte operands keep one A tile more, 16-bit ones are not pipelined at all (6-35 KB whatever the depth: counted as
+    pipelined, an over-count). The split-K store converts ``min(block_m, 16 * num_warps)`` rows of a wgmma accumulator
+    at once.
+
+    Checked against ``triton.compile``'s ``metadata.shared`` for sm_90 and sm_80 (tests/test_gemm.py; by hand over
+    4,791 compiles of tiles, depths, warps, splits, epilogues, TMA and dtypes: 3,896 exact). Not counted: the epilogue's
+    other layout conversions and mma.sync's split-K one, which exceed the loop only where it holds one buffer or
+    block_k <= 32, by at most 16 KB in the search space's tiles (56 KB with 16 warps), in kernels of at most 64 KB: far
+    below any limit. Without a device (``fit``) and on the interpreter it counts as on Hopper.
+    """
+    pre_hopper = device is not None and 0 < device.capability[0] < 9
+    wgmma = not pre_hopper and c.block_m >= 64 and c.num_warps % 4 == 0
+    bufs = c.num_stages if wgmma else max(c.num_stages - 1, 1)
+    a = c.block_m * c.block_k * dtype_bytes
+    b = c.block_n * c.block_k * dtype_bytes
+    if c.tma and pre_hopper:
+        loop = bufs * (a + b) + a * (dtype_bytes == 4)
+    else:
+        loop = bufs * (a + b + 8 * c.tma)
+    partial = min(c.block_m, 16 * c.num_warps) * c.block_n * 4 if wgmma and c.split_k > 1 else 0
+    return max(loop, partial)
 
 
 def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
@@ -148,9 +172,9 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
-    need = smem_bytes(c, p.dtype_bytes)
+    need = smem_bytes(c, p.dtype_bytes, device)
     if need > limit:
-        return f"shared memory {need} B > {limit} B (num_stages*(block_m+block_n)*block_k*bytes)"
+        return f"shared memory {need} B > {limit} B (smem_bytes: the K loop's A+B buffers, the split-K partial tile)"
     why = _cluster_error(c, p, device)
     if why:
         return why
@@ -197,19 +221,19 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
-    """The nearest config that passes :func:`check` on resources: fewer stages until the shared memory
-    fits, more warps (up to 8) until the accumulator fits the registers, the Triton kernels (cluster 0) where
+    """The nearest config that passes :func:`check` on resources: more warps (up to 8) until the accumulator fits
+    the registers, then fewer stages until the shared memory fits, the Triton kernels (cluster 0) where
     the CUDA kernel cannot run the tiles or the GPU. The search calls this so that
     a sampled combination of tiles is measured rather than thrown away (on the H200 more than half of
     the default space's samples were over one of these two limits)."""
     c = fit(config, problem)
-    limit = smem_limit(device)
-    while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes) > limit:
-        c = replace(c, num_stages=c.num_stages - 1)
     while c.num_warps < 8 and c.block_m * c.block_n // (32 * c.num_warps) > 256:
         c = replace(c, num_warps=c.num_warps * 2)
     while c.num_warps > 1 and c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         c = replace(c, num_warps=c.num_warps // 2)
+    limit = smem_limit(device)  # (after the warps: they decide between wgmma and mma.sync, and so the buffers)
+    while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes, device) > limit:
+        c = replace(c, num_stages=c.num_stages - 1)
     if c.cluster and _cluster_error(c, problem, device):  # the tiles or the GPU do not fit the CUDA kernel
         c = replace(c, cluster=0)
     return c

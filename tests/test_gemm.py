@@ -6,7 +6,7 @@ import torch
 
 from tuner.device import DeviceInfo
 from tuner.kernels._common import REL_TOLERANCE, rel_error
-from tuner.kernels.gemm import GemmConfig, GemmProblem, check, linear, linear_ref
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, linear, linear_ref, smem_bytes
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -155,6 +155,52 @@ def test_layernorm_prologue_on_gpu_tiles(block_k, stages, warps):
     linear(x, wf, bf, config=cfg, ln_colsum=u, out=out)
     torch.cuda.synchronize()
     assert rel_error(out, linear_ref(x, w, b, ln_weight=lw, ln_bias=lb)) < 1e-2
+
+
+# bert-base's GEMMs, each launched with the epilogue the layer gives it (a fused LayerNorm's row sums gathered in the
+# K loop, ln 1, or read from the producer's stats_out, ln 2), and a config for each way the count can come out: wgmma
+# buffers (block_m >= 64, 4 or 8 warps), mma.sync's one fewer (block_m 32, or 2 warps), TMA's mbarriers, one stage, the
+# split-K partial tile over a small loop (128x256, 8 warps: 131072 B against 49152 of buffers), and over the limit.
+BERT_GEMMS = {"qkv": (GemmProblem(128, 2304, 768), dict(bias=True, ln=1)),
+              "qkv-stats": (GemmProblem(128, 2304, 768), dict(bias=True, ln=2)),
+              "out": (GemmProblem(128, 768, 768), dict(bias=True, residual=True, stats_out=True)),
+              "ffn1": (GemmProblem(128, 3072, 768), dict(bias=True, activation="gelu", ln=2)),
+              "ffn2": (GemmProblem(128, 768, 3072), dict(bias=True, residual=True))}
+SMEM_CASES = {
+    "wgmma": ("ffn1", GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)),
+    "wgmma-tma": ("qkv", GemmConfig(block_m=64, block_n=128, block_k=128, num_stages=3, tma=1)),
+    "mma.sync-tma": ("ffn2", GemmConfig(block_m=32, block_n=64, block_k=128, num_stages=5, tma=1)),
+    "mma.sync": ("out", GemmConfig(block_m=32, block_n=128, block_k=64, num_stages=4)),
+    "2warps": ("ffn1", GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=2, num_stages=3)),
+    "1stage": ("ffn1", GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=1)),
+    "split-partial": ("out", GemmConfig(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=2, split_k=2)),
+    "split-tma": ("qkv-stats", GemmConfig(block_m=128, block_n=64, block_k=64, num_stages=6, split_k=3, tma=1)),
+    "over-limit": ("ffn2", GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)),
+}
+
+
+def test_smem_bytes_is_what_triton_allocates():
+    """The count against triton.compile's allocation for sm_90 (every case) and sm_80 (mma.sync everywhere: the wgmma
+    case one buffer fewer, and over the A100's limit), as linear() launches the kernel there; and check() refuses
+    exactly the cases over the GPU's limit. No GPU needed (tests/compile_smem.py)."""
+    from dataclasses import asdict
+
+    from compile_smem import compiled_shared
+    from test_fused_layer import A100, H100  # (tests/ is on sys.path under pytest)
+
+    def case(name, arch):
+        gemm, c = SMEM_CASES[name]
+        p, launch = BERT_GEMMS[gemm]
+        return dict(kind="gemm", config=asdict(c), problem=[p.m, p.n, p.k], launch=launch, arch=arch)
+
+    cases = {f"{name}/sm_90": (name, H100) for name in SMEM_CASES}
+    cases.update({f"{name}/sm_80": (name, A100) for name in ("wgmma", "over-limit")})
+    compiled = dict(zip(cases, compiled_shared([case(name, dev.capability[0] * 10) for name, dev in cases.values()])))
+    assert {k: smem_bytes(SMEM_CASES[name][1], 2, dev) for k, (name, dev) in cases.items()} == compiled
+    for k, (name, dev) in cases.items():
+        gemm, c = SMEM_CASES[name]
+        why = check(c, BERT_GEMMS[gemm][0], dev) or ""
+        assert ("shared memory" in why) == (compiled[k] > dev.smem_per_block_bytes), (k, why)
 
 
 def test_repair_moves_configs_inside_the_limits():
