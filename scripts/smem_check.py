@@ -25,14 +25,22 @@ def compiled_shared() -> list[int]:
     return out
 
 
-def main() -> None:
-    dev = DeviceInfo.from_torch()
+def refused_layer_configs() -> dict[tuple[str, int], fk.FusedLayerConfig]:
+    """The one-kernel-layer configurations, as sampled, whose launch a committed study's GPU refused for shared memory
+    (results/<shape>/<run>/trials.csv, status out_of_resources): the first of each (shape name, the GPU's "Required"
+    bytes). tests/test_fused_layer.py replays them too."""
     seen = {}
     for f in sorted(Path(__file__).parents[1].glob("results/*/*/trials.csv")):
         for row in csv.DictReader(f.open()):
             if row["status"] == "out_of_resources" and row.get("layer.fuse") == "1":
                 sampled = fk.FusedLayerConfig.from_dict({k[6:]: v for k, v in row.items() if k.startswith("layer.")})
                 seen.setdefault((f.parts[-3], int(row["reason"].split("Required: ")[1].split(",")[0])), sampled)
+    return seen
+
+
+def main() -> None:
+    dev = DeviceInfo.from_torch()
+    seen = refused_layer_configs()
     print(f"{dev.name}: {len(seen)} refused configurations")
     for (name, need), sampled in seen.items():
         shape = resolve(name)

@@ -5,7 +5,9 @@ In the interpreter the launcher runs one program, so every barrier and split-K f
 (the counters must come back to zero after every launch).
 """
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +21,9 @@ from tuner.layer import DecoderStack, LayerWeights, check_config, fit_config, la
 from tuner.report import format_tiles, gemm_op
 from tuner.shapes import DecoderShape, resolve
 from tuner import space
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from smem_check import refused_layer_configs  # noqa: E402  (the scan of the committed runs' refused launches)
 
 ODD = DecoderShape(1, 17, 32, 1, 90, name="odd")  # seq 17, one head of dim 32, ffn 90: every tile masked
 TWO = DecoderShape(2, 24, 64, 2, 96, name="two")  # two sequences, two heads
@@ -140,18 +145,9 @@ def test_smem_bytes_is_what_triton_allocates():
 def test_smem_bytes_refuses_what_the_gpu_refused():
     """Every one-kernel-layer launch that a study's GPU refused for shared memory (the committed run folders' trials,
     status out_of_resources) is refused by check() with the GPU's own count, and fit() repairs it."""
-    import csv
-    from pathlib import Path
-
     from tuner.shapes import resolve as shape_of
 
-    refused = {}
-    for f in sorted(Path(__file__).parents[1].glob("results/*/*/trials.csv")):
-        for row in csv.DictReader(f.open()):
-            if row["status"] == "out_of_resources" and row.get("layer.fuse") == "1":
-                sampled = fk.FusedLayerConfig.from_dict({k[6:]: v for k, v in row.items() if k.startswith("layer.")})
-                need = int(row["reason"].split("Required: ")[1].split(",")[0])
-                refused[(f.parts[-3], need)] = sampled
+    refused = refused_layer_configs()
     assert len(refused) >= 4, refused
     for (name, need), sampled in refused.items():
         p = layer_problem(shape_of(name))
