@@ -1,9 +1,12 @@
-"""GPU check of the one-kernel layer's shared-memory count (kernels/fused_layer.smem_bytes).
+"""GPU check of the Triton kernels' shared-memory counts (fused_layer.smem_bytes, gemm.smem_bytes).
 
-For every one-kernel-layer launch that a committed study's GPU refused for shared memory (results/*/*/trials.csv,
-status out_of_resources), fit the sampled configuration as the evaluator does now, run a 2-layer stack of it in a
-CUDA graph, check it against the reference, and print the count beside the compiled kernel's own.
-usage: python scripts/smem_check.py
+layer (default): for every one-kernel-layer launch that a committed study's GPU refused for shared memory
+(results/*/*/trials.csv, status out_of_resources), fit the sampled configuration as the evaluator does now, run a
+2-layer stack of it in a CUDA graph, check it against the reference, and print the count beside the compiled kernel's.
+gemm: tests/test_gemm.py's compile cases (and two deeper mma.sync configs that the count before session 21 refused)
+launched by linear() on bert-base's GEMMs: the count beside the compiled kernel's, the output against the same launch
+with the default tiles.
+usage: python scripts/smem_check.py [layer|gemm]
 """
 
 import csv
@@ -16,13 +19,9 @@ from tuner.layer import DecoderStack, layer_problem
 from tuner.shapes import resolve
 
 
-def compiled_shared() -> list[int]:
-    """metadata.shared of every compiled variant of the kernel in this process."""
-    out = []
-    for cache in fk._layer_kernel.device_caches.values():
-        for k in cache[0].values():
-            out.append(k.metadata.shared)
-    return out
+def compiled_shared(fn=fk._layer_kernel) -> list[int]:
+    """metadata.shared of every compiled variant of the Triton kernel ``fn`` in this process."""
+    return [k.metadata.shared for cache in fn.device_caches.values() for k in cache[0].values()]
 
 
 def refused_layer_configs() -> dict[tuple[str, int], fk.FusedLayerConfig]:
@@ -56,5 +55,53 @@ def main() -> None:
               f"{fk.check(cfg, p, dev) or 'ok'}, rel. error {err:.2e} (tolerance {st.tolerance():g})")
 
 
+def gemm_main() -> None:
+    import sys
+
+    import torch
+
+    from tuner.kernels import gemm
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+    from test_gemm import BERT_GEMMS, SMEM_CASES
+
+    on = "cuda" if torch.cuda.is_available() else "cpu"  # (cpu: TRITON_INTERPRET=1, a dry run: nothing is compiled)
+    dev = DeviceInfo.from_torch() if on == "cuda" else DeviceInfo.interpreter()
+    cases = dict(SMEM_CASES)
+    cases["mma.sync, 6 stages"] = ("ffn1", gemm.GemmConfig(block_m=32, block_n=128, block_k=128, num_stages=6))
+    cases["mma.sync-tma, 6 stages"] = ("ffn2", gemm.GemmConfig(block_m=32, block_n=128, block_k=128, num_stages=6,
+                                                               tma=1))
+    g = torch.Generator(device=on).manual_seed(0)
+    print(f"{dev.name}: {len(cases)} GEMM configurations (limit {dev.smem_per_block_bytes} B)")
+    for name, (which, c) in cases.items():
+        p, launch = BERT_GEMMS[which]
+        r = lambda *shape, dtype=torch.float16: torch.randn(shape, generator=g, device=on).to(dtype)  # noqa: E731
+        x, w = r(p.m, p.k), 0.05 * r(p.n, p.k)
+        kw = dict(bias=r(p.n) if launch.get("bias") else None, activation=launch.get("activation"),
+                  residual=r(p.m, p.n) if launch.get("residual") else None)
+        if launch.get("ln"):
+            kw["ln_colsum"] = w.float().sum(1)
+            if launch["ln"] == 2:  # a producer's row sums of x over 64-column parts
+                xp = x.float().view(p.m, -1, 64)
+                kw["ln_stats"] = torch.stack((xp.sum(2), (xp * xp).sum(2)), -1).transpose(0, 1).contiguous()
+        stats = lambda cfg: (dict(stats_out=torch.zeros(gemm.stats_parts(cfg, p.n), p.m, 2, device=on))  # noqa: E731
+                             if launch.get("stats_out") else {})
+        why = gemm.check(c, p, dev)
+        count = gemm.smem_bytes(c, p.dtype_bytes, dev)
+        if why:
+            print(f"{name} ({which}): count {count} B, check() refuses: {why}")
+            continue
+        kernels = lambda: {id(k): k for cache in getattr(gemm._gemm_kernel, "device_caches", {}).values()  # noqa: E731
+                           for k in cache[0].values()}
+        before = kernels()
+        y = gemm.linear(x, w, config=c, **kw, **stats(c))  # (compiled at the launch, before it runs)
+        new = sorted(k.metadata.shared for i, k in kernels().items() if i not in before)
+        ref = gemm.linear(x, w, config=gemm.GemmConfig(), **kw, **stats(gemm.GemmConfig()))
+        err = float((y.double() - ref.double()).norm() / ref.double().norm())
+        print(f"{name} ({which}): count {count} B, compiled {new} B, rel. difference from the default tiles' {err:.1e}")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+
+    gemm_main() if sys.argv[1:] == ["gemm"] else main()
