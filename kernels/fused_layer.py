@@ -44,7 +44,7 @@ from tuner.device import DeviceInfo
 
 from . import cluster_gemm, layer_cuda
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting, launch_mode,
-                      pdl_trigger, pdl_wait, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
+                      pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct, act_code
 
@@ -133,12 +133,10 @@ def smem_bytes(c: FusedLayerConfig, p: LayerProblem, device: DeviceInfo | None =
     before this count). Without a device (``fit``) and on the interpreter it counts as on Hopper, the larger of the
     two.
     """
-    mma_v2 = device is not None and 0 < device.capability[0] < 9
-    wgmma = not mma_v2 and c.block_m >= 64 and c.num_warps % 4 == 0
-    s = c.num_stages
-    bufs = s if wgmma else max(s - 1, 1)
+    bufs, _ = pipeline_buffers(c.num_stages, c.block_m, c.num_warps, device)
     a = c.block_m * c.block_k * p.dtype_bytes
-    gemm = max(bufs * (a + getattr(c, f"{g}_block_n") * c.block_k * p.dtype_bytes) + (s - 1) * a * (g in LN_PHASES)
+    gemm = max(bufs * (a + getattr(c, f"{g}_block_n") * c.block_k * p.dtype_bytes)
+               + (c.num_stages - 1) * a * (g in LN_PHASES)
                for g in GEMM_PHASES)
     attn = (c.attn_block_m + 2 * c.attn_block_n) * block_d(p.head_dim) * p.dtype_bytes
     return max(gemm, attn)
