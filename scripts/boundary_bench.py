@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tuner.kernels._common import pdl_trigger, pdl_wait
+from tuner.kernels._common import launch_mode, pdl_trigger, pdl_wait
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def chain(bufs: tuple[torch.Tensor, torch.Tensor], hops: int, programs: int, blo
           pdl: bool = True, early: bool = True) -> None:
     """``hops`` launches, each reading the other's output (a, b, a, ...): after it, with ``load``, every element of
     the last buffer written holds its start value + ``hops`` if (and only if) every hop read its predecessor's."""
-    use_pdl = pdl and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 9
+    use_pdl = pdl and launch_mode(bufs[0]).pdl
     for i in range(hops):
         src, dst = bufs[i % 2], bufs[(i + 1) % 2]
         _hop[(programs,)](src, dst, BLOCK=block, LOAD=load, EARLY=early, USE_PDL=use_pdl,

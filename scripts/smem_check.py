@@ -19,9 +19,14 @@ from tuner.layer import DecoderStack, layer_problem
 from tuner.shapes import resolve
 
 
-def compiled_shared(fn=fk._layer_kernel) -> list[int]:
-    """metadata.shared of every compiled variant of the Triton kernel ``fn`` in this process."""
-    return [k.metadata.shared for cache in fn.device_caches.values() for k in cache[0].values()]
+def compiled_kernels(fn) -> dict[int, object]:
+    """Every compiled variant of the Triton kernel ``fn`` in this process, by identity (none in the interpreter)."""
+    return {id(k): k for cache in getattr(fn, "device_caches", {}).values() for k in cache[0].values()}
+
+
+def new_shared(fn, before: dict[int, object]) -> list[int]:
+    """metadata.shared of the variants of ``fn`` compiled since ``before`` (a :func:`compiled_kernels`)."""
+    return sorted(k.metadata.shared for i, k in compiled_kernels(fn).items() if i not in before)
 
 
 def refused_layer_configs() -> dict[tuple[str, int], fk.FusedLayerConfig]:
@@ -45,11 +50,11 @@ def main() -> None:
         shape = resolve(name)
         p = layer_problem(shape)
         cfg = fk.fit(sampled, p)
-        before = set(compiled_shared())
+        before = compiled_kernels(fk._layer_kernel)
         st = DecoderStack(shape, DecoderConfig(layer=cfg), n_layers=2)
         st.capture()
         err = st.check(seed=1)
-        new = sorted(set(compiled_shared()) - before)
+        new = new_shared(fk._layer_kernel, before)
         print(f"{name}: refused at {need} B with {sampled.num_stages} stages; fitted {cfg.num_stages} stages, "
               f"count {fk.smem_bytes(cfg, p, dev)} B, compiled {new or 'as above (same kernel)'} B, check() "
               f"{fk.check(cfg, p, dev) or 'ok'}, rel. error {err:.2e} (tolerance {st.tolerance():g})")
@@ -73,9 +78,9 @@ def gemm_main() -> None:
                                                                tma=1))
     g = torch.Generator(device=on).manual_seed(0)
     print(f"{dev.name}: {len(cases)} GEMM configurations (limit {dev.smem_per_block_bytes} B)")
+    r = lambda *shape: torch.randn(shape, generator=g, device=on).half()  # noqa: E731
     for name, (which, c) in cases.items():
         p, launch = BERT_GEMMS[which]
-        r = lambda *shape, dtype=torch.float16: torch.randn(shape, generator=g, device=on).to(dtype)  # noqa: E731
         x, w = r(p.m, p.k), 0.05 * r(p.n, p.k)
         kw = dict(bias=r(p.n) if launch.get("bias") else None, activation=launch.get("activation"),
                   residual=r(p.m, p.n) if launch.get("residual") else None)
@@ -91,11 +96,9 @@ def gemm_main() -> None:
         if why:
             print(f"{name} ({which}): count {count} B, check() refuses: {why}")
             continue
-        kernels = lambda: {id(k): k for cache in getattr(gemm._gemm_kernel, "device_caches", {}).values()  # noqa: E731
-                           for k in cache[0].values()}
-        before = kernels()
+        before = compiled_kernels(gemm._gemm_kernel)
         y = gemm.linear(x, w, config=c, **kw, **stats(c))  # (compiled at the launch, before it runs)
-        new = sorted(k.metadata.shared for i, k in kernels().items() if i not in before)
+        new = new_shared(gemm._gemm_kernel, before)
         ref = gemm.linear(x, w, config=gemm.GemmConfig(), **kw, **stats(gemm.GemmConfig()))
         err = float((y.double() - ref.double()).norm() / ref.double().norm())
         print(f"{name} ({which}): count {count} B, compiled {new} B, rel. difference from the default tiles' {err:.1e}")
