@@ -10,11 +10,10 @@ from tuner.device import DeviceInfo
 from tuner.kernels._common import REL_TOLERANCE, rel_error
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fold_layernorm, linear, linear_ref, stats_parts
 
-from test_gemm import _inputs  # the GEMM tests' inputs (tests/ is on sys.path under pytest)
+from devices import A100, H200  # (tests/ is on sys.path under pytest)
+from test_gemm import _inputs  # the GEMM tests' inputs
 
 CL = GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, tma=1, split_k=4, cluster=1)
-HOPPER = DeviceInfo("H200", (9, 0), 132, 60 << 20, 232448)
-AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
 
 
 @pytest.mark.parametrize("cfg, problem, needle", [
@@ -28,18 +27,18 @@ AMPERE = DeviceInfo("A100", (8, 0), 108, 40 << 20, 166912)
     (replace(CL, block_k=128, num_stages=7), GemmProblem(128, 256, 4096), "must be in 2..12"),
 ])
 def test_check_rejects_cluster(cfg, problem, needle):
-    assert needle in (check(cfg, problem, HOPPER) or "")
+    assert needle in (check(cfg, problem, H200) or "")
 
 
 def test_check_accepts_16_bit_exchange():
-    assert check(replace(CL, cluster=2), GemmProblem(128, 256, 768), HOPPER) is None
-    assert check(replace(CL, cluster=2, split_k=2), GemmProblem(128, 256, 768), HOPPER) is None
+    assert check(replace(CL, cluster=2), GemmProblem(128, 256, 768), H200) is None
+    assert check(replace(CL, cluster=2, split_k=2), GemmProblem(128, 256, 768), H200) is None
 
 
 def test_check_cluster_few_rows():
     # Below 64 rows a tile that covers every row runs on the 64-row kernel (rows past M zero-filled, masked).
-    assert check(replace(CL, block_m=32), GemmProblem(32, 256, 1024), HOPPER) is None
-    assert "needs 64- or 128-row" in check(replace(CL, block_m=32), GemmProblem(48, 256, 1024), HOPPER)
+    assert check(replace(CL, block_m=32), GemmProblem(32, 256, 1024), H200) is None
+    assert "needs 64- or 128-row" in check(replace(CL, block_m=32), GemmProblem(48, 256, 1024), H200)
 
 
 @pytest.mark.parametrize("bm, bn, warps, stages, ok", [
@@ -51,7 +50,7 @@ def test_check_cluster_few_rows():
 ])
 def test_check_cluster_tiles(bm, bn, warps, stages, ok):
     cfg = replace(CL, block_m=bm, block_n=bn, num_warps=warps, num_stages=stages, block_k=64)
-    why = check(cfg, GemmProblem(256, 2304, 768), HOPPER)
+    why = check(cfg, GemmProblem(256, 2304, 768), H200)
     assert why is None if ok is None else ok in (why or ""), why
 
 
@@ -68,9 +67,9 @@ def test_launch_argtypes_match_the_c_signature():
 
 def test_check_cluster_device():
     p = GemmProblem(128, 256, 768)
-    assert check(CL, p, HOPPER) is None
-    assert "needs a Hopper GPU" in check(CL, p, AMPERE)
-    assert check(replace(CL, cluster=0), p, AMPERE) is None
+    assert check(CL, p, H200) is None
+    assert "needs a Hopper GPU" in check(CL, p, A100)
+    assert check(replace(CL, cluster=0), p, A100) is None
 
 
 def test_cluster_config_runs_the_triton_kernels_off_hopper(device):

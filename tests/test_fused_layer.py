@@ -14,7 +14,6 @@ import torch
 
 from tuner.bench import hand_picked_fused
 from tuner.config import DecoderConfig
-from tuner.device import DeviceInfo
 from tuner.kernels import fused_layer as fk
 from tuner.kernels._common import rel_error
 from tuner.layer import DecoderStack, LayerWeights, check_config, fit_config, layer_problem, layer_ref
@@ -23,6 +22,7 @@ from tuner.shapes import DecoderShape, resolve
 from tuner import space
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from devices import A100, H100, H200  # noqa: E402  (tests/ is on sys.path under pytest)
 from smem_check import refused_layer_configs  # noqa: E402  (the scan of the committed runs' refused launches)
 
 ODD = DecoderShape(1, 17, 32, 1, 90, name="odd")  # seq 17, one head of dim 32, ffn 90: every tile masked
@@ -75,9 +75,8 @@ def test_fused_stack_in_the_runtime(device):
 
 def test_check_names_the_problem():
     p = layer_problem(resolve("bert-base"))
-    h200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448)
     ok = fit_config(DecoderConfig(layer=SMALL), resolve("bert-base")).layer
-    assert fk.check(ok, p, h200) is None
+    assert fk.check(ok, p, H200) is None
     cases = {
         "programs=200 must be in 0..132": replace(ok, programs=200),
         "ffn2_split_k=9 leaves a split without K tiles": replace(ok, block_k=64, ffn2_split_k=9, ffn2_block_n=64),
@@ -88,7 +87,7 @@ def test_check_names_the_problem():
         "overlap_ratio=1.5": replace(ok, overlap_ratio=1.5),
     }
     for words, cfg in cases.items():
-        why = fk.check(cfg, p, h200)
+        why = fk.check(cfg, p, H200)
         assert why and words in why, (words, why)
     assert "head_dim=16" in fk.check(ok, fk.LayerProblem(16, 16, 64, 4, 64))
 
@@ -102,8 +101,6 @@ def test_fit_repairs_what_the_search_samples():
     assert (fitted.block_m, fitted.attn_block_m, fitted.attn_block_n) == (32, 32, 32)
 
 
-H100 = DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 << 20, 232448)
-A100 = DeviceInfo("NVIDIA A100-SXM4-80GB", (8, 0), 108, 40 << 20, 166912)
 BERT_BASE = fk.LayerProblem(128, 128, 768, 12, 3072)
 # One of each way a phase can set the kernel's shared memory: a wgmma LayerNorm phase (FFN1 at 128 columns), a
 # wgmma plain one (the out-projection), mma.sync at 32 rows and at two warps, one stage (nothing pipelined), the

@@ -8,6 +8,8 @@ from tuner.device import DeviceInfo
 from tuner.kernels._common import REL_TOLERANCE, rel_error
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, linear, linear_ref, smem_bytes
 
+from devices import A100, H100  # (tests/ is on sys.path under pytest)
+
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 IDS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -186,7 +188,6 @@ def test_smem_bytes_is_what_triton_allocates():
     from dataclasses import asdict
 
     from compile_smem import compiled_shared
-    from test_fused_layer import A100, H100  # (tests/ is on sys.path under pytest)
 
     def case(name, arch):
         gemm, c = SMEM_CASES[name]

@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from tuner.config import DecoderConfig
-from tuner.device import DeviceInfo
 from tuner.kernels import _nvcc, layer_cuda
 from tuner.kernels import fused_layer as fk
 from tuner.layer import DecoderStack, check_config, fit_config, layer_problem
 from tuner.shapes import DecoderShape, resolve
 
-from test_fused_layer import run_layer  # (tests/ is on sys.path under pytest)
+from devices import H200  # (tests/ is on sys.path under pytest)
+from test_fused_layer import run_layer
 
-H200 = DeviceInfo("NVIDIA H200", (9, 0), 132, 60 << 20, 232448)
 CUDA2 = fk.FusedLayerConfig(fuse=2, num_stages=8, out_split_k=4, ffn2_split_k=4)
 SMALL = DecoderShape(1, 24, 128, 2, 192, name="small")  # head dim 64, seq 24: one partial row tile
 
