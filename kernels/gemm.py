@@ -582,58 +582,61 @@ def _streamk_kernel(
 
     pdl_wait(USE_PDL)
     pdl_trigger(0, trigger_k, USE_PDL)
-    done = p * 0
-    while it < end:
-        t = it // k_tiles
-        k0 = it - t * k_tiles
-        k1 = tl.minimum(k_tiles, k0 + (end - it))
+    # One flat loop over the program's iterations (as Triton's persistent matmul tutorial), which the compiler
+    # pipelines; a tile's segment ends at its last K tile or at the program's last iteration.
+    first_it = it
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(it, end):
+        t = i // k_tiles
+        kk = i - t * k_tiles
         pid_m = t % num_pid_m
         pid_n = t // num_pid_m
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(k0, k1):
+        if USE_TMA:
+            a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
+            b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K]).T
+        else:
+            offs_am = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_bn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             k = kk * BLOCK_K + offs_k
-            if USE_TMA:
-                a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
-                b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K]).T
-            else:
-                a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                            mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-                b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
-                            mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-            done += 1
-            pdl_trigger(done, trigger_k, USE_PDL)
-        finish = (k1 - k0) == k_tiles
-        if k1 - k0 < k_tiles:
-            # The tile's contributors are the programs whose ranges meet [t*k_tiles, (t+1)*k_tiles): the first is
-            # the last program starting at or before its first iteration (start(q) = q*total // n_programs).
-            first = ((t * k_tiles + 1) * n_programs - 1) // total
-            last = (((t + 1) * k_tiles) * n_programs - 1) // total
-            tile_ws = ws_ptr + t * (MAX_PARTS * BLOCK_M * BLOCK_N)
-            offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(tile_ws + (p - first) * (BLOCK_M * BLOCK_N) + offs_t, acc)
-            tl.debug_barrier()  # every thread's share of the partial stored before the count
-            arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-            finish = arrived == last - first
+            a = tl.load(x_ptr + offs_am[:, None] * stride_xm + k[None, :] * stride_xk,
+                        mask=(offs_am[:, None] < M) & (k[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + offs_bn[None, :] * stride_wn + k[:, None] * stride_wk,
+                        mask=(offs_bn[None, :] < N) & (k[:, None] < K), other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        pdl_trigger(i - first_it + 1, trigger_k, USE_PDL)
+        if (kk == k_tiles - 1) | (i == end - 1):
+            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            finish = (kk == k_tiles - 1) & (i - kk >= first_it)  # the program covered the whole tile
+            if (kk != k_tiles - 1) | (i - kk < first_it):
+                # The tile's contributors are the programs whose ranges meet [t*k_tiles, (t+1)*k_tiles): the
+                # first is the last program starting at or before its first iteration (start(q) = q*total //
+                # n_programs), the last the last one starting at or before its last iteration.
+                first = ((t * k_tiles + 1) * n_programs - 1) // total
+                last = (((t + 1) * k_tiles) * n_programs - 1) // total
+                tile_ws = ws_ptr + t * (MAX_PARTS * BLOCK_M * BLOCK_N)
+                offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+                tl.store(tile_ws + (p - first) * (BLOCK_M * BLOCK_N) + offs_t, acc)
+                tl.debug_barrier()  # every thread's share of the partial stored before the count
+                arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
+                finish = arrived == last - first
+                if finish:
+                    for q in range(0, last - first + 1):
+                        if q != p - first:
+                            acc += tl.load(tile_ws + q * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
+                    tl.store(cnt_ptr + t, 0)
             if finish:
-                for q in range(0, last - first + 1):
-                    if q != p - first:
-                        acc += tl.load(tile_ws + q * (BLOCK_M * BLOCK_N) + offs_t, cache_modifier=".cg")
-                tl.store(cnt_ptr + t, 0)
-        if finish:
-            if HAS_LN:
-                s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
-                acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
-            y = _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn, stride_om,
-                          stride_on, HAS_BIAS, HAS_RES, ACT)
-            if STATS_OUT:
-                _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
-        it = t * k_tiles + k1
+                if HAS_LN:
+                    s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
+                    acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
+                y = _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn,
+                              stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
+                if STATS_OUT:
+                    _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
