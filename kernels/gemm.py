@@ -80,10 +80,6 @@ class GemmConfig(KnobConfig):
     # kernels ignore it. H100, same process: tiny 7.69-7.77 -> 7.49-7.54 us with QKV's and FFN1's on (either alone
     # -0.05 at most), bert-base 18.95-19.11 -> 19.00-19.34 with any on (docs/perf-notes.md section 30).
     hints: int = 0
-    # 1: stream-K (_streamk_kernel): one program an SM, each the same share of the tiles' K iterations; tiles shared
-    # between programs are summed by their last contributor through a workspace (no reduction kernel, no waiting).
-    # Needs split_k 1 and cluster 0; a fused LayerNorm must take its row sums from the producer (ln_stats).
-    stream_k: int = 0
     overlap_ratio: float = -1.0
     prefetch_ratio: float = -1.0
 
@@ -172,10 +168,6 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"fuse={c.fuse} must be 0, 1 or 2"
     if c.hints not in (0, 1):
         return f"hints={c.hints} must be 0 or 1"
-    if c.stream_k not in (0, 1):
-        return f"stream_k={c.stream_k} must be 0 or 1"
-    if c.stream_k and (c.split_k != 1 or c.cluster):
-        return f"stream_k=1 needs split_k=1 and cluster=0 (it splits K by itself), not {c.split_k} and {c.cluster}"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
@@ -542,107 +534,6 @@ def _gemm_kernel(
 
 
 @triton.jit
-def _streamk_kernel(
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, cnt_ptr, ln_u_ptr, ln_stats_ptr, stats_out_ptr,
-    x_desc, w_desc,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
-    trigger_k, n_prefetch, ln_eps, ln_parts, n_programs,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_PARTS: tl.constexpr,
-    MAX_SEGS: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINES: tl.constexpr,
-    LINE_ELEMS: tl.constexpr, HAS_LN: tl.constexpr, LN_PARTS: tl.constexpr, STATS_OUT: tl.constexpr,
-    USE_TMA: tl.constexpr,
-):
-    """Stream-K (``stream_k=1``): the output tiles' K iterations, ``tiles x k_tiles`` in all, dealt out evenly to
-    ``n_programs`` programs (one an SM), so that every SM streams the same share of the weights. A program covers
-    a contiguous range of iterations: a tile it covers whole gets the epilogue at once; a tile shared with its
-    neighbours gets a partial, stored as fp32 to the workspace slot ``[tile, contributor]``, then a count on the
-    tile's counter (after a CTA barrier, acq_rel at GPU scope). The tile's last contributor to arrive sums the
-    others' partials into its own and applies the epilogue, and sets the counter back to 0 (counters start at 0
-    and end every launch at 0; no contributor waits for another). A fused LayerNorm takes its row sums from the
-    producer (``ln_stats``) and applies them in the epilogue, after the sum."""
-    p = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    total = num_pid_m * num_pid_n * k_tiles
-    it = (p * total) // n_programs
-    end = ((p + 1) * total) // n_programs
-    offs_k = tl.arange(0, BLOCK_K)
-
-    if PREFETCH:
-        # This program's first weight K tiles into L2 while the predecessor runs (weights only).
-        lines = tl.arange(0, LINES) * LINE_ELEMS
-        for i in range(it, tl.minimum(it + n_prefetch, end)):
-            pn = (i // k_tiles) // num_pid_m
-            n_idx = tl.minimum(pn * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            k_idx = tl.minimum((i % k_tiles) * BLOCK_K + lines, K - 1)
-            prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
-
-    pdl_wait(USE_PDL)
-    pdl_trigger(0, trigger_k, USE_PDL)
-    done = p * 0
-    # A segment a tile the program meets (MAX_SEGS, unrolled): each K loop is an innermost loop, which Triton
-    # pipelines. (A flat loop over the iterations with the fix-up inside, as in Triton's persistent matmul tutorial,
-    # was not pipelined: one stage of shared memory, FFN1 9.5 us against 3.7, scripts/streamk_probe.py.)
-    for seg in tl.static_range(MAX_SEGS):
-        if it < end:
-            t = it // k_tiles
-            k0 = it - t * k_tiles
-            k1 = tl.minimum(k_tiles, k0 + (end - it))
-            pid_m = t % num_pid_m
-            pid_n = t // num_pid_m
-            offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(k0, k1):
-                if USE_TMA:
-                    a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
-                    b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K]).T
-                else:
-                    k = kk * BLOCK_K + offs_k
-                    a = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-                                mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
-                    b = tl.load(w_ptr + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
-                                mask=(offs_n[None, :] < N) & (k[:, None] < K), other=0.0)
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc)
-                done += 1
-                pdl_trigger(done, trigger_k, USE_PDL)
-            finish = (k1 - k0) == k_tiles  # the program covered the whole tile
-            if (k1 - k0) < k_tiles:
-                # The tile's contributors are the programs whose ranges meet [t*k_tiles, (t+1)*k_tiles): the
-                # first is the last program starting at or before its first iteration (start(q) = q*total //
-                # n_programs), the last the last one starting at or before its last iteration.
-                first = ((t * k_tiles + 1) * n_programs - 1) // total
-                last = (((t + 1) * k_tiles) * n_programs - 1) // total
-                tile_ws = ws_ptr + t * (MAX_PARTS * BLOCK_M * BLOCK_N)
-                offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-                tl.store(tile_ws + (p - first) * (BLOCK_M * BLOCK_N) + offs_t, acc)
-                tl.debug_barrier()  # every thread's share of the partial stored before the count
-                arrived = tl.atomic_add(cnt_ptr + t, 1, sem="acq_rel", scope="gpu")
-                finish = arrived == last - first
-                if finish:
-                    for q in tl.static_range(MAX_PARTS):  # (unrolled: no loop in the segment but its K loop)
-                        ok = (q <= last - first) & (q != p - first)
-                        acc += tl.load(tile_ws + q * (BLOCK_M * BLOCK_N) + offs_t,
-                                       mask=(offs_t < BLOCK_M * BLOCK_N) & ok, other=0.0, cache_modifier=".cg")
-                    tl.store(cnt_ptr + t, 0)
-            if finish:
-                if HAS_LN:
-                    s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
-                    acc = _ln_correct(acc, s1, s2, ln_u_ptr, offs_n, N, K, ln_eps)
-                y = _epilogue(acc, offs_m, offs_n, M, N, bias_ptr, res_ptr, out_ptr, stride_rm, stride_rn,
-                              stride_om, stride_on, HAS_BIAS, HAS_RES, ACT)
-                if STATS_OUT:
-                    _row_stats_out(y, offs_m, M, stats_out_ptr, pid_n)
-            it = t * k_tiles + k1
-
-
-@triton.jit
 def _splitk_reduce_kernel(
     ws_ptr, bias_ptr, res_ptr, out_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr,
     M, N, K,
@@ -690,32 +581,6 @@ def grid(config: GemmConfig, m: int, n: int) -> tuple[int, int]:
     return triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), config.split_k
 
 
-def streamk_programs(iterations: int, device: torch.device, programs: int | None = None) -> int:
-    """Stream-K's grid: one program an SM (``programs`` overrides it, for tests), at most one an iteration."""
-    sms = programs or (DeviceInfo.from_torch(device).num_sms if device.type == "cuda" else DeviceInfo.interpreter().num_sms)
-    return max(1, min(sms, iterations))
-
-
-def streamk_parts(k_tiles: int, iterations: int, programs: int) -> int:
-    """The most programs whose iteration ranges meet one tile's ``k_tiles`` iterations (every program has at least
-    ``iterations // programs``): the workspace's partial slots a tile."""
-    return min(programs, k_tiles // (iterations // programs) + 2)
-
-
-_STREAMK_BUFFERS: dict = {}
-
-
-def _streamk_buffers(device: torch.device, parts: int, tiles: int, tile_elems: int):
-    """Stream-K's fp32 partial slots ``[tiles, parts, tile]`` and int32 tile counters (zero; every launch leaves them
-    at zero), one pair a size and device, kept for the process: a captured CUDA graph holds their addresses. Launches
-    share them safely in one stream: a kernel touches them only after gdc_wait, when its predecessor has ended."""
-    key = (str(device), parts, tiles, tile_elems)
-    if key not in _STREAMK_BUFFERS:
-        _STREAMK_BUFFERS[key] = (torch.empty(tiles * parts * tile_elems, dtype=torch.float32, device=device),
-                                 torch.zeros(tiles, dtype=torch.int32, device=device))
-    return _STREAMK_BUFFERS[key]
-
-
 def workspace_numel(config: GemmConfig, m: int, n: int) -> int:
     """fp32 elements: split-K partials, then 2 row sums per split and row for a fused LayerNorm."""
     return config.split_k * (m * n + 2 * m) if config.split_k > 1 else 0
@@ -742,8 +607,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None,
-           _programs: int | None = None) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -844,31 +708,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    if c.stream_k and (ln_colsum is None or ln_stats is not None) and _trace is None and not _oob_write \
-            and not _racy_read_before_wait:
-        programs = streamk_programs(tiles * k_tiles, x.device, _programs)
-        ws, cnt = _streamk_buffers(x.device, streamk_parts(k_tiles, tiles * k_tiles, programs), tiles,
-                                   c.block_m * c.block_n)
-        _streamk_kernel[(programs,)](
-            x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out, ws, cnt,
-            ln_colsum if ln_colsum is not None else dummy, ln_stats if ln_stats is not None else dummy,
-            stats_out if stats_out is not None else dummy, x_desc, w_desc,
-            M, N, K,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-            residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
-            out.stride(0), out.stride(1),
-            trigger_index(triton.cdiv(tiles * k_tiles, programs), c.overlap_ratio),
-            prefetch_count(triton.cdiv(tiles * k_tiles, programs), c.prefetch_ratio), ln_eps, ln_parts, programs,
-            BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-            MAX_PARTS=streamk_parts(k_tiles, tiles * k_tiles, programs),
-            MAX_SEGS=triton.cdiv(triton.cdiv(tiles * k_tiles, programs), k_tiles) + 1,
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
-            USE_PDL=use_pdl, PREFETCH=c.prefetch_ratio >= 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
-            LINES=lines, LINE_ELEMS=128 // x.element_size(), HAS_LN=ln_colsum is not None,
-            LN_PARTS=stats_kw["LN_PARTS"], STATS_OUT=stats_out is not None, USE_TMA=bool(c.tma),
-            num_warps=c.num_warps, num_stages=c.num_stages, launch_pdl=use_pdl,
-        )
-        return out
     _gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
