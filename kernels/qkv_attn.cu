@@ -18,7 +18,7 @@
 //   into its own shared memory, a K or V CTA of row tile t straight into the Q CTAs of row tiles t.. (causal: row
 //   tile t's keys are seen by queries from row tile t on) by st.async from the epilogue's registers, counted on their
 //   mbarrier, and exits. (Before: the tile into its own shared memory, then one bulk copy a Q CTA: 0.1-0.25 us a
-//   layer slower, perf notes 28; the flags PUSH_ST and none keep both older paths for A/B.)
+//   layer slower, perf notes 28; the build define QA_PUSH keeps both older paths for A/B.)
 // * A Q CTA waits for its K and V tiles and computes the causal attention of its 64 query rows: two warpgroups, each
 //   over half of the keys (attention_part: both products by wgmma, the softmax in registers), the second's share
 //   merged by the first through shared memory; then it stores O.
@@ -40,20 +40,26 @@ constexpr int QUAD_PARTS = MAX_LN_PARTS / 4;  // LN_IN: row-sum parts a lane of 
 
 // Epilogue bits (compile time) and run-time flags, as cluster_gemm.cu's.
 enum Epi { BIAS_F32 = 2, LN_IN = 8 };
+// How a K or V CTA hands its tile to the Q CTAs (a build variant, qkv_attn.PUSH): 0 one bulk copy a Q CTA from its
+// shared-memory tile, 1 st.async of 16 bytes a thread a step from that tile, 2 st.async of 4 bytes straight from the
+// epilogue's registers. (As run-time flags, the paths' branches cost the bulk copy's layer 0.4 us on the H200, perf
+// notes 33.)
+#ifndef QA_PUSH
+#define QA_PUSH 2
+#endif
+
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
   // How a K or V CTA hands its tile to the Q CTAs (none: one bulk copy a Q CTA from its shared-memory tile):
-  PUSH_ST = 256,   // st.async of 16 bytes a thread a step from its shared-memory tile, after a barrier
-  PUSH_REG = 512,  // st.async of 4 bytes straight from the epilogue's registers (no local tile, no barrier)
   CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 10 a program: two more in the epilogue,
                    // two in a Q CTA's attention
 };
 
 // A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
 // the async proxy.
-__device__ __forceinline__ void kv_wait(uint32_t kv, int flags) {
-  if ((flags & (PUSH_ST | PUSH_REG)) != 0) {
+__device__ __forceinline__ void kv_wait(uint32_t kv) {
+  if constexpr (QA_PUSH != 0) {
     mbar_wait<true>(kv, 0);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   } else {
@@ -266,7 +272,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     if (part != 0) return;
     if (p.trigger_k == 0) gdc_launch();  // (reads nothing of the predecessor's: no wait)
     asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A) Q written
-    kv_wait(kv, p.flags);
+    kv_wait(kv);
     float o[32], mx[2], l[2];
     attention_share<BF16, RT>(t, 1, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
     const int i0 = tid - CONSUMERS;
@@ -363,7 +369,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   // K or V: the tile's place in the Q CTAs of row tiles t.. (causal: row tile t's keys are seen by queries from row
   // tile t on), and their mbarriers.
   const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
-  const bool from_regs = part != 0 && (p.flags & PUSH_REG) != 0;
+  const bool from_regs = part != 0 && QA_PUSH == 2;
   uint32_t rbar[RT];
 #pragma unroll
   for (int q = 0; q < RT; ++q) rbar[q] = map_to_cta(kv, 3 * q);
@@ -399,11 +405,11 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   stamp(3);
   if (part != 0) {
     // K or V: the tile to the Q CTAs of row tiles t.. (A/B: perf notes 28).
-    if ((p.flags & PUSH_REG) != 0) {  // stored already
+    if constexpr (QA_PUSH == 2) {  // stored already
       stamp(4, 5);
       return;
     }
-    if ((p.flags & PUSH_ST) != 0) {  // 16 bytes a thread a step, the same byte offsets (the same swizzle) there
+    if constexpr (QA_PUSH == 1) {  // 16 bytes a thread a step, the same byte offsets (the same swizzle) there
       consumer_sync<CONSUMERS>();
 #pragma unroll
       for (int i = 0; i < TILE / 16 / CONSUMERS; ++i) {
@@ -438,7 +444,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   // thread's rows of Q written first: wgmma reads them through the async proxy); then this one merges the shares.
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (A)
-  kv_wait(kv, p.flags);
+  kv_wait(kv);
   stamp(4);
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);

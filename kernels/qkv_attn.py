@@ -22,7 +22,7 @@ SOURCE = Path(__file__).with_name("qkv_attn.cu")
 TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
-USE_PDL, RACY, PUSH_ST, PUSH_REG, CYCLES = 64, 128, 256, 512, 1024  # and flags
+USE_PDL, RACY, CYCLES = 64, 128, 1024  # and flags
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
 # ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
 # stream, the error buffer and its length.
@@ -36,7 +36,6 @@ CHUNK = 2
 # shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
 # 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
 PUSH = 2
-PUSH_FLAGS = (0, PUSH_ST, PUSH_REG)
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, CYCLE_SLOTS a program, not
 # TRACE_SLOTS globaltimer readings (qkv_attn.cu's stamp).
 TRACE_CYCLES = False
@@ -108,14 +107,14 @@ def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | No
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0) -> ctypes.CDLL:
+def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = 2) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
     (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints)
+    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc,
-                                  "HOPPER_CACHE_HINTS": hints}, "qkv_attn")
+                                  "HOPPER_CACHE_HINTS": hints, "QA_PUSH": push}, "qkv_attn")
     lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
     lib.qkv_attn_launch.restype = ctypes.c_int
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
@@ -147,7 +146,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     if why:
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
-    flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0) | PUSH_FLAGS[PUSH if push is None else push]
+    flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
     if trace is not None and TRACE_CYCLES:
         flags |= CYCLES
     if launch_enter_hook is not None:
@@ -155,7 +154,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kc = chunk(D, stages)
-    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints)
+    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints, PUSH if push is None else push)
     rc = lib.qkv_attn_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
         x.stride(0), weight.stride(0), out.stride(0), stages // kc, trigger_k, n_pref, flags,
