@@ -15,10 +15,10 @@
 //   cluster_gemm.cu computes one split: one consumer warpgroup (wgmma m64n64k16) and one producer warp (TMA, the
 //   weight tiles of the first stages before griddepcontrol.wait). The epilogue applies the folded LayerNorm (its row
 //   sums from x's producer, norm1.fuse 2) and the bias, and writes the tile in 16 bits, 128-byte swizzled: a Q CTA
-//   into its own shared memory, a K or V CTA of row tile t straight into the Q CTAs of row tiles t.. (causal: row
-//   tile t's keys are seen by queries from row tile t on) by st.async from the epilogue's registers, counted on their
-//   mbarrier, and exits. (Before: the tile into its own shared memory, then one bulk copy a Q CTA: 0.1-0.25 us a
-//   layer slower, perf notes 28; the build define QA_PUSH keeps both older paths for A/B.)
+//   into its own shared memory, a K or V CTA of row tile t into its own, then into the Q CTAs of row tiles t..
+//   (causal: row tile t's keys are seen by queries from row tile t on) by 16-byte st.async, counted on their
+//   mbarrier, and exits (QA_PUSH 1; 0, one bulk copy a Q CTA, and 2, st.async from the epilogue's registers, stay
+//   as build variants for A/B: on the H200 0.1 and 0.25 us a bert-base layer slower, perf notes 33).
 // * A Q CTA waits for its K and V tiles and computes the causal attention of its 64 query rows: two warpgroups, each
 //   over half of the keys (attention_part: both products by wgmma, the softmax in registers), the second's share
 //   merged by the first through shared memory; then it stores O.
@@ -45,7 +45,7 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 // epilogue's registers. (As run-time flags, the paths' branches cost the bulk copy's layer 0.4 us on the H200, perf
 // notes 33.)
 #ifndef QA_PUSH
-#define QA_PUSH 2
+#define QA_PUSH 1
 #endif
 
 enum Flags {

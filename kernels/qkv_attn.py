@@ -32,10 +32,12 @@ launch_enter_hook = None  # as cluster_gemm.launch_enter_hook (tune verify's lau
 # K tiles a TMA box (a ring stage's chunk of x and of w): 2 (16 KB boxes) where d_model and the stages allow, else 1.
 # (A/B switch qa_chunk=1 of scripts/timeline.py.)
 CHUNK = 2
-# How a K or V CTA hands its tile to the Q CTAs: 0 one bulk copy a Q CTA, 1 st.async of 16 bytes a thread from its
-# shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch qa_push=N; perf notes 28:
-# 2 took 0.1-0.25 us a layer off 0's on bert-base and bert-large, 1 about as much).
-PUSH = 2
+# How a K or V CTA hands its tile to the Q CTAs (the build define QA_PUSH): 0 one bulk copy a Q CTA, 1 st.async of 16
+# bytes a thread from its shared-memory tile, 2 st.async of 4 bytes straight from the epilogue's registers (A/B switch
+# qa_push=N). H200, same process, builds of one mode each (perf notes 33): bert-base 18.12-18.18 us a layer with 1,
+# 18.20-18.26 with 0, 18.36-18.40 with 2; bert-large 24.38-24.45, 24.38-24.42, 24.69-24.79. (Session 17's H100 choice
+# of 2 was measured against paths selected by run-time flags, whose branches slowed the others.)
+PUSH = 1
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, CYCLE_SLOTS a program, not
 # TRACE_SLOTS globaltimer readings (qkv_attn.cu's stamp).
 TRACE_CYCLES = False
