@@ -505,7 +505,9 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 #define QA_KC 2
 #endif
 
-extern "C" int qkv_attn_variant() { return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20); }
+extern "C" int qkv_attn_variant() {
+  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24);
+}
 
 extern "C" int qkv_attn_smem_bytes(int stages) {
   return 1024 + (2 * stages * QA_KC + 1 + 2 * QA_RT) * TILE + 16 * stages + 8;
