@@ -47,12 +47,6 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 #ifndef QA_PUSH
 #define QA_PUSH 1
 #endif
-// 1: a Q CTA's two attention shares merged by both warpgroups, each for half of O's columns, O stored to global memory
-// straight from the registers; 0: by the first warpgroup for all 64 columns, through a shared-memory O tile (a build
-// variant, qkv_attn.SPLIT_MERGE_O; perf notes 29 measured it on the H100 as a run-time flag, 33 as a build).
-#ifndef QA_SPLIT
-#define QA_SPLIT 0
-#endif
 
 enum Flags {
   USE_PDL = 64,
@@ -164,33 +158,6 @@ __device__ __forceinline__ void attention_part(uint32_t qt, uint32_t kt, uint32_
   wgmma_commit();
   wgmma_wait<0>();
   fence_acc<32>(o);
-}
-
-// QA_SPLIT: this warpgroup's half of O's columns (8 j.., j in J0..J0+3) merged with the other warpgroup's share of the
-// keys (its o for these columns at red[i], i < 16; its maxima and sums at red[16 + h], red[18 + h], each a row of
-// CONSUMERS floats, thread-major) and stored to global memory from the registers, 4 bytes a store (rows inside the
-// sequence only).
-template <bool BF16, int J0>
-__device__ __forceinline__ void merge_half(const float* o, const float* mx, const float* l, const float* red, int i0,
-                                           void* out, long long row0, int out_stride, int r_lo, int valid, int c_lo) {
-  using T = typename Elem<BF16>::T;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float m1 = red[(16 + h) * CONSUMERS + i0], m = fmaxf(mx[h], m1);
-    const float a0 = ex2(mx[h] - m), a1 = ex2(m1 - m);
-    const float inv = softmax_rcp(l[h] * a0 + red[(18 + h) * CONSUMERS + i0] * a1);
-    const float f0 = a0 * inv, f1 = a1 * inv;
-    if (r_lo + 8 * h < valid) {
-      T* const op = static_cast<T*>(out) + (row0 + r_lo + 8 * h) * out_stride + c_lo;
-#pragma unroll
-      for (int j = J0; j < J0 + 4; ++j) {
-        const int i = 4 * (j - J0) + 2 * h;
-        const float v0 = o[4 * j + 2 * h] * f0 + red[i * CONSUMERS + i0] * f1;
-        const float v1 = o[4 * j + 2 * h + 1] * f0 + red[(i + 1) * CONSUMERS + i0] * f1;
-        *reinterpret_cast<uint32_t*>(op + 8 * j) = pack2<BF16>(v0, v1);
-      }
-    }
-  }
 }
 
 // The share of warpgroup wg (0: the first half of the keys 0..NK-1, 1: the second half) for a Q CTA of row tile t.
@@ -309,20 +276,6 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
     float o[32], mx[2], l[2];
     attention_share<BF16, RT>(t, 1, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
     const int i0 = tid - CONSUMERS;
-    if constexpr (QA_SPLIT != 0) {  // columns 0..31 of this share to the first warpgroup, 32..63 merged here
-      float* const mine = red;                     // what the first warpgroup reads
-      float* const theirs = red + 20 * CONSUMERS;  // what it writes for this one
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mine[i * CONSUMERS + i0] = o[i];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mine[(16 + h) * CONSUMERS + i0] = mx[h];
-        mine[(18 + h) * CONSUMERS + i0] = l[h];
-      }
-      asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B) both halves written
-      merge_half<BF16, 4>(o, mx, l, theirs, i0, p.out, m0, p.out_stride, r_lo, valid, 64 * head + c_lo);
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < 32; ++i) red[i * CONSUMERS + i0] = o[i];
     red[32 * CONSUMERS + i0] = mx[0];
@@ -496,21 +449,6 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
   if (cycles) stamp(8);
-  if constexpr (QA_SPLIT != 0) {  // columns 32..63 of this share to the second warpgroup, 0..31 merged here
-    float* const theirs = red + 20 * CONSUMERS;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) theirs[i * CONSUMERS + tid] = o[16 + i];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      theirs[(16 + h) * CONSUMERS + tid] = mx[h];
-      theirs[(18 + h) * CONSUMERS + tid] = l[h];
-    }
-    asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B)
-    if (cycles) stamp(9);
-    merge_half<BF16, 0>(o, mx, l, red, tid, p.out, m0, p.out_stride, r_lo, valid, 64 * head + c_lo);
-    stamp(5);
-    return;
-  }
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B): the other share is in `red`, and every MMA
                                                                  // has read Q, which O now overwrites
   if (cycles) stamp(9);
@@ -568,7 +506,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 #endif
 
 extern "C" int qkv_attn_variant() {
-  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24) | (QA_SPLIT << 27);
+  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24);
 }
 
 extern "C" int qkv_attn_smem_bytes(int stages) {

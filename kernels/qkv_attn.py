@@ -38,10 +38,6 @@ CHUNK = 2
 # 18.20-18.26 with 0, 18.36-18.40 with 2; bert-large 24.38-24.45, 24.38-24.42, 24.69-24.79. (Session 17's H100 choice
 # of 2 was measured against paths selected by run-time flags, whose branches slowed the others.)
 PUSH = 1
-# A Q CTA's two attention shares merged by both warpgroups, each for half of O's columns, O stored from the registers
-# (True), or by the first warpgroup for all 64 columns through a shared-memory O tile (False); the build define
-# QA_SPLIT, A/B switch qa_split=0|1.
-SPLIT_MERGE_O = False
 # Diagnostics (scripts/qa_cycles.py): a launch with a trace gets its stamps in SM cycles, CYCLE_SLOTS a program, not
 # TRACE_SLOTS globaltimer readings (qkv_attn.cu's stamp).
 TRACE_CYCLES = False
@@ -113,21 +109,20 @@ def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | No
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = 1, split: int = 0) -> ctypes.CDLL:
+def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = 2) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
     (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push, split)
+    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc,
-                                  "HOPPER_CACHE_HINTS": hints, "QA_PUSH": push,
-                                  "QA_SPLIT": split}, "qkv_attn")
+                                  "HOPPER_CACHE_HINTS": hints, "QA_PUSH": push}, "qkv_attn")
     lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
     lib.qkv_attn_launch.restype = ctypes.c_int
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
     lib.qkv_attn_smem_bytes.restype = ctypes.c_int
     if (lib.qkv_attn_smem_bytes(4) != smem_bytes(4 * kc, 64 * rt, kc)
-            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20) | (push << 24) | (split << 27)):
+            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20) | (push << 24)):
         raise RuntimeError(f"qkv_attn: {lib._name} does not match qkv_attn.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -161,8 +156,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kc = chunk(D, stages)
-    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints, PUSH if push is None else push,
-                  int(SPLIT_MERGE_O))
+    lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints, PUSH if push is None else push)
     rc = lib.qkv_attn_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
         x.stride(0), weight.stride(0), out.stride(0), stages // kc, trigger_k, n_pref, flags,

@@ -167,16 +167,6 @@ def test_qkv_attn_with_cache_hints(batch, seq, d, dtype, hints):
 
 
 @gpu
-@pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (1, 17, 256), (2, 100, 256), (3, 33, 192), (1, 65, 320)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_qkv_attn_split_merge(batch, seq, d, dtype, monkeypatch):
-    # the A/B build QA_SPLIT: both warpgroups merge the two attention shares, each for half of O's columns, and store
-    # O from the registers
-    monkeypatch.setattr(qkv_attn, "SPLIT_MERGE_O", True)
-    test_qkv_attn_matches_reference(batch, seq, d, dtype, ln=seq % 2 == 1)
-
-
-@gpu
 @pytest.mark.parametrize("batch, seq, d", [(1, 128, 768), (2, 100, 256), (1, 65, 320), (3, 33, 192)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("push", [0, 2], ids=["bulk", "st-async-regs"])
