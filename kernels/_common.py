@@ -53,12 +53,16 @@ def smem_limit(device: DeviceInfo | None) -> int:
     return device.smem_per_block_bytes if device is not None else SMEM_DEFAULT_BYTES
 
 
+def pre_hopper(device: DeviceInfo | None) -> bool:
+    """Whether ``device`` is a GPU before Hopper (not when no device is named, nor on the interpreter)."""
+    return device is not None and 0 < device.capability[0] < 9
+
+
 def pipeline_buffers(num_stages: int, block_m: int, num_warps: int, device: DeviceInfo | None) -> tuple[int, bool]:
     """(A+B buffers a Triton 3.6 K loop of ``num_stages`` keeps, whether its dot is a wgmma): ``num_stages`` where the
     dot is a Hopper wgmma (``block_m`` >= 64, whole warpgroups), one fewer (at least one) where it is mma.sync (smaller
     tiles, 1 or 2 warps, any GPU before Hopper). Without a device, and on the interpreter, as on Hopper."""
-    pre_hopper = device is not None and 0 < device.capability[0] < 9
-    wgmma = not pre_hopper and block_m >= 64 and num_warps % 4 == 0
+    wgmma = not pre_hopper(device) and block_m >= 64 and num_warps % 4 == 0
     return (num_stages if wgmma else max(num_stages - 1, 1)), wgmma
 
 

@@ -28,8 +28,8 @@ from tuner.device import DeviceInfo
 
 from . import cluster_gemm
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting, launch_mode,
-                      pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_count, prefetch_l2, ratio_error,
-                      smem_limit, stamp, tile_cap, trigger_index)
+                      pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper, prefetch_count, prefetch_l2,
+                      ratio_error, smem_limit, stamp, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -118,10 +118,9 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
     below any limit. Without a device (``fit``) and on the interpreter it counts as on Hopper.
     """
     bufs, wgmma = pipeline_buffers(c.num_stages, c.block_m, c.num_warps, device)
-    pre_hopper = device is not None and 0 < device.capability[0] < 9
     a = c.block_m * c.block_k * dtype_bytes
     b = c.block_n * c.block_k * dtype_bytes
-    if c.tma and pre_hopper:
+    if c.tma and pre_hopper(device):
         loop = bufs * (a + b) + a * (dtype_bytes == 4)
     else:
         loop = bufs * (a + b + 8 * c.tma)

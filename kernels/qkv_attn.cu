@@ -51,7 +51,6 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 enum Flags {
   USE_PDL = 64,
   RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
-  // How a K or V CTA hands its tile to the Q CTAs (none: one bulk copy a Q CTA from its shared-memory tile):
   CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 10 a program: two more in the epilogue,
                    // two in a Q CTA's attention
 };

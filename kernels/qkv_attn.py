@@ -109,9 +109,9 @@ def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | No
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = 2) -> ctypes.CDLL:
-    """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box), built on first use
-    (cached)."""
+def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = PUSH) -> ctypes.CDLL:
+    """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box, L2 hints, K/V hand-over mode),
+    built on first use (cached)."""
     key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push)
     if key in _LIBS:
         return _LIBS[key]

@@ -171,8 +171,8 @@ def test_qkv_attn_with_cache_hints(batch, seq, d, dtype, hints):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("push", [0, 2], ids=["bulk", "st-async-regs"])
 def test_qkv_attn_other_pushes(batch, seq, d, dtype, push):
-    # K and V handed to the Q CTAs by the A/B paths, not the default st.async from registers (qkv_attn.PUSH; row tile
-    # 0's K and V go to two Q CTAs where seq > 64)
+    # K and V handed to the Q CTAs by the A/B builds, not the default 16-byte st.async from shared memory
+    # (qkv_attn.PUSH; row tile 0's K and V go to two Q CTAs where seq > 64)
     test_qkv_attn_matches_reference(batch, seq, d, dtype, ln=seq % 2 == 0, push=push)
 
 
