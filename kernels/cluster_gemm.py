@@ -28,7 +28,10 @@ MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
 MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
-USE_PDL, RACY, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 128, 8, 4096, 16384
+USE_PDL, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 8, 4096, 16384
+# CG_DIAG, the build define of the trace's stamps and the test-only defect (each its own library, so that the
+# production build has none of their branches; perf notes 33-34)
+DIAG_TRACE, DIAG_RACY = 1, 4
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
 SPREAD = True
@@ -77,21 +80,23 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
                    + [ctypes.c_float, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int])
 
 
-def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0) -> ctypes.CDLL:
-    """The library of one variant, built now if this source version has not been built for it on this machine
-    (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints)
+def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
+            diag: int = 0) -> ctypes.CDLL:
+    """The library of one variant (``diag``: DIAG_* bits), built now if this source version has not been built for it
+    on this machine (nvcc, a few seconds)."""
+    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": hints},
+                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
     lib.cluster_gemm_smem_bytes.argtypes = [ctypes.c_int]
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
-            or lib.cluster_gemm_variant() != bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)):
+            or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
+                                              | (diag << 24))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -127,7 +132,8 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
                                                     else 0)
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
            | (LN_IN if ln_stats is not None else 0) | (XCHG16 if xchg16 else 0) | (act << 6))
-    flags = (USE_PDL if trigger_k >= 0 else 0) | (RACY if racy else 0)
+    flags = USE_PDL if trigger_k >= 0 else 0
+    diag = (DIAG_TRACE if trace is not None else 0) | (DIAG_RACY if racy else 0)
     if not SPREAD:
         flags |= NO_SPREAD
     if EARLY_TILES is not None:
@@ -138,7 +144,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, diag)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

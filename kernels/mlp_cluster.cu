@@ -42,10 +42,14 @@ constexpr int TILE_BYTES = 128 * 64 * 2;  // a 128-row, 64-wide 16-bit weight ti
 
 // Epilogue bits (compile time; the activation in bits 6-7).
 enum Epi { B1_F32 = 2, ATT_IN = 4, LN_IN = 8, STATS_OUT = 16, OUT_IN = 32 };
-enum Flags {
-  USE_PDL = 64,
-  RACY = 128,  // test-only defect: the token tile is loaded before griddepcontrol.wait
-};
+enum Flags { USE_PDL = 64 };
+// The trace's stamps and the test-only defect are build variants (MLP_DIAG, as qkv_attn.cu's QA_DIAG: no branch of
+// theirs in the production build): bit 0 the trace (%globaltimer, 8 a program), bit 2 racy (the token tile loaded
+// before griddepcontrol.wait).
+#ifndef MLP_DIAG
+#define MLP_DIAG 0
+#endif
+constexpr bool TRACED = (MLP_DIAG & 1) != 0, RACY = (MLP_DIAG & 4) != 0;
 
 struct Params {
   CUtensorMap x_map;   // x [M, D] as [D / 64][M][64] (encode3): one box {64, BT, D / 64} brings the token tile
@@ -262,7 +266,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 0] = globaltimer();
+  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 0] = globaltimer();
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
   const int f0 = rank * FS;
@@ -294,7 +298,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       // needed, and the rest right after the token tile (tiny, H200: all of them before the wait cost 0.24 us a
       // layer against w1's and w2's after it, perf notes 26.4). (The test-only racy variant loads the token tile
       // before them, so that nothing queued ahead of it in the TMA unit hides the race.)
-      const bool racy = (p.flags & RACY) != 0;
+      constexpr bool racy = RACY;
       auto load_input = [&]() {  // after the wait: the token tile (ATT_IN: its Q, K and V, x_map over qkv)
         mbar_expect_tx(xbar, (ATT ? 3 : 1) * kt1 * XT);
         tma_load3<HINT_ACT>(xs, &p.x_map, xbar, t0, 0);
@@ -350,7 +354,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     uv[h] = LN ? p.ln_colsum[f] : 0.f;
   }
   gdc_wait();
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
+  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
   if (pdl) gdc_launch();
 
   // The second epilogue's inputs for this thread's token and columns, in flight during both GEMMs.
@@ -401,7 +405,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     mbar_wait(wobar, 0);
     mbar_wait(xbar, 0);
-    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+    if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
     mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
     const uint32_t tile = x1s + jt * XT;
 #pragma unroll
@@ -450,7 +454,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
     mbar_wait(x1bar, 0);
-    if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
+    if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
     if (tid < BT) {  // the LayerNorm's row factors from the kt1 parts (lnrow: read after GEMM 1's barrier)
       float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -495,11 +499,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mbar_wait(w1bar, 0);
-  if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+  if (TRACED && !OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
   mbar_wait(xbar, 0);
-  if (!OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
+  if (TRACED && !OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
   mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
+  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
   consumer_sync<CONSUMERS>();  // lnrow
 
   // Its epilogue: h = act(LN(x) w1 + b1) in 16 bits, stored as the second GEMM's B operand: h[t, f] K-major, the
@@ -533,7 +537,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mma_tiles<BF16, BT, FT, TILE_BYTES, XT>(acc, w2s + wg * (64 * 128), hs);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
+  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
 #pragma unroll
@@ -555,7 +559,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   mbar_wait(red, 0);
-  if (p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
+  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
 
   // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.
   if (!active) return;  // (whole warps: the shuffles below stay within active ones)
@@ -592,7 +596,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
   if (tid == 0) {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    if (p.trace != nullptr) p.trace[prog * 8 + 3] = globaltimer();
+    if (TRACED && p.trace != nullptr) p.trace[prog * 8 + 3] = globaltimer();
   }
 }
 
@@ -616,6 +620,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #ifndef MLP_FS
 #define MLP_FS 128
 #endif
+
+extern "C" int mlp_diag() { return MLP_DIAG; }
 
 extern "C" int mlp_variant() {
   return MLP_BF16 | (MLP_SC << 1) | (MLP_EPI << 8) | (MLP_BT << 16) | ((MLP_D / 64) << 24) | ((MLP_FS / 64) << 29);

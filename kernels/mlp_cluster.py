@@ -26,7 +26,10 @@ COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 MAX_LN_PARTS = 32
 B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
-USE_PDL, RACY = 64, 128
+USE_PDL = 64
+# MLP_DIAG, the build define of the trace's stamps and the test-only defect (each its own library, so that the
+# production build has none of their branches; perf notes 33-34)
+DIAG_TRACE, DIAG_RACY = 1, 4
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
@@ -82,19 +85,20 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
     return d // (COLUMNS_PER_GROUP // (f // fs))
 
 
-def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128, hints: int = 0) -> ctypes.CDLL:
-    key = (bf16, sc, epi, bt, d, fs, _nvcc.MUFU_MATH, hints)
+def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128, hints: int = 0,
+            diag: int = 0) -> ctypes.CDLL:
+    key = (bf16, sc, epi, bt, d, fs, _nvcc.MUFU_MATH, hints, diag)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,
-                                  "HOPPER_CACHE_HINTS": hints},
+                                  "HOPPER_CACHE_HINTS": hints, "MLP_DIAG": diag},
                       "mlp")
     lib.mlp_launch.argtypes = LAUNCH_ARGTYPES
     lib.mlp_launch.restype = ctypes.c_int
     lib.mlp_smem_bytes.restype = ctypes.c_int
     variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
     if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN), bool(epi & ATT_IN))
-            or lib.mlp_variant() != variant):
+            or lib.mlp_variant() != variant or lib.mlp_diag() != diag):
         raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -163,13 +167,14 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
-    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs, hints)
+    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs, hints,
+                  (DIAG_TRACE if trace is not None else 0) | (DIAG_RACY if racy else 0))
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     src = x if qkv is None else qkv  # (ATT_IN: the kernel's x_map reads qkv)
     rc = lib.mlp_launch(p(src), p(w1), p(w2), p(b1), p(b2), p(residual), p(out), p(stats_out), p(ln_stats),
                         p(ln_colsum), p(trace), p(wo), p(bo), M, D, Fh, src.stride(0), w1.stride(0), w2.stride(0),
-                        residual.stride(0), out.stride(0), (USE_PDL if pdl else 0) | (RACY if racy else 0),
+                        residual.stride(0), out.stride(0), USE_PDL if pdl else 0,
                         ln_stats.shape[0] if ln_stats is not None else 0, wo.stride(0) if out_proj else 0,
                         early_tiles(prefetch, D, fs, out_proj) if pdl else weight_tiles(D, fs, out_proj), ln_eps,
                         torch.cuda.current_stream(x.device).cuda_stream, err, len(err))

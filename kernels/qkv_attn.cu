@@ -38,7 +38,7 @@ constexpr int MAX_LN_PARTS = 32;
 constexpr int TILE = 64 * BK * 2;  // a 64-row, 64-wide 16-bit tile (8 KB)
 constexpr int QUAD_PARTS = MAX_LN_PARTS / 4;  // LN_IN: row-sum parts a lane of a quad loads for each of its rows
 
-// Epilogue bits (compile time) and run-time flags, as cluster_gemm.cu's.
+// Epilogue bits (compile time) and the run-time flag (PDL), as cluster_gemm.cu's.
 enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 // How a K or V CTA hands its tile to the Q CTAs (a build variant, qkv_attn.PUSH): 0 one bulk copy a Q CTA from its
 // shared-memory tile, 1 st.async of 16 bytes a thread a step from that tile, 2 st.async of 4 bytes straight from the
@@ -48,12 +48,16 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 #define QA_PUSH 1
 #endif
 
-enum Flags {
-  USE_PDL = 64,
-  RACY = 128,  // test-only defect: the first activation tile is loaded before griddepcontrol.wait
-  CYCLES = 1024,   // diagnostics: the trace's stamps in SM cycles (clock64), 10 a program: two more in the epilogue,
-                   // two in a Q CTA's attention
-};
+// Diagnostics and the test-only defect, build variants too (QA_DIAG; no branch of theirs in the production build):
+// bit 0 the trace's stamps (%globaltimer, 6 a program), bit 1 with them in SM cycles (clock64, 10 a program: two more
+// in the epilogue, two in a Q CTA's attention), bit 2 racy (the first activation tile loaded before
+// griddepcontrol.wait).
+#ifndef QA_DIAG
+#define QA_DIAG 0
+#endif
+constexpr bool TRACED = (QA_DIAG & 1) != 0, CYCLES = (QA_DIAG & 2) != 0, RACY = (QA_DIAG & 4) != 0;
+
+enum Flags { USE_PDL = 64 };
 
 // A Q CTA's wait for its K and V tiles; st.async's bytes come from the generic proxy, and wgmma reads them through
 // the async proxy.
@@ -199,9 +203,10 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const bool cycles = (p.flags & CYCLES) != 0;
-  // thread 0's trace stamp(s) (diagnostics only: nothing when p.trace is null)
+  constexpr bool cycles = CYCLES;
+  // thread 0's trace stamp(s) (diagnostics only: nothing unless TRACED, and nothing when p.trace is null)
   auto stamp = [&](int slot, int also = -1) {
+    if constexpr (!TRACED) return;
     if (tid != 0 || p.trace == nullptr) return;
     long long* const row = p.trace + prog * (cycles ? 10 : 6);
     const long long now = cycles ? static_cast<long long>(clock64()) : globaltimer();
@@ -234,7 +239,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   float* const red = reinterpret_cast<float*>(smem_raw + (a_smem - raw));  // the second share, over the idle stages
   if (tid >= ATTENDERS) {
     if (tid == ATTENDERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
-      const bool racy = (p.flags & RACY) != 0;
+      constexpr bool racy = RACY;
       const int pref = (p.n_pref + KC - 1) / KC;  // chunks of weights requested before the wait
       int early = min(S, pref);                   // of which into shared memory
       if (racy && early == 0) early = 1;
@@ -364,7 +369,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       ln_mr[h] = f.y;
     }
   }
-  if (cycles) stamp(6);
+  if constexpr (cycles) stamp(6);
   // K or V: the tile's place in the Q CTAs of row tiles t.. (causal: row tile t's keys are seen by queries from row
   // tile t on), and their mbarriers.
   const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
@@ -447,10 +452,10 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   stamp(4);
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
-  if (cycles) stamp(8);
+  if constexpr (cycles) stamp(8);
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B): the other share is in `red`, and every MMA
                                                                  // has read Q, which O now overwrites
-  if (cycles) stamp(9);
+  if constexpr (cycles) stamp(9);
   float f0[2], f1[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // (this share holds key 0: its maximum is finite)
@@ -505,7 +510,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 #endif
 
 extern "C" int qkv_attn_variant() {
-  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24);
+  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24) | (QA_DIAG << 27);
 }
 
 extern "C" int qkv_attn_smem_bytes(int stages) {

@@ -1,0 +1,38 @@
+"""The CUDA kernels' diagnostics (trace stamps, SM-cycle stamps) and test-only racy variant are build variants
+(QA_DIAG, CG_DIAG, MLP_DIAG): the production build must carry none of their code, because run-time branches for other
+paths have cost a kernel 0.4 us a layer (docs/perf-notes.md, sections 33-34). Compiled to PTX with nvcc where it is
+installed (no GPU needed)."""
+
+import re
+import subprocess
+
+import pytest
+
+from tuner.kernels import _nvcc, cluster_gemm, mlp_cluster, qkv_attn
+
+KERNELS = {  # source, its diagnostics define, the other defines of a representative variant (bert-base / tiny)
+    "qkv_attn": (qkv_attn.SOURCE, "QA_DIAG", {"QA_EPI": qkv_attn.BIAS_F32 | qkv_attn.LN_IN, "QA_RT": 2, "QA_KC": 2}),
+    "cluster_gemm": (cluster_gemm.SOURCE, "CG_DIAG", {"CG_SC": 4, "CG_EPI": 45}),
+    "mlp_cluster": (mlp_cluster.SOURCE, "MLP_DIAG", {"MLP_SC": 8, "MLP_EPI": 104, "MLP_BT": 32, "MLP_D": 256}),
+}
+CLOCKS = re.compile(r"%globaltimer|%clock64|%clock\b")
+
+
+def _ptx(source, defines: dict, tmp_path) -> str:
+    out = tmp_path / "k.ptx"
+    cmd = [_nvcc.nvcc(), "-std=c++17", "-arch=sm_90a", "-ptx", *(f"-D{k}={v}" for k, v in defines.items()),
+           "-o", str(out), str(source)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return out.read_text()
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to compile the kernels to PTX")
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_production_build_has_no_diagnostics(name, tmp_path):
+    source, diag, defines = KERNELS[name]
+    prod = _ptx(source, {**defines, diag: 0}, tmp_path)
+    traced = _ptx(source, {**defines, diag: 1}, tmp_path)
+    racy = _ptx(source, {**defines, diag: 4}, tmp_path)
+    assert not CLOCKS.search(prod), f"{name}: the production build reads a clock"
+    assert CLOCKS.search(traced), f"{name}: the traced build stamps nothing"
+    assert racy != prod, f"{name}: the racy build is the production build"
