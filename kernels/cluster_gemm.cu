@@ -50,11 +50,6 @@ enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, X
 #define CG_DIAG 0
 #endif
 constexpr bool TRACED = (CG_DIAG & 1) != 0, RACY = (CG_DIAG & 4) != 0;
-// CG_TRIG 1: the launch_dependents point may lie inside the K loop (trigger_k > 0); 0: the loop has no trigger check
-// (the launcher builds it where trigger_k <= 0; perf notes 34)
-#ifndef CG_TRIG
-#define CG_TRIG 1
-#endif
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -248,9 +243,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if constexpr (CG_TRIG != 0) {
-      if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
-    }
+    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
     prev = s;
     if (++s == S) {
       s = 0;
@@ -423,7 +416,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 using TV = Tile<CG_BM, CG_BN>;
 
 extern "C" int cluster_gemm_variant() {
-  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24) | (CG_TRIG << 28);
+  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24);
 }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {

@@ -81,14 +81,14 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
-            diag: int = 0, trig: int = 1) -> ctypes.CDLL:
-    """The library of one variant (``diag``: DIAG_* bits; ``trig`` 0: no trigger check in the K loop), built now if
-    this source version has not been built for it on this machine (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag, trig)
+            diag: int = 0) -> ctypes.CDLL:
+    """The library of one variant (``diag``: DIAG_* bits), built now if this source version has not been built for it
+    on this machine (nvcc, a few seconds)."""
+    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_TRIG": trig},
+                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
@@ -96,7 +96,7 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
             or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
-                                              | (diag << 24) | (trig << 28))):
+                                              | (diag << 24))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -144,7 +144,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, diag, int(trigger_k > 0))
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, diag)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

@@ -403,10 +403,8 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, LOOP_TRIGGER: tl.constexpr = True,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
-    # LOOP_TRIGGER: the launch_dependents point lies inside the K loop (trigger_k > 0); else the loop carries no
-    # trigger check (a run-time branch in a kernel's hot path can cost more than its instructions: perf notes 34)
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
         _prefetch_tma_descriptors(M)
@@ -505,8 +503,7 @@ def _gemm_kernel(
             if i == 0:
                 s1, s2 = _row_stats_sum(p1, p2)
                 ln_rstd, ln_mr = _ln_rows(s1, s2, K, ln_eps)
-        if LOOP_TRIGGER:
-            pdl_trigger(i + 1, trigger_k, USE_PDL)
+        pdl_trigger(i + 1, trigger_k, USE_PDL)
     stamp(trace_ptr, 2, TRACE)
 
     if OOB_WRITE:
@@ -710,7 +707,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    trigger_k = trigger_index(per_split, c.overlap_ratio)
     _gemm_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
@@ -721,7 +717,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         out.stride(0), out.stride(1),
-        trigger_k, n_pref,
+        trigger_index(per_split, c.overlap_ratio), n_pref,
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
@@ -729,8 +725,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, LOOP_TRIGGER=trigger_k > 0,
-        num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

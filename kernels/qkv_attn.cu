@@ -56,11 +56,6 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 #define QA_DIAG 0
 #endif
 constexpr bool TRACED = (QA_DIAG & 1) != 0, CYCLES = (QA_DIAG & 2) != 0, RACY = (QA_DIAG & 4) != 0;
-// QA_TRIG 1: the launch_dependents point may lie inside the K loop (trigger_k > 0); 0: the loop has no trigger check
-// (the launcher builds it where trigger_k <= 0; perf notes 34)
-#ifndef QA_TRIG
-#define QA_TRIG 1
-#endif
 
 enum Flags { USE_PDL = 64 };
 
@@ -348,9 +343,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if constexpr (QA_TRIG != 0) {
-      if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + KC - 1) / KC) gdc_launch();
-    }
+    if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + KC - 1) / KC) gdc_launch();
     prev = s;
     if (++s == S) {
       s = 0;
@@ -517,7 +510,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 #endif
 
 extern "C" int qkv_attn_variant() {
-  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24) | (QA_DIAG << 27) | (QA_TRIG << 30);
+  return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24) | (QA_DIAG << 27);
 }
 
 extern "C" int qkv_attn_smem_bytes(int stages) {

@@ -112,23 +112,20 @@ def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | No
 _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 
-def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = PUSH, diag: int = 0,
-            trig: int = 1) -> ctypes.CDLL:
+def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = PUSH, diag: int = 0) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box, L2 hints, K/V hand-over mode,
-    diagnostics: DIAG_* bits, trig 0: no trigger check in the K loop), built on first use (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push, diag, trig)
+    diagnostics: DIAG_* bits), built on first use (cached)."""
+    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push, diag)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc,
-                                  "HOPPER_CACHE_HINTS": hints, "QA_PUSH": push, "QA_DIAG": diag, "QA_TRIG": trig},
-                      "qkv_attn")
+                                  "HOPPER_CACHE_HINTS": hints, "QA_PUSH": push, "QA_DIAG": diag}, "qkv_attn")
     lib.qkv_attn_launch.argtypes = LAUNCH_ARGTYPES
     lib.qkv_attn_launch.restype = ctypes.c_int
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
     lib.qkv_attn_smem_bytes.restype = ctypes.c_int
     if (lib.qkv_attn_smem_bytes(4) != smem_bytes(4 * kc, 64 * rt, kc)
-            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20) | (push << 24) | (diag << 27)
-                                             | (trig << 30)):
+            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20) | (push << 24) | (diag << 27)):
         raise RuntimeError(f"qkv_attn: {lib._name} does not match qkv_attn.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -162,7 +159,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kc = chunk(D, stages)
     lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints, PUSH if push is None else push,
-                  diag, int(trigger_k > 0))
+                  diag)
     rc = lib.qkv_attn_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
         x.stride(0), weight.stride(0), out.stride(0), stages // kc, trigger_k, n_pref, flags,

@@ -36,13 +36,3 @@ def test_production_build_has_no_diagnostics(name, tmp_path):
     assert not CLOCKS.search(prod), f"{name}: the production build reads a clock"
     assert CLOCKS.search(traced), f"{name}: the traced build stamps nothing"
     assert racy != prod, f"{name}: the racy build is the production build"
-
-
-@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to compile the kernels to PTX")
-@pytest.mark.parametrize("name, trig", [("qkv_attn", "QA_TRIG"), ("cluster_gemm", "CG_TRIG")])
-def test_loop_trigger_build_drops_the_loop_check(name, trig, tmp_path):
-    # The launchers build the K loop without its launch_dependents check where the trigger is not inside the loop
-    # (trigger_k <= 0: every top-1 so far); the build with it keeps the entry triggers and adds the loop's.
-    source, _, defines = KERNELS[name]
-    count = {t: _ptx(source, {**defines, trig: t}, tmp_path).count("griddepcontrol.launch_dependents") for t in (0, 1)}
-    assert count[0] >= 1 and count[1] > count[0], count
