@@ -50,6 +50,12 @@ enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, X
 #define CG_DIAG 0
 #endif
 constexpr bool TRACED = (CG_DIAG & 1) != 0, RACY = (CG_DIAG & 4) != 0;
+// CG_EVEN 1: M and N are multiples of the tile and the output's rows 16-byte aligned (the launcher checks), so the
+// epilogue has no bounds checks and one store path (perf notes 34)
+#ifndef CG_EVEN
+#define CG_EVEN 0
+#endif
+constexpr bool EVEN = CG_EVEN != 0;
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -133,7 +139,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
   const bool pdl = (p.flags & USE_PDL) != 0;
   // Whether row slab q of the tile is exchanged: not when all its rows lie past M (nobody stores them).
-  auto pushed = [&](int q) { return m0 + q * R < p.M || (p.flags & ALL_SLABS) != 0; };
+  auto pushed = [&](int q) { return EVEN || m0 + q * R < p.M || (p.flags & ALL_SLABS) != 0; };
 
   if (tid == CONSUMERS) {
     prefetch_tensormap(&p.a_map);
@@ -355,13 +361,13 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     }
     v = activate<ACT>(v);
     if constexpr ((EPI & HAS_RES) != 0) v += E::f(res_raw[e]);
-    y[e] = (c0 + e < p.N) ? v : 0.f;
+    y[e] = (EVEN || c0 + e < p.N) ? v : 0.f;
     rs1 += y[e];
     rs2 += y[e] * y[e];
   }
-  if (row < p.M) {
+  if (EVEN || row < p.M) {
     T* op = static_cast<T*>(p.out) + static_cast<long long>(row) * p.out_stride + c0;
-    if (c0 + CPT <= p.N && (p.out_stride % 8) == 0 && (reinterpret_cast<uintptr_t>(p.out) % 16) == 0) {
+    if (EVEN || (c0 + CPT <= p.N && (p.out_stride % 8) == 0 && (reinterpret_cast<uintptr_t>(p.out) % 16) == 0)) {
 #pragma unroll
       for (int e = 0; e < CPT; e += 8) {
         alignas(16) T pk[8];
@@ -382,7 +388,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     static_assert(TPH >= 1 && CPT <= 64, "a thread's columns lie in one 64-column part");
     lane_sum2<TPH>(rs1, rs2);
     const int part = n_tile * (BN / 64) + (tid % TPR) / TPH;
-    if ((tid % TPH) == 0 && row < p.M && part * 64 < p.N)
+    if ((tid % TPH) == 0 && (EVEN || (row < p.M && part * 64 < p.N)))
       *reinterpret_cast<float2*>(p.stats_out + (static_cast<long long>(part) * p.M + row) * 2) =
           make_float2(rs1, rs2);
   }
@@ -416,7 +422,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 using TV = Tile<CG_BM, CG_BN>;
 
 extern "C" int cluster_gemm_variant() {
-  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24);
+  return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24) |
+         (CG_EVEN << 28);
 }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {

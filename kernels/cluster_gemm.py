@@ -32,6 +32,9 @@ USE_PDL, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 8, 4096, 16384
 # CG_DIAG, the build define of the trace's stamps and the test-only defect (each its own library, so that the
 # production build has none of their branches; perf notes 33-34)
 DIAG_TRACE, DIAG_RACY = 1, 4
+# Shapes whose tiles divide M and N (with 16-byte aligned output rows) run a build without the epilogue's bounds
+# checks (CG_EVEN; A/B switch cg_even=0 of scripts/timeline.py)
+EVEN_BUILDS = True
 # One CTA to an SM: a launch of more CTAs than half the SMs pads its shared memory past half an SM
 # (cluster_gemm.cu). False: A/B only (switch cg_spread=0 of scripts/timeline.py).
 SPREAD = True
@@ -81,14 +84,15 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
-            diag: int = 0) -> ctypes.CDLL:
-    """The library of one variant (``diag``: DIAG_* bits), built now if this source version has not been built for it
+            diag: int = 0, even: int = 0) -> ctypes.CDLL:
+    """The library of one variant (``diag``: DIAG_* bits; ``even``: the tiles divide M and N and the output rows are
+    16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not been built for it
     on this machine (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag)
+    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag, even)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag},
+                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
@@ -96,7 +100,7 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn)
             or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
-                                              | (diag << 24))):
+                                              | (diag << 24) | (even << 28))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py (shared-memory layout or variant)")
     _LIBS[key] = lib
     return lib
@@ -144,7 +148,9 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, diag)
+    even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
+               and EVEN_BUILDS)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, diag, even)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

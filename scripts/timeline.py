@@ -3,7 +3,7 @@
 usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
-desc_prefetch, cg_spread, cg_all_slabs, qa_chunk=N, qa_push=N, mufu.
+desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
 replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
@@ -48,6 +48,7 @@ def _switches():
     return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
             "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
+            "cg_even": (cluster_gemm, "EVEN_BUILDS"),
             "qa_chunk": (qkv_attn, "CHUNK"), "qa_push": (qkv_attn, "PUSH"),
             "mufu": (_nvcc, "MUFU_MATH")}
 

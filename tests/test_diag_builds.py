@@ -1,7 +1,7 @@
 """The CUDA kernels' diagnostics (trace stamps, SM-cycle stamps) and test-only racy variant are build variants
 (QA_DIAG, CG_DIAG, MLP_DIAG): the production build must carry none of their code, because run-time branches for other
-paths have cost a kernel 0.4 us a layer (docs/perf-notes.md, sections 33-34). Compiled to PTX with nvcc where it is
-installed (no GPU needed)."""
+paths have cost a kernel 0.4 us a layer (docs/perf-notes.md, sections 33-34); so is the cluster GEMM's epilogue without
+bounds checks (CG_EVEN). Compiled to PTX with nvcc where it is installed (no GPU needed)."""
 
 import re
 import subprocess
@@ -36,3 +36,14 @@ def test_production_build_has_no_diagnostics(name, tmp_path):
     assert not CLOCKS.search(prod), f"{name}: the production build reads a clock"
     assert CLOCKS.search(traced), f"{name}: the traced build stamps nothing"
     assert racy != prod, f"{name}: the racy build is the production build"
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to compile the kernels to PTX")
+def test_even_cluster_gemm_build_has_one_store_path(tmp_path):
+    # CG_EVEN (tiles divide M and N, output rows 16-byte aligned; cluster_gemm.launch decides): the epilogue keeps
+    # only its 16-byte stores, no element-wise fallback
+    source, _, defines = KERNELS["cluster_gemm"]
+    scalar = re.compile(r"st\.global\.(b16|u16)")
+    general, even = (_ptx(source, {**defines, "CG_EVEN": e}, tmp_path) for e in (0, 1))
+    assert scalar.search(general) and not scalar.search(even)
+    assert "st.global.v4" in even
