@@ -25,6 +25,19 @@ HEADER = HERE / "hopper.cuh"
 # mufu=0). A kernel module's library cache keys on it.
 MUFU_MATH = True
 
+# The diagnostics define of every CUDA kernel (qkv_attn.cu's QA_DIAG, cluster_gemm.cu's CG_DIAG, mlp_cluster.cu's
+# MLP_DIAG): bit 0 the trace's %globaltimer stamps, bit 1 those stamps in SM cycles (qkv_attn only), bit 2 the
+# test-only racy variant. Each value is a library of its own, so that the production build (0) carries none of their
+# branches (perf notes 33-34).
+DIAG_TRACE, DIAG_CYCLES, DIAG_RACY = 1, 2, 4
+
+
+def diag(trace, racy: bool, cycles: bool = False) -> int:
+    """The diagnostics define of a launch: the trace's stamps where it has a trace buffer (in SM cycles with
+    ``cycles``), the racy variant where asked."""
+    stamps = (DIAG_TRACE | (DIAG_CYCLES if cycles else 0)) if trace is not None else 0
+    return stamps | (DIAG_RACY if racy else 0)
+
 
 def nvcc() -> str | None:
     for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):

@@ -29,9 +29,6 @@ MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum part
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
 USE_PDL, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 8, 4096, 16384
-# CG_DIAG, the build define of the trace's stamps and the test-only defect (each its own library, so that the
-# production build has none of their branches; perf notes 33-34)
-DIAG_TRACE, DIAG_RACY = 1, 4
 # Shapes whose tiles divide M and N (with 16-byte aligned output rows) run a build without the epilogue's bounds
 # checks (CG_EVEN; A/B switch cg_even=0 of scripts/timeline.py)
 EVEN_BUILDS = True
@@ -85,9 +82,9 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
             diag: int = 0, even: int = 0) -> ctypes.CDLL:
-    """The library of one variant (``diag``: DIAG_* bits; ``even``: the tiles divide M and N and the output rows are
-    16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not been built for it
-    on this machine (nvcc, a few seconds)."""
+    """The library of one variant (``diag``: CG_DIAG, _nvcc.diag's bits; ``even``: the tiles divide M and N and the
+    output rows are 16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not
+    been built for it on this machine (nvcc, a few seconds)."""
     key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag, even)
     if key in _LIBS:
         return _LIBS[key]
@@ -137,7 +134,6 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)
            | (LN_IN if ln_stats is not None else 0) | (XCHG16 if xchg16 else 0) | (act << 6))
     flags = USE_PDL if trigger_k >= 0 else 0
-    diag = (DIAG_TRACE if trace is not None else 0) | (DIAG_RACY if racy else 0)
     if not SPREAD:
         flags |= NO_SPREAD
     if EARLY_TILES is not None:
@@ -150,7 +146,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, diag, even)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

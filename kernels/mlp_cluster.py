@@ -27,9 +27,6 @@ SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluste
 MAX_LN_PARTS = 32
 B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
 USE_PDL = 64
-# MLP_DIAG, the build define of the trace's stamps and the test-only defect (each its own library, so that the
-# production build has none of their branches; perf notes 33-34)
-DIAG_TRACE, DIAG_RACY = 1, 4
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as
 # cluster_gemm.launch_enter_hook); None: no hook.
 launch_enter_hook = None
@@ -167,8 +164,7 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     bt = token_tile(M)
     if launch_enter_hook is not None:
         launch_enter_hook("mlp_kernel", pdl)
-    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs, hints,
-                  (DIAG_TRACE if trace is not None else 0) | (DIAG_RACY if racy else 0))
+    lib = library(int(x.dtype == torch.bfloat16), sc, epi, bt, D, fs, hints, _nvcc.diag(trace, racy))
     err = ctypes.create_string_buffer(512)
     p = lambda t: t.data_ptr() if t is not None else None  # noqa: E731
     src = x if qkv is None else qkv  # (ATT_IN: the kernel's x_map reads qkv)

@@ -23,9 +23,6 @@ TILE_BYTES = 64 * 64 * 2  # one 64-row, 64-wide 16-bit tile
 MAX_SEQ = 128  # two 64-row tiles a sequence
 BIAS_F32, LN_IN = 2, 8  # qkv_attn.cu's epilogue bits
 USE_PDL = 64  # and its run-time flag
-# QA_DIAG, the build define of the diagnostics and the test-only defect (each its own library, so that the production
-# build has none of their branches): the trace's stamps, in SM cycles, the racy variant.
-DIAG_TRACE, DIAG_CYCLES, DIAG_RACY = 1, 2, 4
 # qkv_attn_launch's parameters (tests check them against the C signature): 7 pointers (x, w, bias, out, trace,
 # ln_stats, ln_colsum), 11 ints (M, D, seq, 3 strides, stages, trigger_k, n_pref, flags, ln_parts), ln_eps, the
 # stream, the error buffer and its length.
@@ -114,7 +111,7 @@ _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 
 def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = PUSH, diag: int = 0) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box, L2 hints, K/V hand-over mode,
-    diagnostics: DIAG_* bits), built on first use (cached)."""
+    diagnostics: QA_DIAG, _nvcc.diag's bits), built on first use (cached)."""
     key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push, diag)
     if key in _LIBS:
         return _LIBS[key]
@@ -152,14 +149,13 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
         raise ValueError(f"qkv_attn: {why}")
     epi = (BIAS_F32 if bias.dtype == torch.float32 else 0) | (LN_IN if ln_stats is not None else 0)
     flags = USE_PDL if trigger_k >= 0 else 0
-    diag = ((DIAG_TRACE | (DIAG_CYCLES if TRACE_CYCLES else 0)) if trace is not None else 0) | (DIAG_RACY if racy else 0)
     if launch_enter_hook is not None:
         launch_enter_hook("qkv_attn_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kc = chunk(D, stages)
     lib = library(int(x.dtype == torch.bfloat16), epi, row_tiles(seq), kc, hints, PUSH if push is None else push,
-                  diag)
+                  _nvcc.diag(trace, racy, TRACE_CYCLES))
     rc = lib.qkv_attn_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(out), _ptr(trace), _ptr(ln_stats), _ptr(ln_colsum), M, D, seq,
         x.stride(0), weight.stride(0), out.stride(0), stages // kc, trigger_k, n_pref, flags,

@@ -30,9 +30,10 @@ def _ptx(source, defines: dict, tmp_path) -> str:
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_production_build_has_no_diagnostics(name, tmp_path):
     source, diag, defines = KERNELS[name]
-    prod = _ptx(source, {**defines, diag: 0}, tmp_path)
-    traced = _ptx(source, {**defines, diag: 1}, tmp_path)
-    racy = _ptx(source, {**defines, diag: 4}, tmp_path)
+    # the defines the launchers ask for (_nvcc.diag): no trace and not racy, a trace buffer, the racy variant
+    prod = _ptx(source, {**defines, diag: _nvcc.diag(None, False)}, tmp_path)
+    traced = _ptx(source, {**defines, diag: _nvcc.diag(object(), False)}, tmp_path)
+    racy = _ptx(source, {**defines, diag: _nvcc.diag(None, True)}, tmp_path)
     assert not CLOCKS.search(prod), f"{name}: the production build reads a clock"
     assert CLOCKS.search(traced), f"{name}: the traced build stamps nothing"
     assert racy != prod, f"{name}: the racy build is the production build"
