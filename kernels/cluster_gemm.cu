@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 4 + 0] = globaltimer();
+  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 4 + slot); };  // (thread 0)
+  stamp(0);
   const int n_tile = blockIdx.x, m_tile = blockIdx.y;
   const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split
   const int m0 = m_tile * BM, n0 = n_tile * BN;
@@ -198,7 +199,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   // Consumer warpgroups: warpgroup wg multiplies rows 64*wg.. of the tile.
   const int warp = tid / 32, lane = tid % 32, wg = tid / 128;
   gdc_wait();
-  if (TRACED && tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 1] = globaltimer();
+  stamp(1);
   if (p.trigger_k == 0) gdc_launch();
 
   // The epilogue's inputs for this thread's row and columns of the CTA's slab, loaded now (clamped addresses,
@@ -257,7 +258,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     }
   }
   wgmma_wait<0>();
-  if (TRACED && tid == 0 && p.trace != nullptr) p.trace[prog * 4 + 2] = globaltimer();
+  stamp(2);
 
   // Reduce-scatter. Every MMA of the warpgroups is done (the barrier), so the stages hold this CTA's partial.
   consumer_sync<CONSUMERS>();
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   if (tid == 0) {
     // The partial must stay, and this CTA must not exit, until its pushes have completed.
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    if (TRACED && p.trace != nullptr) p.trace[prog * 4 + 3] = globaltimer();
+    stamp(3);
   }
 }
 

@@ -169,6 +169,15 @@ __device__ __forceinline__ long long globaltimer() {
   return t;
 }
 
+// A diagnostics stamp: thread 0 of the CTA writes %globaltimer to trace[index] (its program's row of the launch's
+// trace; null: none asked). Nothing at all in a build that is not TRACED (the kernels' *_DIAG bit 0).
+template <bool TRACED>
+__device__ __forceinline__ void trace_stamp(long long* trace, long long index) {
+  if constexpr (TRACED) {
+    if (threadIdx.x == 0 && trace != nullptr) trace[index] = globaltimer();
+  }
+}
+
 // a and b each summed over N adjacent lanes (N a power of two up to 32): a butterfly over the low lane bits.
 template <int N>
 __device__ __forceinline__ void lane_sum2(float& a, float& b) {

@@ -266,7 +266,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 0] = globaltimer();
+  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 8 + slot); };  // (thread 0)
+  stamp(0);
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
   const int f0 = rank * FS;
@@ -354,7 +355,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     uv[h] = LN ? p.ln_colsum[f] : 0.f;
   }
   gdc_wait();
-  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 1] = globaltimer();
+  stamp(1);
   if (pdl) gdc_launch();
 
   // The second epilogue's inputs for this thread's token and columns, in flight during both GEMMs.
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     }
     mbar_wait(wobar, 0);
     mbar_wait(xbar, 0);
-    if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+    stamp(4);
     mma_tiles<BF16, NO, KT1, WOT, XT>(oacc, wos, xs + to * 128);
     const uint32_t tile = x1s + jt * XT;
 #pragma unroll
@@ -454,7 +455,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     }
     mbar_wait(x1bar, 0);
-    if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
+    stamp(5);
     if (tid < BT) {  // the LayerNorm's row factors from the kt1 parts (lnrow: read after GEMM 1's barrier)
       float s1 = 0.f, s2 = 0.f;
 #pragma unroll
@@ -499,11 +500,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mbar_wait(w1bar, 0);
-  if (TRACED && !OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 4] = globaltimer();
+  if constexpr (!OUTP) stamp(4);
   mbar_wait(xbar, 0);
-  if (TRACED && !OUTP && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 5] = globaltimer();
+  if constexpr (!OUTP) stamp(5);
   mma_tiles<BF16, N1, kt1, W1T, XT>(acc, w1s + fw * 128, (OUTP ? x1s : xs) + tw * 128);
-  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 6] = globaltimer();
+  stamp(6);
   consumer_sync<CONSUMERS>();  // lnrow
 
   // Its epilogue: h = act(LN(x) w1 + b1) in 16 bits, stored as the second GEMM's B operand: h[t, f] K-major, the
@@ -537,7 +538,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #pragma unroll
   for (int i = 0; i < NACC; ++i) acc[i] = 0.f;
   mma_tiles<BF16, BT, FT, TILE_BYTES, XT>(acc, w2s + wg * (64 * 128), hs);
-  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 2] = globaltimer();
+  stamp(2);
 
   // Reduce-scatter over the cluster: the partial yT [128, BT] in 16 bits; slab q (rows R q ..) goes to CTA q.
 #pragma unroll
@@ -559,7 +560,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   mbar_wait(red, 0);
-  if (TRACED && p.trace != nullptr && tid == 0) p.trace[prog * 8 + 7] = globaltimer();
+  stamp(7);
 
   // This CTA's R output columns of the token tile: y = sum of the SC slabs + b2 + residual.
   if (!active) return;  // (whole warps: the shuffles below stay within active ones)
@@ -596,7 +597,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
   }
   if (tid == 0) {
     asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    if (TRACED && p.trace != nullptr) p.trace[prog * 8 + 3] = globaltimer();
+    stamp(3);
   }
 }
 
