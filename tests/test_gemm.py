@@ -292,6 +292,27 @@ def test_linear_trace_stamps_are_ordered():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [128, 100])  # the even build (tiles divide the shape) and the general one
+def test_cluster_linear_trace_stamps_are_ordered(m):
+    # The cluster GEMM's traced build (CG_DIAG bit 0, hopper.cuh's trace_stamp): every program of every split writes
+    # entry <= after wait <= after loop <= end, and the output is the untraced build's.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the cluster kernel needs a Hopper GPU")
+    k, n, split = 768, 768, 4
+    x, w, b, r = _inputs(m, n, k, torch.float16, "cuda", seed=92)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=6, split_k=split, tma=1, cluster=2,
+                     overlap_ratio=0.0, prefetch_ratio=1.0)
+    programs = -(-m // 64) * (n // 64) * split
+    trace = torch.zeros(programs, 4, dtype=torch.int64, device="cuda")
+    out = linear(x, w, b, config=cfg, residual=r, _trace=trace)
+    plain = linear(x, w, b, config=cfg, residual=r)
+    torch.cuda.synchronize()
+    assert rel_error(out, linear_ref(x, w, b, residual=r)) < 1e-2
+    assert torch.equal(out, plain)
+    assert (trace > 0).all() and (trace.diff(dim=1) >= 0).all(), trace
+
+
+@pytest.mark.gpu
 def test_tma_descriptor_prefetch_names_the_descriptors():
     # _prefetch_tma_descriptors names the PTX parameters of x_desc and w_desc by position: every TMA build
     # launched with PDL must declare both as 128-byte parameters there (and prefetch them).

@@ -94,6 +94,30 @@ def test_error_out_projection():
 
 
 @gpu
+@pytest.mark.parametrize("out_proj", [False, True])
+def test_mlp_trace_stamps(out_proj):
+    # The traced build (MLP_DIAG bit 0, hopper.cuh's trace_stamp): every program writes its 8 stamps, entry <= wait
+    # returned <= both GEMMs done <= end, and the output is the untraced build's.
+    _hopper()
+    m, d, f = 32, 256, 1024
+    x, w1, b1, w2, b2, res, _, _ = _inputs(m, d, f, torch.float16, seed=4)
+    g = torch.Generator().manual_seed(5)
+    kw = {}
+    if out_proj:
+        kw = dict(wo=(torch.randn(d, d, generator=g) * d ** -0.5).half().cuda(),
+                  bo=(torch.randn(d, generator=g) * 0.1).half().cuda())
+    tiles, splits = mlp_cluster.programs(m, d, f)
+    trace = torch.zeros(tiles * splits, 8, dtype=torch.int64, device="cuda")
+    out, plain = (torch.full((m, d), float("nan"), dtype=torch.float16, device="cuda") for _ in range(2))
+    mlp_cluster.launch(x, w1, b1, w2, b2, res, out, act=3, trace=trace, **kw)
+    mlp_cluster.launch(x, w1, b1, w2, b2, res, plain, act=3, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain)
+    assert rel_error(out, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, **kw)) < REL_TOLERANCE[torch.float16]
+    assert (trace > 0).all() and (trace[:, :4].diff(dim=1) >= 0).all(), trace
+
+
+@gpu
 @pytest.mark.parametrize("m, d, f, fs, ln, pdl", [
     (32, 256, 1024, 128, True, True), (32, 256, 1024, 128, False, False), (17, 256, 1024, 128, True, False),
     (64, 128, 512, 128, True, True), (100, 128, 256, 128, True, False), (45, 128, 256, 128, True, True),
