@@ -23,7 +23,7 @@ from tuner.bench import hand_picked, hand_picked_cluster, hand_picked_fused
 from tuner.config import DecoderConfig
 from tuner.evaluate import ReplayEvaluator
 from tuner.kernels.norm import NormConfig
-from tuner.layer import default_config
+from tuner.layer import check_config, default_config
 from tuner.shapes import PRESETS
 from tuner.study import SAMPLERS, StudyError, StudyOptions, make_sampler, run_study, study_name
 
@@ -229,6 +229,18 @@ def test_a_space_without_the_16_bit_exchange_gets_the_fp32_cluster_seed(tmp_path
     trials = load_study(tmp_path, name).trials
     assert trials[2].params == space.from_config(hand_picked_cluster(BERT_BASE, xchg16=False))
     assert trials[2].params["ffn2.cluster"] == 1
+
+
+def test_the_clustered_seed_launches_each_clustered_gemm_as_one_wave():
+    # bench.ONE_WAVE_CTAS: bert-base's out-projection and FFN2 (24 tiles) split 4 in clusters, 96 CTAs each;
+    # bert-large's (32 tiles) would be 128: its out-projection splits 2 ways, its FFN2 stays on the Triton kernels
+    from tuner.bench import ONE_WAVE_CTAS
+
+    base, large = hand_picked_cluster(BERT_BASE), hand_picked_cluster(PRESETS["bert-large"])
+    assert (base.out.cluster, base.out.split_k, base.ffn2.cluster, base.ffn2.split_k) == (2, 4, 2, 4)
+    assert (large.out.cluster, large.out.split_k, large.ffn2.cluster, large.ffn2.split_k) == (2, 2, 0, 4)
+    assert 2 * 16 * large.out.split_k <= ONE_WAVE_CTAS < 2 * 16 * 4
+    assert check_config(large, PRESETS["bert-large"]) == {}
 
 
 def recorded_config(row) -> DecoderConfig:

@@ -50,12 +50,29 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     return fit_config(cfg, shape).with_knobs(0.0, 1.0)
 
 
+# A clustered GEMM pays where its CTAs launch as one wave beside its predecessor's: up to ~3/4 of the SMs. H200, in
+# one process: bert-base's out-projection and FFN2, 24 tiles in clusters of 4 (96 CTAs), pay (19.7 against 20.4-20.6
+# us); bert-large's 32 tiles in clusters of 4 (128 CTAs) do not: FFN2 +2.4 us a layer, the out-projection +1.3, where
+# the out-projection in clusters of 2 (64 CTAs) gives -0.4 to -0.6 (perf notes 35.2).
+ONE_WAVE_CTAS = 96
+
+
+def _cluster_split(c: GemmConfig, gemm: tuple[int, int, int], splits) -> int | None:
+    """The largest of ``splits`` whose CTAs (the cluster kernel's tiles x the split) fit ONE_WAVE_CTAS, else None."""
+    from tuner.kernels.gemm import GemmProblem, cluster_tile
+
+    bm, bn = cluster_tile(c, GemmProblem(*gemm))
+    tiles = -(-gemm[0] // bm) * -(-gemm[1] // bn)
+    return max((s for s in splits if tiles * s <= ONE_WAVE_CTAS), default=None)
+
+
 def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True, mlp: bool = True,
                         out_proj: bool = True, attn_in: bool = True,
                         block_prefetch: float | None = 0.4, qkv_attn: bool = True) -> DecoderConfig:
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
-    a layer; bert-large, whose 128 FFN2 programs in clusters of four no longer launch as one wave: 25.7 -> 28.4).
+    a layer), each where its CTAs launch as one wave (ONE_WAVE_CTAS; bert-large: the out-projection split two ways,
+    FFN2 on the Triton kernels).
     ``xchg16``: the partials exchanged in 16 bits (cluster 2; H200, bert-base 19.68-19.79 -> 19.11-19.36 us, tiny
     11.09-11.30 -> 10.16-10.18: perf notes section 22), else in fp32 (cluster 1). ``mlp``: on a few tokens, the
     feed-forward block as one kernel where it fits (``ffn2.fuse``: perf notes section 23); ``out_proj``: with it the
@@ -71,8 +88,15 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     hp = hand_picked(shape, norms)
     gemms = shape.gemms()
     cl = 2 if xchg16 else 1
-    want = {"out": replace(hp.out, block_n=64, block_k=64, num_stages=6, split_k=4, cluster=cl),
-            "ffn2": replace(hp.ffn2, cluster=cl)}
+    # The out-projection split four ways, or two where four would not launch as one wave (bert-large); FFN2 at
+    # hand_picked's split, clustered only where that launches as one wave (bert-large: Triton's, split 4 and its
+    # reduction kernel; in clusters of 2 it measured +0.6 us a layer).
+    out_c = replace(hp.out, block_n=64, block_k=64, num_stages=6, cluster=cl)
+    want = {}
+    if (s := _cluster_split(out_c, gemms["out"], (2, 4))) is not None:
+        want["out"] = replace(out_c, split_k=s)
+    if _cluster_split(hp.ffn2, gemms["ffn2"], (hp.ffn2.split_k,)) is not None:
+        want["ffn2"] = replace(hp.ffn2, cluster=cl)
     few = shape.batch * shape.seq <= 64 and norms == 2
     if few:
         # A few tokens (tiny): QKV split four ways in clusters too, its LayerNorm applied in the cluster epilogue
