@@ -314,14 +314,20 @@ def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
     from tuner.study import neighbour
 
     sp = space.load()
-    params = space.from_config(hand_picked(BERT_BASE))
-    hints = 0
-    for seed in range(200):
+    params = space.from_config(hand_picked(BERT_BASE))  # (unsplit, unclustered QKV, out-projection and FFN1)
+    hints = paired = 0
+    for seed in range(400):
         p = neighbour(params, sp, True, np.random.default_rng(seed))
         moved = [k for k in p if p[k] != params[k]]
         if moved[0].endswith(".hints"):  # the GEMMs' L2 hints move together, off to on
             assert moved == [f"{g}.hints" for g in ("qkv", "out", "ffn1", "ffn2")] and {p[k] for k in moved} == {1}
             hints += 1
+            continue
+        if len(moved) == 2:  # into a cluster from a split the cluster kernel lacks: its smallest split with it
+            assert moved[0].endswith(".cluster") and moved[1] == moved[0].replace(".cluster", ".split_k"), moved
+            assert params[moved[0]] == 0 and p[moved[0]] > 0 and p[moved[1]] == 2 and params[moved[1]] not in (2, 4)
+            assert sp.contains(p, True)
+            paired += 1
             continue
         assert len(moved) == 1, moved
         k = moved[0]
@@ -329,7 +335,7 @@ def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
         choices = sorted(sp.params(True)[k].choices)
         assert abs(choices.index(p[k]) - choices.index(params[k])) == 1
         assert sp.contains(p, True)
-    assert hints > 0
+    assert hints > 0 and paired > 0
     assert neighbour(params, continuous_space(), True, np.random.default_rng(0)) is None
 
 

@@ -27,6 +27,7 @@ from optuna.trial import TrialState
 from tuner import manifest
 from tuner.config import GEMMS, DecoderConfig
 from tuner.evaluate import TrialResult
+from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, qkv_attn_error
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
@@ -310,8 +311,9 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     best trial). Only parameters that act are moved: the one-kernel layer's when it is on, else the
     seven kernels' (and the switch between the two). The GEMMs' L2 hints (``*.hints``) move together: the
     policies act as one (H100, tiny: QKV's and FFN1's together -0.2 us, either alone -0.05 at most;
-    docs/perf-notes.md section 30), so a one-kernel step would not find them. None where the space has
-    continuous ranges."""
+    docs/perf-notes.md section 30), so a one-kernel step would not find them. A step into a cluster also
+    moves the GEMM's split to the cluster kernel's smallest where it has no cluster split. None where the
+    space has continuous ranges."""
     dims = space.params(pdl)
     if any(d.choices is None for d in dims.values()) or set(dims) - set(params):
         return None
@@ -327,7 +329,16 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     j = j if 0 <= j < len(choices) else 2 * i - j  # at an end: the other neighbour
     moved = [n for n in names if n.endswith(".hints") and choices[j] in dims[n].choices] if name.endswith(
         ".hints") else [name]
-    return {**{n: params[n] for n in dims}, **{n: choices[j] for n in moved}}
+    out = {**{n: params[n] for n in dims}, **{n: choices[j] for n in moved}}
+    split = name[:-len(".cluster")] + ".split_k"
+    if name.endswith(".cluster") and choices[j] != 0 and split in dims and out[split] not in cluster_gemm.SPLITS:
+        # Into a cluster from a split the cluster kernel lacks (unsplit, say): with the fewest splits it has, or
+        # repair would switch the cluster off again and the step would measure the same configuration. (bert-large's
+        # out-projection in clusters of 2, -0.5 us a layer, lay two such steps from every top-1 of sessions 16-23.)
+        fits = sorted(s for s in cluster_gemm.SPLITS if s in dims[split].choices)
+        if fits:
+            out[split] = fits[0]
+    return out
 
 
 def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials) -> bool:
