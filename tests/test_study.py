@@ -233,12 +233,14 @@ def test_a_space_without_the_16_bit_exchange_gets_the_fp32_cluster_seed(tmp_path
 
 def test_the_clustered_seed_launches_each_clustered_gemm_as_one_wave():
     # bench.ONE_WAVE_CTAS: bert-base's out-projection and FFN2 (24 tiles) split 4 in clusters, 96 CTAs each;
-    # bert-large's (32 tiles) would be 128: its out-projection splits 2 ways, its FFN2 stays on the Triton kernels
+    # bert-large's (32 tiles) would be 128: its out-projection splits 2 ways, its FFN2 takes 64x128 tiles (16)
     from tuner.bench import ONE_WAVE_CTAS
 
     base, large = hand_picked_cluster(BERT_BASE), hand_picked_cluster(PRESETS["bert-large"])
     assert (base.out.cluster, base.out.split_k, base.ffn2.cluster, base.ffn2.split_k) == (2, 4, 2, 4)
-    assert (large.out.cluster, large.out.split_k, large.ffn2.cluster, large.ffn2.split_k) == (2, 2, 0, 4)
+    assert (base.out.block_n, base.ffn2.block_n) == (64, 64)
+    assert (large.out.cluster, large.out.split_k, large.ffn2.cluster, large.ffn2.split_k) == (2, 2, 2, 4)
+    assert (large.out.block_n, large.ffn2.block_n) == (64, 128)
     assert 2 * 16 * large.out.split_k <= ONE_WAVE_CTAS < 2 * 16 * 4
     assert check_config(large, PRESETS["bert-large"]) == {}
 

@@ -53,7 +53,8 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
 # A clustered GEMM pays where its CTAs launch as one wave beside its predecessor's: up to ~3/4 of the SMs. H200, in
 # one process: bert-base's out-projection and FFN2, 24 tiles in clusters of 4 (96 CTAs), pay (19.7 against 20.4-20.6
 # us); bert-large's 32 tiles in clusters of 4 (128 CTAs) do not: FFN2 +2.4 us a layer, the out-projection +1.3, where
-# the out-projection in clusters of 2 (64 CTAs) gives -0.4 to -0.6 (perf notes 35.2).
+# the out-projection in clusters of 2 (64 CTAs) gives -0.4 to -0.6, and FFN2 in 64x128 tiles (64 CTAs) -0.2 to -0.45
+# (perf notes 35.2).
 ONE_WAVE_CTAS = 96
 
 
@@ -72,7 +73,7 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     """hand_picked with the split-K reduced inside thread-block clusters (GemmConfig.cluster, Hopper): FFN2's four
     splits, and the out-projection split four ways in 64-wide K tiles (H200, bert-base: 20.4-20.6 -> 19.7 us
     a layer), each where its CTAs launch as one wave (ONE_WAVE_CTAS; bert-large: the out-projection split two ways,
-    FFN2 on the Triton kernels).
+    FFN2 in 64x128 tiles).
     ``xchg16``: the partials exchanged in 16 bits (cluster 2; H200, bert-base 19.68-19.79 -> 19.11-19.36 us, tiny
     11.09-11.30 -> 10.16-10.18: perf notes section 22), else in fp32 (cluster 1). ``mlp``: on a few tokens, the
     feed-forward block as one kernel where it fits (``ffn2.fuse``: perf notes section 23); ``out_proj``: with it the
@@ -89,14 +90,17 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     gemms = shape.gemms()
     cl = 2 if xchg16 else 1
     # The out-projection split four ways, or two where four would not launch as one wave (bert-large); FFN2 at
-    # hand_picked's split, clustered only where that launches as one wave (bert-large: Triton's, split 4 and its
-    # reduction kernel; in clusters of 2 it measured +0.6 us a layer).
+    # hand_picked's split, in 64-column tiles or, where those would not launch as one wave, 128 (bert-large: 64
+    # CTAs, -0.2 to -0.45 us a layer against Triton's split 4 and its reduction kernel; 64-column tiles in clusters
+    # of 2 measured +0.6: perf notes 35.2).
     out_c = replace(hp.out, block_n=64, block_k=64, num_stages=6, cluster=cl)
     want = {}
     if (s := _cluster_split(out_c, gemms["out"], (2, 4))) is not None:
         want["out"] = replace(out_c, split_k=s)
-    if _cluster_split(hp.ffn2, gemms["ffn2"], (hp.ffn2.split_k,)) is not None:
-        want["ffn2"] = replace(hp.ffn2, cluster=cl)
+    for ffn2 in (hp.ffn2, replace(hp.ffn2, block_n=128)):  # (or in the kernel's wider tiles: half the CTAs)
+        if _cluster_split(ffn2, gemms["ffn2"], (ffn2.split_k,)) is not None:
+            want["ffn2"] = replace(ffn2, cluster=cl)
+            break
     few = shape.batch * shape.seq <= 64 and norms == 2
     if few:
         # A few tokens (tiny): QKV split four ways in clusters too, its LayerNorm applied in the cluster epilogue
