@@ -270,21 +270,26 @@ def test_cluster_pdl_chain_in_a_graph():
 
 
 @gpu
-def test_cluster_racy_read_is_caught():
+@pytest.mark.parametrize("d, n, tiles", [(768, 768, dict(block_k=64, num_stages=4)),
+                                         # bert-large's FFN2 seed: 8 stages of 16 KB weight tiles before the wait
+                                         (4096, 1024, dict(block_n=128, block_k=128, num_stages=4, cluster=2))],
+                         ids=["64x64", "64x128-long-k"])
+def test_cluster_racy_read_is_caught(d, n, tiles):
     # The test-only defect (the first activation tile loaded before griddepcontrol.wait) behind a slow PDL
     # predecessor that writes x and lets its successor launch at once, replayed in a CUDA graph with x poisoned
     # before the producer: the defect reads the poison (or a partly written x) in some replays, the same chain
     # without it never. In a graph the launches are back to back, as in the timed stack; launched eagerly the
-    # consumer could reach the GPU only after its producer had finished, and nothing would race.
-    m, d, k0 = 128, 768, 16384
+    # consumer could reach the GPU only after its producer had finished, and nothing would race. (The racy tile is
+    # issued before the weight tiles: behind 128 KB of them it reached memory too late, perf notes 35.3.)
+    m, k0 = 128, 16384 if d <= 1024 else 4096
     g = torch.Generator().manual_seed(8)
     a = (torch.randn(m, k0, generator=g) / k0**0.5).half().cuda()
     w0 = torch.randn(d, k0, generator=g).half().cuda()
-    w = (torch.randn(d, d, generator=g) / d**0.5).half().cuda()
+    w = (torch.randn(n, d, generator=g) / d**0.5).half().cuda()
     x = torch.empty(m, d, dtype=torch.float16, device="cuda")
-    out = torch.empty(m, d, dtype=torch.float16, device="cuda")
+    out = torch.empty(m, n, dtype=torch.float16, device="cuda")
     slow = GemmConfig(block_m=64, block_n=64, block_k=64, num_stages=3, overlap_ratio=0.0)
-    cfg = replace(CL, block_k=64, num_stages=4, overlap_ratio=0.0, prefetch_ratio=1.0)
+    cfg = replace(CL, **tiles, overlap_ratio=0.0, prefetch_ratio=1.0)
     ref = (a.float() @ w0.float().T).half().float() @ w.float().T
     stream = torch.cuda.Stream()  # PDL needs a stream of its own: the legacy default stream serialises launches
 
