@@ -14,7 +14,7 @@ from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels.attention import AttnConfig
 from tuner.kernels._common import REL_TOLERANCE, tile_cap
-from tuner.kernels.gemm import GemmConfig
+from tuner.kernels.gemm import GemmConfig, GemmProblem, cluster_tile
 from tuner.kernels.norm import NormConfig
 from tuner.layer import (DecoderStack, check_config, default_config, fit_config, qkv_attn_error, random_stack_weights,
                          stack_depth)
@@ -60,8 +60,6 @@ ONE_WAVE_CTAS = 96
 
 def _cluster_split(c: GemmConfig, gemm: tuple[int, int, int], splits) -> int | None:
     """The largest of ``splits`` whose CTAs (the cluster kernel's tiles x the split) fit ONE_WAVE_CTAS, else None."""
-    from tuner.kernels.gemm import GemmProblem, cluster_tile
-
     bm, bn = cluster_tile(c, GemmProblem(*gemm))
     tiles = -(-gemm[0] // bm) * -(-gemm[1] // bn)
     return max((s for s in splits if tiles * s <= ONE_WAVE_CTAS), default=None)
@@ -84,7 +82,7 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     where it runs (``qkv.fuse``: perf notes section 27).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
     from tuner.kernels import mlp_cluster
-    from tuner.kernels.gemm import GemmProblem, check
+    from tuner.kernels.gemm import check
 
     hp = hand_picked(shape, norms)
     gemms = shape.gemms()
