@@ -53,9 +53,9 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
 # A clustered GEMM pays where its CTAs launch as one wave beside its predecessor's: up to ~3/4 of the SMs (a constant
 # for the 132-SM H200 it was measured on, as many as an H100 SXM has; it only shapes a seed, the search still tries the
 # rest). H200, in one process: bert-base's out-projection and FFN2, 24 tiles in clusters of 4 (96 CTAs), pay (19.7
-# against 20.4-20.6 us); bert-large's 32 tiles in clusters of 4 (128 CTAs) do not: FFN2 +2.4 us a layer, the out-projection +1.3, where
-# the out-projection in clusters of 2 (64 CTAs) gives -0.4 to -0.6, and FFN2 in 64x128 tiles (64 CTAs) -0.2 to -0.45
-# (perf notes 35.2).
+# against 20.4-20.6 us); bert-large's 32 tiles in clusters of 4 (128 CTAs) do not: FFN2 +2.4 us a layer, the
+# out-projection +1.3, where the out-projection in clusters of 2 (64 CTAs) gives -0.4 to -0.6, and FFN2 in 64x128
+# tiles (64 CTAs) -0.2 to -0.45 (perf notes 35.2).
 ONE_WAVE_CTAS = 96
 
 
