@@ -330,7 +330,7 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     moved = [n for n in names if n.endswith(".hints") and choices[j] in dims[n].choices] if name.endswith(
         ".hints") else [name]
     out = {**{n: params[n] for n in dims}, **{n: choices[j] for n in moved}}
-    split = name[:-len(".cluster")] + ".split_k"
+    split = name.removesuffix(".cluster") + ".split_k"  # (the moved GEMM's split, where a cluster was moved)
     if name.endswith(".cluster") and choices[j] != 0 and split in dims and out[split] not in cluster_gemm.SPLITS:
         # Into a cluster from a split the cluster kernel lacks (unsplit, say): with the fewest splits it has, or
         # repair would switch the cluster off again and the step would measure the same configuration. (bert-large's
