@@ -313,32 +313,56 @@ def test_baseline_is_measured_when_the_space_excludes_default_tiles(tmp_path, re
 def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
     import numpy as np
 
-    from tuner.study import neighbour
+    from tuner.study import PAIRED, neighbour
 
     sp = space.load()
     params = space.from_config(hand_picked(BERT_BASE))  # (unsplit, unclustered QKV, out-projection and FFN1)
-    hints = paired = 0
-    for seed in range(400):
+    dims = sp.params(True)
+
+    def adjacent(k, p):
+        choices = sorted(dims[k].choices)
+        return abs(choices.index(p[k]) - choices.index(params[k])) == 1
+
+    hints = split_fixed = pairs = 0
+    for seed in range(600):
         p = neighbour(params, sp, True, np.random.default_rng(seed))
+        assert sp.contains(p, True)
         moved = [k for k in p if p[k] != params[k]]
         if moved[0].endswith(".hints"):  # the GEMMs' L2 hints move together, off to on
             assert moved == [f"{g}.hints" for g in ("qkv", "out", "ffn1", "ffn2")] and {p[k] for k in moved} == {1}
             hints += 1
             continue
-        if len(moved) == 2:  # into a cluster from a split the cluster kernel lacks: its smallest split with it
-            assert moved[0].endswith(".cluster") and moved[1] == moved[0].replace(".cluster", ".split_k"), moved
-            assert params[moved[0]] == 0 and p[moved[0]] > 0 and p[moved[1]] == 2 and params[moved[1]] not in (2, 4)
-            assert sp.contains(p, True)
-            paired += 1
-            continue
-        assert len(moved) == 1, moved
-        k = moved[0]
-        assert not k.startswith("layer.") or k == "layer.fuse"  # the one-kernel layer is off: its tiles do not act
-        choices = sorted(sp.params(True)[k].choices)
-        assert abs(choices.index(p[k]) - choices.index(params[k])) == 1
-        assert sp.contains(p, True)
-    assert hints > 0 and paired > 0
+        gemm = moved[0].split(".")[0]
+        cluster, split = f"{gemm}.cluster", f"{gemm}.split_k"
+        if cluster in moved and p[cluster] > 0 and split in moved:
+            # into a cluster: a split the cluster kernel has (2 or 4), its smallest where the step left it another
+            assert p[split] in (2, 4) and (p[split] == 2 or adjacent(split, p)), (moved, p)
+            moved.remove(split)
+            split_fixed += params[split] not in (2, 4)
+        assert 1 <= len(moved) <= 2, moved
+        if len(moved) == 2:  # two tile-shape parameters of one GEMM
+            assert {k.split(".")[0] for k in moved} == {gemm} and all(k.split(".")[1] in PAIRED for k in moved), moved
+            pairs += 1
+        for k in moved:
+            assert not k.startswith("layer.") or k == "layer.fuse"  # the one-kernel layer is off: its tiles do not act
+            assert adjacent(k, p), (k, params[k], p[k])
+    assert hints > 0 and split_fixed > 0 and pairs > 0
     assert neighbour(params, continuous_space(), True, np.random.default_rng(0)) is None
+
+
+def test_neighbour_pairs_cross_a_worse_midpoint():
+    """bert-large's FFN2: from Triton 64x64 split 4 into clusters of 64x128 tiles split 4 is one step (section 35)."""
+    import numpy as np
+
+    from tuner.study import neighbour
+
+    sp = space.load()
+    params = {**space.from_config(hand_picked(BERT_BASE)), "ffn2.block_m": 64, "ffn2.block_n": 64,
+              "ffn2.split_k": 4, "ffn2.cluster": 0}
+    target = {"ffn2.block_n": 128, "ffn2.cluster": 1}
+    hits = sum(all(p[k] == v for k, v in target.items()) and p["ffn2.split_k"] == 4
+               for p in (neighbour(params, sp, True, np.random.default_rng(s)) for s in range(3000)))
+    assert hits > 0
 
 
 def test_tpe_queues_neighbours_of_the_best(tmp_path, replay):

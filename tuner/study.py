@@ -306,12 +306,28 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     return objective
 
 
+# A GEMM's tile-shape parameters that trade off against each other: how many CTAs the GEMM launches and how much
+# each streams. A step that moves one of them moves a second with it half the time, so that the search can cross a
+# worse midpoint: bert-large's FFN2 from Triton 64x64 tiles split 4 (128 CTAs) to clusters of 64x128 tiles (64 CTAs)
+# gains 0.2-0.5 us a layer, and the step into clusters alone (64x64 tiles, 128 CTAs) loses 2.2 (H200,
+# docs/perf-notes.md section 35); the study found it only from a seed.
+PAIRED = ("block_m", "block_n", "split_k", "cluster")
+
+
+def _step(choices: list, value, rng):
+    """The choice next to ``value`` in ``choices`` (sorted), up or down at random; at an end, the other one."""
+    i = choices.index(value) if value in choices else 0
+    j = i + (1 if rng.random() < 0.5 else -1)
+    return choices[j if 0 <= j < len(choices) else 2 * i - j]
+
+
 def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     """``params`` with one categorical parameter moved to an adjacent choice (a local step around the
     best trial). Only parameters that act are moved: the one-kernel layer's when it is on, else the
     seven kernels' (and the switch between the two). The GEMMs' L2 hints (``*.hints``) move together: the
     policies act as one (H100, tiny: QKV's and FFN1's together -0.2 us, either alone -0.05 at most;
-    docs/perf-notes.md section 30), so a one-kernel step would not find them. A step into a cluster also
+    docs/perf-notes.md section 30), so a one-kernel step would not find them. A step in one of a GEMM's
+    :data:`PAIRED` parameters moves a second of them too, half the time. A step into a cluster also
     moves the GEMM's split to the cluster kernel's smallest where it has no cluster split. None where the
     space has continuous ranges."""
     dims = space.params(pdl)
@@ -323,15 +339,18 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     if not names:
         return None
     name = names[int(rng.integers(len(names)))]
-    choices = sorted(dims[name].choices)
-    i = choices.index(params[name]) if params[name] in choices else 0
-    j = i + (1 if rng.random() < 0.5 else -1)
-    j = j if 0 <= j < len(choices) else 2 * i - j  # at an end: the other neighbour
-    moved = [n for n in names if n.endswith(".hints") and choices[j] in dims[n].choices] if name.endswith(
-        ".hints") else [name]
-    out = {**{n: params[n] for n in dims}, **{n: choices[j] for n in moved}}
-    split = name.removesuffix(".cluster") + ".split_k"  # (the moved GEMM's split, where a cluster was moved)
-    if name.endswith(".cluster") and choices[j] != 0 and split in dims and out[split] not in cluster_gemm.SPLITS:
+    to = _step(sorted(dims[name].choices), params[name], rng)
+    moved = [n for n in names if n.endswith(".hints") and to in dims[n].choices] if name.endswith(".hints") else [name]
+    out = {**{n: params[n] for n in dims}, **{n: to for n in moved}}
+    gemm, _, field = name.partition(".")
+    if gemm in GEMMS and field in PAIRED and rng.random() < 0.5:
+        others = [f"{gemm}.{f}" for f in PAIRED if f != field and f"{gemm}.{f}" in names]
+        if others:
+            second = others[int(rng.integers(len(others)))]
+            out[second] = _step(sorted(dims[second].choices), params[second], rng)
+            moved.append(second)
+    cluster, split = gemm + ".cluster", gemm + ".split_k"
+    if cluster in moved and out[cluster] != 0 and split in dims and out[split] not in cluster_gemm.SPLITS:
         # Into a cluster from a split the cluster kernel lacks (unsplit, say): with the fewest splits it has, or
         # repair would switch the cluster off again and the step would measure the same configuration. (bert-large's
         # out-projection in clusters of 2, -0.5 us a layer, lay two such steps from every top-1 of sessions 16-23.)
