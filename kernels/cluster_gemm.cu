@@ -167,9 +167,13 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       const int cap = (p.flags >> EARLY_SHIFT) & 15;
       if (cap > 0) early = min(early, cap - 1);
       if (racy && early == 0 && n_iters > 0) early = 1;
-      // (the racy activation tile first, as qkv_attn.cu's: queued behind the weight tiles it reached memory after
-      // the predecessor had finished, and bert-large's 64x128 tiles, 128 KB of them, hid the race: perf notes 35.3)
-      if (racy && n_iters > 0) tma_load<HINT_ACT>(a_smem, &p.a_map, full, k_first * BK, m0);
+      // (the racy activation tiles first, as qkv_attn.cu's: queued behind the weight tiles they reached memory after
+      // the predecessor had finished, and bert-large's 64x128 tiles, 128 KB of them, hid the race: perf notes 35.3;
+      // every early stage's, not only the first: each comes from another of the predecessor's column tiles, and
+      // one that is still being written is enough to catch)
+      if (racy)
+        for (int i = 0; i < early; ++i)
+          tma_load<HINT_ACT>(a_smem + i * TL::A_BYTES, &p.a_map, full + 8 * i, (k_first + i) * BK, m0);
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
         tma_load<HINT_WEIGHT>(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
@@ -186,7 +190,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
           mbar_expect_tx(bar, TL::STAGE_BYTES);
           tma_load<HINT_WEIGHT>(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i == 0)) tma_load<HINT_ACT>(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
+        if (!(racy && i < early)) tma_load<HINT_ACT>(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
