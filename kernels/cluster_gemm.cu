@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 4 + slot); };  // (thread 0)
+  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 4, slot); };  // (thread 0)
   stamp(0);
   const int n_tile = blockIdx.x, m_tile = blockIdx.y;
   const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split

@@ -169,12 +169,18 @@ __device__ __forceinline__ long long globaltimer() {
   return t;
 }
 
-// A diagnostics stamp: thread 0 of the CTA writes %globaltimer to trace[index] (its program's row of the launch's
-// trace; null: none asked). Nothing at all in a build that is not TRACED (the kernels' *_DIAG bit 0).
-template <bool TRACED>
-__device__ __forceinline__ void trace_stamp(long long* trace, long long index) {
+// A diagnostics stamp: thread 0 of the CTA writes the clock to slot `slot` of its program's row `row` of the
+// launch's trace (trace[row + slot]; null: none asked), and to slot `also` too where that is not negative:
+// %globaltimer, or the SM's cycles (clock64) where CYCLES. Nothing at all in a build that is not TRACED (the
+// kernels' *_DIAG bit 0).
+template <bool TRACED, bool CYCLES = false>
+__device__ __forceinline__ void trace_stamp(long long* trace, long long row, int slot, int also = -1) {
   if constexpr (TRACED) {
-    if (threadIdx.x == 0 && trace != nullptr) trace[index] = globaltimer();
+    if (threadIdx.x == 0 && trace != nullptr) {
+      const long long now = CYCLES ? static_cast<long long>(clock64()) : globaltimer();
+      trace[row + slot] = now;
+      if (also >= 0) trace[row + also] = now;
+    }
   }
 }
 

@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 8 + slot); };  // (thread 0)
+  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 8, slot); };  // (thread 0)
   stamp(0);
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;

@@ -205,13 +205,8 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   constexpr bool cycles = CYCLES;
   // thread 0's trace stamp(s) (diagnostics only: nothing unless TRACED, and nothing when p.trace is null)
-  auto stamp = [&](int slot, int also = -1) {
-    if constexpr (!TRACED) return;
-    if (tid != 0 || p.trace == nullptr) return;
-    long long* const row = p.trace + prog * (cycles ? 10 : 6);
-    const long long now = cycles ? static_cast<long long>(clock64()) : globaltimer();
-    row[slot] = now;
-    if (also >= 0) row[also] = now;
+  const auto stamp = [&](int slot, int also = -1) {
+    trace_stamp<TRACED, CYCLES>(p.trace, prog * (cycles ? 10 : 6), slot, also);
   };
   stamp(0);
   const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
