@@ -365,6 +365,46 @@ def test_neighbour_pairs_cross_a_worse_midpoint():
     assert hits > 0
 
 
+def test_idle_kernels_are_those_the_layer_does_not_launch():
+    from devices import A100, H200  # (tests/ is on sys.path under pytest)
+
+    from tuner.layer import idle_kernels, repair_config
+
+    def idle(shape, cfg, device):
+        return idle_kernels(repair_config(cfg, PRESETS[shape], 2, device))
+
+    assert idle("bert-base", default_config(BERT_BASE), H200) == set()  # seven kernels
+    # bert-base's seed: the norms folded into the GEMMs, the attention in QKV's kernel
+    assert idle("bert-base", hand_picked_cluster(BERT_BASE), H200) == {"norm1", "norm2", "attn"}
+    # tiny's: the attention, the out-projection and FFN2 in the feed-forward block's kernel too
+    assert idle("tiny", hand_picked_cluster(PRESETS["tiny"]), H200) == {"norm1", "norm2", "attn", "out", "ffn2"}
+    # not a Hopper: repair runs the CUDA kernels' work on the Triton kernels, so only the norms are idle
+    assert idle("tiny", hand_picked_cluster(PRESETS["tiny"]), A100) == {"norm1", "norm2"}
+    assert idle_kernels(hand_picked_fused(BERT_BASE)) == set()  # the one-kernel layer's parameters are apart
+
+
+def test_neighbour_leaves_the_kernels_not_launched_alone_but_their_switch():
+    import numpy as np
+
+    from tuner.study import neighbour
+
+    sp = space.load()
+    params = space.from_config(hand_picked_cluster(BERT_BASE))
+    idle = {"norm1", "norm2", "attn"}
+    moved = set()
+    for seed in range(400):
+        p = neighbour(params, sp, True, np.random.default_rng(seed), idle)
+        moved |= {k for k in p if p[k] != params[k]}
+    assert moved & {"norm1.fuse", "norm2.fuse", "attn.fuse"}  # switching a fused kernel back on is a step
+    assert not {k for k in moved if k.split(".")[0] in idle and not k.endswith(".fuse")}, moved
+    assert {k.split(".")[0] for k in moved} >= {"qkv", "out", "ffn1", "ffn2"}
+    unfiltered = set()
+    for seed in range(400):
+        p = neighbour(params, sp, True, np.random.default_rng(seed))
+        unfiltered |= {k for k in p if p[k] != params[k]}
+    assert {"attn.block_m", "norm1.num_warps"} <= unfiltered  # without idle every parameter may move
+
+
 def test_tpe_queues_neighbours_of_the_best(tmp_path, replay):
     folder = run(tmp_path, replay, trials=14)
     trials = pd.read_csv(folder / "trials.csv")

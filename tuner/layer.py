@@ -180,6 +180,24 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     return cfg
 
 
+def idle_kernels(cfg: DecoderConfig) -> set[str]:
+    """The kernels of the seven that a config, as :func:`repair_config` leaves it, does not launch (layer_launches
+    leaves them out; their configs are read nowhere but in their ``fuse`` switch): a fused norm, the attention in QKV's
+    kernel or in the feed-forward block, the out-projection and FFN2 in that block. None under the one-kernel layer,
+    whose own parameters are apart. (The first layer of a stack with norm1.fuse 2 runs its attention kernel: one layer
+    of the 8 to 120 the tuner times, ignored here.)"""
+    if cfg.fused:
+        return set()
+    idle = {n for n in ("norm1", "norm2") if getattr(cfg, n).fuse}
+    if cfg.ffn2.fuse:
+        idle.add("ffn2")
+    if cfg.out.fuse:
+        idle.add("out")
+    if cfg.attn.fuse or cfg.qkv.fuse == 1:
+        idle.add("attn")
+    return idle
+
+
 def default_config(shape: DecoderShape) -> DecoderConfig:
     """The baseline of every comparison: default tiles (fitted to the shape), every pair at (-1, -1)."""
     return fit_config(DecoderConfig(), shape)

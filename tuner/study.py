@@ -250,6 +250,15 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     return study
 
 
+def _repairer(shape: DecoderShape, evaluator):
+    """params -> the config the evaluator measures for them (tuner.layer.repair_config on its GPU and dtype)."""
+    from tuner.layer import repair_config
+
+    dtype_bytes = 4 if getattr(evaluator, "dtype_name", "float16") == "float32" else 2
+    device = getattr(evaluator, "device", None) if not evaluator.replayed else None
+    return lambda params: repair_config(to_config(params), shape, dtype_bytes, device)
+
+
 def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget: int, log):
     """The objective: claim a slot of the shared budget, then evaluate (or reuse a measured duplicate)."""
     pdl = bool(evaluator.pdl)
@@ -260,16 +269,13 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     cache = {t.user_attrs["config_hash"]: (t.number, t.value, dict(t.user_attrs))
              for t in done if "config_hash" in t.user_attrs}
 
-    from tuner.layer import repair_config
-
-    dtype_bytes = 4 if getattr(evaluator, "dtype_name", "float16") == "float32" else 2
-    device = getattr(evaluator, "device", None) if not evaluator.replayed else None
+    repaired = _repairer(shape, evaluator)
 
     def evaluate(trial: optuna.Trial) -> float:
         params = suggest(trial, space, pdl)
         # Tiles beyond the problem, the shared memory or the registers are moved to the nearest config
         # that runs (the trial records the config it measured); what still fails check() is invalid.
-        cfg = repair_config(to_config(params), shape, dtype_bytes, device)
+        cfg = repaired(params)
         h = config_hash(cfg)
         if h in cache and cache[h][2].get("status") not in (None, "crashed", "timeout"):
             number, value, attrs = cache[h]
@@ -321,10 +327,11 @@ def _step(choices: list, value, rng):
     return choices[j if 0 <= j < len(choices) else 2 * i - j]
 
 
-def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
+def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()) -> dict | None:
     """``params`` with one categorical parameter moved to an adjacent choice (a local step around the
     best trial). Only parameters that act are moved: the one-kernel layer's when it is on, else the
-    seven kernels' (and the switch between the two). The GEMMs' L2 hints (``*.hints``) move together: the
+    seven kernels' (and the switch between the two), and of the kernels in ``idle`` (not launched:
+    tuner.layer.idle_kernels) only their ``fuse`` switch. The GEMMs' L2 hints (``*.hints``) move together: the
     policies act as one (H100, tiny: QKV's and FFN1's together -0.2 us, either alone -0.05 at most;
     docs/perf-notes.md section 30), so a one-kernel step would not find them. A step in one of a GEMM's
     :data:`PAIRED` parameters moves a second of them too, half the time. A step into a cluster also
@@ -335,7 +342,8 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
         return None
     fused = params.get("layer.fuse") == 1
     names = [n for n, d in dims.items() if len(d.choices) > 1
-             and (n == "layer.fuse" or n.startswith("layer.") == fused)]
+             and (n == "layer.fuse" or n.startswith("layer.") == fused)
+             and (n.partition(".")[0] not in idle or n.endswith(".fuse"))]
     if not names:
         return None
     name = names[int(rng.integers(len(names)))]
@@ -360,10 +368,12 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng) -> dict | None:
     return out
 
 
-def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials) -> bool:
+def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials,
+                     repaired=None) -> bool:
     """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
     leaves room for it and the sampler's own next proposal (nothing is left waiting at the end).
-    ``trials``: the study's trials as just read. Returns whether a trial was queued."""
+    ``trials``: the study's trials as just read; ``repaired``: params -> the config measured for them
+    (_repairer), whose kernels not launched the step leaves alone. Returns whether a trial was queued."""
     if opts.sampler != "tpe" or opts.local_every <= 0 or number % opts.local_every != opts.local_every - 1:
         return False
     if any(t.state == TrialState.WAITING for t in trials) or opts.trials - spent(trials) < 2:
@@ -374,11 +384,22 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
     best = min(ok, key=lambda t: t.value)
     import numpy as np
 
-    p = neighbour(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number))
+    idle = _idle(best.params, repaired) if repaired is not None else frozenset()
+    p = neighbour(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number), idle)
     if p is None:
         return False
     study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
     return True
+
+
+def _idle(params: dict, repaired) -> set[str]:
+    """The kernels that the config measured for ``params`` does not launch (none where it cannot be built)."""
+    from tuner.layer import idle_kernels
+
+    try:
+        return idle_kernels(repaired(params))
+    except Exception:  # noqa: BLE001 - a params dict of another space: the step then moves any parameter
+        return set()
 
 
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
@@ -390,12 +411,13 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
     bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
     pdl = bool(evaluator.pdl)
+    repaired = _repairer(shape, evaluator)
 
     def after_trial(st, tr):
         # One read of the trial list serves the rest of the hook (again only after it queued a trial).
         recover_orphans(st)  # a sibling process may have died mid-trial (it reads the running ones)
         trials = st.get_trials(deepcopy=False)
-        if _queue_neighbour(st, space, pdl, opts, tr.number, trials):
+        if _queue_neighbour(st, space, pdl, opts, tr.number, trials, repaired):
             trials = st.get_trials(deepcopy=False)
         if bar is not None:
             update_progress(bar, st, opts.timeout_s - (time.time() - t0) if opts.timeout_s else None, trials)
