@@ -44,8 +44,8 @@ struct Tile {
 // distributed shared memory, which costs ~60 ns per KB a CTA pushes (perf notes 16.1); each partial is rounded once.
 enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, XCHG16 = 32 };
 // The trace's stamps and the test-only defect are build variants (CG_DIAG, as qkv_attn.cu's QA_DIAG: no branch of
-// theirs in the production build): bit 0 the trace (%globaltimer, 4 a program), bit 2 racy (the first activation
-// tile loaded before griddepcontrol.wait).
+// theirs in the production build): bit 0 the trace (%globaltimer, 4 a program), bit 2 racy (the activation tiles
+// of the stages whose weights go before griddepcontrol.wait, loaded before it too).
 #ifndef CG_DIAG
 #define CG_DIAG 0
 #endif

@@ -275,12 +275,12 @@ def test_cluster_pdl_chain_in_a_graph():
                                          (4096, 1024, dict(block_n=128, block_k=128, num_stages=4, cluster=2))],
                          ids=["64x64", "64x128-long-k"])
 def test_cluster_racy_read_is_caught(d, n, tiles):
-    # The test-only defect (the first activation tile loaded before griddepcontrol.wait) behind a slow PDL
+    # The test-only defect (the early stages' activation tiles loaded before griddepcontrol.wait) behind a slow PDL
     # predecessor that writes x and lets its successor launch at once, replayed in a CUDA graph with x poisoned
     # before the producer: the defect reads the poison (or a partly written x) in some replays, the same chain
     # without it never. In a graph the launches are back to back, as in the timed stack; launched eagerly the
-    # consumer could reach the GPU only after its producer had finished, and nothing would race. (The racy tile is
-    # issued before the weight tiles: behind 128 KB of them it reached memory too late, perf notes 35.3.)
+    # consumer could reach the GPU only after its producer had finished, and nothing would race. (The racy tiles are
+    # issued before the weight tiles: behind 128 KB of them a racy tile reached memory too late, perf notes 35.3.)
     m, k0 = 128, 16384 if d <= 1024 else 4096
     g = torch.Generator().manual_seed(8)
     a = (torch.randn(m, k0, generator=g) / k0**0.5).half().cuda()

@@ -82,7 +82,7 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     hand_picked's). ``qkv_attn``: where the attention is not in that block, the attention computed by QKV's kernel
     where it runs (``qkv.fuse``: perf notes section 27).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
-    from tuner.kernels import mlp_cluster
+    from tuner.kernels import cluster_gemm, mlp_cluster
     from tuner.kernels.gemm import check
 
     hp = hand_picked(shape, norms)
@@ -94,7 +94,7 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     # of 2 measured +0.6: perf notes 35.2).
     out_c = replace(hp.out, block_n=64, block_k=64, num_stages=6, cluster=cl)
     want = {}
-    if (s := _cluster_split(out_c, gemms["out"], (2, 4))) is not None:
+    if (s := _cluster_split(out_c, gemms["out"], cluster_gemm.SPLITS)) is not None:
         want["out"] = replace(out_c, split_k=s)
     for ffn2 in (hp.ffn2, replace(hp.ffn2, block_n=128)):  # (or in the kernel's wider tiles: half the CTAs)
         if _cluster_split(ffn2, gemms["ffn2"], (ffn2.split_k,)) is not None:

@@ -28,7 +28,7 @@ from tuner import manifest
 from tuner.config import GEMMS, DecoderConfig
 from tuner.evaluate import TrialResult
 from tuner.kernels import cluster_gemm
-from tuner.layer import default_config, qkv_attn_error
+from tuner.layer import default_config, idle_kernels, qkv_attn_error
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
 from tuner.storage import OWNER_ATTR, default_url, open_storage, recover_orphans, redact, this_owner
@@ -384,22 +384,13 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
     best = min(ok, key=lambda t: t.value)
     import numpy as np
 
-    idle = _idle(best.params, repaired) if repaired is not None else frozenset()
+    # (the best trial's params went through ``repaired`` when it was evaluated: this cannot fail where that did not)
+    idle = idle_kernels(repaired(best.params)) if repaired is not None else frozenset()
     p = neighbour(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number), idle)
     if p is None:
         return False
     study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
     return True
-
-
-def _idle(params: dict, repaired) -> set[str]:
-    """The kernels that the config measured for ``params`` does not launch (none where it cannot be built)."""
-    from tuner.layer import idle_kernels
-
-    try:
-        return idle_kernels(repaired(params))
-    except Exception:  # noqa: BLE001 - a params dict of another space: the step then moves any parameter
-        return set()
 
 
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
