@@ -50,6 +50,52 @@ def hand_picked(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     return fit_config(cfg, shape).with_knobs(0.0, 1.0)
 
 
+# Many tokens: the GEMMs are bound by their MMAs, not by streaming their weights, and every GEMM launches several
+# waves of CTAs. H200, 4x512x768x12x3072 (2,048 tokens), one process (docs/perf-notes.md section 37): 128x128x64
+# tiles in 8 warps and 4 stages, every pair at (-1, -1), 89.8 us a layer against 105.5 for the 64-row tiles a
+# default-budget study kept (torch.compile 91.0); the same tiles with every pair at (0, 1) 139.6 (the dependent
+# kernels launched early take SMs from their predecessor's later waves); the norms folded into the GEMMs 88.3.
+MANY_TOKENS = 512
+
+
+def hand_picked_many(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
+    """Tiles picked by hand for many tokens (:data:`MANY_TOKENS` and more): 128x128x64 in 8 warps and 4 stages, TMA
+    loads, no split, the norms folded into the GEMMs (``norms``: NormConfig.fuse), every pair at (-1, -1)."""
+    gemm = GemmConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4, tma=1)
+    base = default_config(shape)
+    cfg = replace(base, qkv=gemm, out=gemm, ffn1=gemm, ffn2=gemm, norm1=replace(base.norm1, fuse=norms),
+                  norm2=replace(base.norm2, fuse=norms))
+    return fit_config(cfg, shape)
+
+
+# A kernel's prefetch pulls its weights into L2 before its wait; where they are a large part of the L2, the kernel
+# evicts what it prefetched before it reads it. H200 (60 MB of L2), 1x128x4096x32x11008 (QKV's weights 100 MB,
+# FFN1's and FFN2's 90 MB), one process (perf notes 37): a default-budget study's top-1 177.1 us a layer with
+# every prefetch at 1.0, 150.9 with 0.2, 150.8 with none (torch.compile 121.0). The seeds prefetch at most half the
+# L2 a kernel.
+PREFETCH_L2_SHARE = 0.5
+_PREFETCH_GRID = (1.0, 0.8, 0.6, 0.4, 0.2, 0.0)
+
+
+def fit_prefetch(cfg: DecoderConfig, shape: DecoderShape, l2_bytes: int | None, dtype_bytes: int = 2) -> DecoderConfig:
+    """``cfg`` with each GEMM's prefetch ratio (and the one-kernel layer's) lowered to the largest of 1.0, 0.8, ...,
+    0.0 that prefetches at most :data:`PREFETCH_L2_SHARE` of ``l2_bytes`` of its weights; ratios below that, or
+    negative (no prefetch), are kept. ``l2_bytes`` None: ``cfg`` unchanged."""
+    if not l2_bytes:
+        return cfg
+
+    def fit(ratio: float, weight_bytes: int) -> float:
+        cap = next(p for p in _PREFETCH_GRID if p * weight_bytes <= PREFETCH_L2_SHARE * l2_bytes or p == 0.0)
+        return ratio if ratio <= cap else cap
+
+    out = {}
+    for name, (_, n, k) in shape.gemms().items():
+        c = getattr(cfg, name)
+        out[name] = replace(c, prefetch_ratio=fit(c.prefetch_ratio, n * k * dtype_bytes))
+    out["layer"] = replace(cfg.layer, prefetch_ratio=fit(cfg.layer.prefetch_ratio, shape.weight_bytes(dtype_bytes)))
+    return replace(cfg, **out)
+
+
 # A clustered GEMM pays where its CTAs launch as one wave beside its predecessor's: up to ~3/4 of the SMs (a constant
 # for the 132-SM H200 it was measured on, as many as an H100 SXM has; it only shapes a seed, the search still tries the
 # rest). H200, in one process: bert-base's out-projection and FFN2, 24 tiles in clusters of 4 (96 CTAs), pay (19.7

@@ -165,14 +165,17 @@ def _check_identity(study, ident: dict) -> None:
 
 
 def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSpace, log=print,
-                          budget: int | None = None) -> None:
-    """The baseline and the hand-picked tiles (with and without knobs), where the space holds them.
+                          budget: int | None = None, l2_bytes: int | None = None) -> None:
+    """The baseline and the hand-picked tiles (with and without knobs), where the space holds them; on many
+    tokens, the hand-picked tiles for them too (tuner.bench.hand_picked_many). Every seed prefetches at most
+    half of ``l2_bytes`` a kernel (tuner.bench.fit_prefetch; None: as picked).
 
     A seed outside a user's restricted space is not enqueued (Optuna would reject its values, and the
     search must stay inside what the user asked for); the baseline is measured anyway in the final
     phase, interleaved with the top-k, and every speedup is against that measurement.
     """
-    from tuner.bench import hand_picked, hand_picked_cluster, hand_picked_fused
+    from tuner.bench import (MANY_TOKENS, fit_prefetch, hand_picked, hand_picked_cluster, hand_picked_fused,
+                             hand_picked_many)
 
     hp = hand_picked(shape)
     norm_kernels = hand_picked(shape, norms=0)
@@ -203,8 +206,11 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
         hp_qa = replace(hp, qkv=replace(hp.qkv, fuse=1))
         if qkv_attn_error(shape, hp_qa) is None and space.contains(from_config(hp_qa, pdl), pdl):
             seeds.insert(3, (hp_qa, None))
+    if shape.tokens >= MANY_TOKENS:
+        seeds.insert(1, (hand_picked_many(shape), None))
     study.set_user_attr("seeded", True)
     for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
+        cfg = fit_prefetch(cfg, shape, l2_bytes)
         params = from_config(cfg, pdl)
         if cfg.fused:  # the seven per-kernel configs are not launched: any value of the space will do
             for name, dim in space.params(pdl).items():
@@ -246,7 +252,8 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     trials = study.get_trials(deepcopy=False)
     seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") for t in trials)
     if created or (trials and not seeded):
-        _enqueue_first_trials(study, shape, pdl, space, log, budget=opts.trials)
+        _enqueue_first_trials(study, shape, pdl, space, log, budget=search_budget(space, pdl, opts),
+                              l2_bytes=_device_dict(evaluator).get("l2_bytes"))
     return study
 
 
@@ -280,7 +287,7 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
         if h in cache and cache[h][2].get("status") not in (None, "crashed", "timeout"):
             number, value, attrs = cache[h]
             for k, v in attrs.items():
-                if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of"):
+                if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
                     trial.set_user_attr(k, v)
             trial.set_user_attr("duplicate_of", number)
             return value if value is not None else float("nan")
@@ -320,6 +327,26 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
 PAIRED = ("block_m", "block_n", "split_k", "cluster")
 
 
+# The (overlap, prefetch) pairs also act as a policy across the kernels: whether the dependent kernels may launch
+# early, and how much of the weights go to L2 ahead. A step sets one of the two ratios of every kernel that acts to
+# one value of its grid, a step in KNOB_SWEEP: from a top-1 with every prefetch at 1.0 on 1x128x4096x32x11008,
+# all at 0.2 is -15% (H200, 177.1 -> 150.9 us a layer; perf notes 37), six one-kernel steps away.
+RATIOS = ("overlap_ratio", "prefetch_ratio")
+KNOB_SWEEP = 0.15
+
+
+def _sweep(params: dict, dims: dict, names: list, rng) -> dict | None:
+    """``params`` with one of :data:`RATIOS` set to one value for every kernel in ``names`` whose grid holds it;
+    None where no value would move any."""
+    field = RATIOS[int(rng.integers(len(RATIOS)))]
+    cols = [n for n in names if n.partition(".")[2] == field]
+    values = sorted({v for n in cols for v in dims[n].choices if v != params[n]})
+    if not values:
+        return None
+    to = values[int(rng.integers(len(values)))]
+    return {**{n: params[n] for n in dims}, **{n: to for n in cols if to in dims[n].choices}}
+
+
 def _step(choices: list, value, rng):
     """The choice next to ``value`` in ``choices`` (sorted), up or down at random; at an end, the other one."""
     i = choices.index(value) if value in choices else 0
@@ -333,8 +360,9 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()
     seven kernels' (and the switch between the two), and of the kernels in ``idle`` (not launched:
     tuner.layer.idle_kernels) only their ``fuse`` switch. The GEMMs' L2 hints (``*.hints``) move together: the
     policies act as one (H100, tiny: QKV's and FFN1's together -0.2 us, either alone -0.05 at most;
-    docs/perf-notes.md section 30), so a one-kernel step would not find them. A step in one of a GEMM's
-    :data:`PAIRED` parameters moves a second of them too, half the time. A step into a cluster also
+    docs/perf-notes.md section 30), so a one-kernel step would not find them; likewise one step in
+    :data:`KNOB_SWEEP` sets an overlap or a prefetch ratio of every acting kernel to one value. A step in
+    one of a GEMM's :data:`PAIRED` parameters moves a second of them too, half the time. A step into a cluster also
     moves the GEMM's split to the cluster kernel's smallest where it has no cluster split. None where the
     space has continuous ranges."""
     dims = space.params(pdl)
@@ -346,6 +374,8 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()
              and (n.partition(".")[0] not in idle or n.endswith(".fuse"))]
     if not names:
         return None
+    if rng.random() < KNOB_SWEEP and (swept := _sweep(params, dims, names, rng)) is not None:
+        return swept
     name = names[int(rng.integers(len(names)))]
     to = _step(sorted(dims[name].choices), params[name], rng)
     moved = [n for n in names if n.endswith(".hints") and to in dims[n].choices] if name.endswith(".hints") else [name]
@@ -369,14 +399,16 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()
 
 
 def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials,
-                     repaired=None) -> bool:
+                     repaired=None, budget: int | None = None) -> bool:
     """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
     leaves room for it and the sampler's own next proposal (nothing is left waiting at the end).
     ``trials``: the study's trials as just read; ``repaired``: params -> the config measured for them
-    (_repairer), whose kernels not launched the step leaves alone. Returns whether a trial was queued."""
+    (_repairer), whose kernels not launched the step leaves alone; ``budget``: the search's (default the study's).
+    Returns whether a trial was queued."""
     if opts.sampler != "tpe" or opts.local_every <= 0 or number % opts.local_every != opts.local_every - 1:
         return False
-    if any(t.state == TrialState.WAITING for t in trials) or opts.trials - spent(trials) < 2:
+    budget = opts.trials if budget is None else budget
+    if any(t.state == TrialState.WAITING for t in trials) or budget - spent(trials) < 2:
         return False
     ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
     if not ok:
@@ -393,35 +425,81 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
     return True
 
 
-def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
-    """Run trials until the study's budget is spent (by this process and every other) or the timeout.
-    With TPE, every ``local_every``-th trial is followed by a neighbour of the best (_queue_neighbour)."""
-    if _budget_done(study, opts.trials):
+def _twin_ratios(space: SearchSpace, pdl: bool) -> list[str] | None:
+    """The ratio parameters knobs_off_twin sets to -1.0; None where there is no twin to measure (no PDL, or a ratio
+    without -1.0 in its grid)."""
+    dims = space.params(pdl)
+    ratios = [n for n in dims if n.partition(".")[2] in RATIOS]
+    if not pdl or not ratios or any(dims[n].choices is None or -1.0 not in dims[n].choices for n in ratios):
+        return None
+    return ratios
+
+
+def search_budget(space: SearchSpace, pdl: bool, opts: StudyOptions) -> int:
+    """The trials the search may spend: the study's budget, less the one knobs_off_twin keeps for itself."""
+    return opts.trials - (1 if opts.trials >= 2 and _twin_ratios(space, pdl) else 0)
+
+
+def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print,
+           budget: int | None = None, timeout_s: float | None = None) -> None:
+    """Run trials until ``budget`` (default: search_budget) is spent (by this process and every other) or
+    ``timeout_s`` (default: the options') has passed. With TPE, every ``local_every``-th trial is followed by a
+    neighbour of the best (_queue_neighbour)."""
+    pdl = bool(evaluator.pdl)
+    budget = search_budget(space, pdl, opts) if budget is None else budget
+    timeout_s = opts.timeout_s if timeout_s is None else timeout_s
+    if _budget_done(study, budget):
         return
-    objective = _objective(study, shape, evaluator, space, opts.trials, log)
+    objective = _objective(study, shape, evaluator, space, budget, log)
     bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
-    pdl = bool(evaluator.pdl)
     repaired = _repairer(shape, evaluator)
 
     def after_trial(st, tr):
         # One read of the trial list serves the rest of the hook (again only after it queued a trial).
         recover_orphans(st)  # a sibling process may have died mid-trial (it reads the running ones)
         trials = st.get_trials(deepcopy=False)
-        if _queue_neighbour(st, space, pdl, opts, tr.number, trials, repaired):
+        if _queue_neighbour(st, space, pdl, opts, tr.number, trials, repaired, budget):
             trials = st.get_trials(deepcopy=False)
         if bar is not None:
-            update_progress(bar, st, opts.timeout_s - (time.time() - t0) if opts.timeout_s else None, trials)
-        if _budget_done(st, opts.trials, trials):
+            update_progress(bar, st, timeout_s - (time.time() - t0) if timeout_s else None, trials)
+        if _budget_done(st, budget, trials):
             st.stop()
 
     try:
         # catch=(): the objective gives every failing candidate its status itself; what still escapes
         # (no worker, Ctrl-C) must stop the study, not be counted as a trial.
-        study.optimize(objective, n_trials=None, timeout=opts.timeout_s, callbacks=[after_trial], catch=())
+        study.optimize(objective, n_trials=None, timeout=timeout_s, callbacks=[after_trial], catch=())
     finally:
         if bar is not None:
             bar.close()
+
+
+def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> bool:
+    """Measure the best trial's twin with every (overlap, prefetch) pair at (-1, -1), tiles kept, as one more trial
+    (``knobs_off_of``: the best trial's number) where the study has not measured it: the final phase compares the
+    two, and a top-1 slower than its own twin would be a best configuration that is not the best measured
+    (1x128x4096x32x11008 on an H200: a top-1 at 178 us beside its twin at 154; perf notes 37). The search leaves
+    it the budget's last trial (search_budget). Only with PDL where the space holds -1.0 for every ratio, in the
+    first worker, and within the budget. Returns whether it ran a trial."""
+    pdl = bool(evaluator.pdl)
+    ratios = _twin_ratios(space, pdl)
+    trials = study.get_trials(deepcopy=False)
+    if ratios is None or opts.worker_index != 0 or spent(trials) >= opts.trials:
+        return False
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
+    if not ok:
+        return False
+    best = min(ok, key=lambda t: t.value)
+    params = {**best.params, **{n: -1.0 for n in ratios}}
+    h = config_hash(_repairer(shape, evaluator)(params))
+    if any(t.user_attrs.get("config_hash") == h for t in trials):
+        return False
+    study.enqueue_trial(params, user_attrs={"knobs_off_of": best.number})
+    objective = _objective(study, shape, evaluator, space, opts.trials, log)
+    study.optimize(objective, n_trials=1, catch=())
+    log(f"{shape.label}: trial {best.number}'s twin with every pair at (-1, -1) measured")
+    return True
 
 
 def progress_bar(study, budget: int, label: str):
@@ -450,6 +528,11 @@ def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOpt
     study = open_study(shape, evaluator, space, opts, out_root, log)
     t0 = time.time()
     search(study, shape, evaluator, space, opts, log)
+    left = None if opts.timeout_s is None else opts.timeout_s - (time.time() - t0)
+    if opts.worker_index == 0 and not knobs_off_twin(study, shape, evaluator, space, opts, log) and (
+            left is None or left > 0):
+        # no twin to measure (the study has it): the slot kept for it goes to the search
+        search(study, shape, evaluator, space, opts, log, budget=opts.trials, timeout_s=left)
     log(f"{shape.label}: {evaluated(study.get_trials(deepcopy=False))} trials in the study, "
         f"search took {time.time() - t0:.0f}s")
     return finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
@@ -478,7 +561,7 @@ def trials_frame(study):
                "spread_us": ua.get("spread_us") if ua.get("spread_us") is not None else math.nan,
                "approximated": bool(ua.get("approximated", False)), "is_baseline": bool(ua.get("is_baseline", False)),
                "duplicate_of": ua.get("duplicate_of", ""), "retry_of": t.system_attrs.get("failed_trial", ""),
-               "neighbour_of": ua.get("neighbour_of", ""),
+               "neighbour_of": ua.get("neighbour_of", ""), "knobs_off_of": ua.get("knobs_off_of", ""),
                "worker_pid": (ua.get(OWNER_ATTR) or {}).get("pid", "")}
         if cfg:
             for k, c in cfg["kernels"].items():
