@@ -137,7 +137,8 @@ def test_heartbeat_retries_the_trial_of_a_lost_host(tmp_path):
     lost.set_user_attr(OWNER_ATTR, {"host": "another-host", "pid": 1, "start": None})
     storage.record_heartbeat(lost._trial_id)
     time.sleep(3)
-    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None)
+    # (the whole budget: run_study would keep its last trial for the top-1's knobs-off twin)
+    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None, budget=opts.trials)
     trials = study.get_trials(deepcopy=False)
     assert trials[0].state == TrialState.FAIL and trial_status(trials[0]) == "interrupted"
     [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == 0]

@@ -85,7 +85,8 @@ def test_running_trials_of_other_workers_count_against_the_budget(tmp_path):
     other = [study.ask() for _ in range(2)]
     for t in other:
         t.set_user_attr(OWNER_ATTR, this_owner())  # alive: not an orphan
-    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None)
+    # (the whole budget: search alone would keep the last trial for the top-1's knobs-off twin)
+    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None, budget=opts.trials)
     mine = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
     assert len(mine) == 4
     for t in other:  # the other worker finishes them
@@ -95,15 +96,16 @@ def test_running_trials_of_other_workers_count_against_the_budget(tmp_path):
 
 
 def test_a_trial_beyond_the_budget_is_left_out(tmp_path):
-    """Budget 2, three trials queued (the two first trials, capped at the budget, and one more queued
-    here): the third is picked up, found beyond the budget and pruned as surplus (what happens when
-    several workers ask for the last slot at once)."""
+    """Budget 2, three trials queued (the first trial, the seeds capped at the budget less the slot kept for the
+    knobs-off twin, and two more queued here): the third is picked up, found beyond the budget and pruned as
+    surplus (what happens when several workers ask for the last slot at once)."""
     replay = ReplayEvaluator(REPLAY)
     opts = StudyOptions(trials=2, sampler="random", progress=False,
                         storage=f"sqlite:///{(tmp_path / 'studies.db').as_posix()}")
     study = open_study(replay.shape, replay, space.load(), opts, tmp_path, log=lambda *a: None)
-    study.enqueue_trial(space.from_config(default_config(replay.shape)))
-    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None)
+    for _ in range(2):
+        study.enqueue_trial(space.from_config(default_config(replay.shape)))
+    search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None, budget=opts.trials)
     trials = study.get_trials(deepcopy=False)
     assert [t.state for t in trials] == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.PRUNED]
     assert trials[2].user_attrs["surplus"] and len(evaluated_trials(trials)) == 2

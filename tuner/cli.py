@@ -415,8 +415,9 @@ def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
 
 
 def _search_only(args, shape, space, opts, gpu) -> int:
-    """A worker of a --workers/--gpus run: search until the study's budget is spent, then exit."""
-    from tuner.study import StudyError, open_study, search
+    """A worker of a --workers/--gpus run: search until the study's budget is spent (the first worker: with the
+    top-1's knobs-off twin, tuner.study.search_and_twin), then exit."""
+    from tuner.study import StudyError, open_study, search_and_twin
     from tuner.worker import WorkerError, exit_with_parent
 
     exit_with_parent(os.getppid())  # a killed parent takes its workers with it
@@ -425,7 +426,7 @@ def _search_only(args, shape, space, opts, gpu) -> int:
     ev = _make_evaluator(args, shape, gpu)
     try:
         study = open_study(shape, ev, space, opts, Path(args.out))
-        search(study, shape, ev, space, opts)
+        search_and_twin(study, shape, ev, space, opts)
     except (StudyError, ValueError) as e:
         raise UserError(f"{where}: {str(e).splitlines()[0]}") from None
     except WorkerError as e:

@@ -100,12 +100,19 @@ class StudyOptions:
 
 
 def _record(trial, cfg: DecoderConfig, res: TrialResult):
+    """The measurement's attributes on ``trial`` (anything with ``set_user_attr``)."""
     trial.set_user_attr("status", res.status)
     trial.set_user_attr("reason", res.reason[:500])
     trial.set_user_attr("spread_us", res.spread_us if not math.isnan(res.spread_us) else None)
     trial.set_user_attr("approximated", res.approximated)
     trial.set_user_attr("config_hash", config_hash(cfg))
     trial.set_user_attr("config", cfg.to_dict())
+
+
+def _record_crash(trial, e: BaseException):
+    """A candidate whose evaluation raised: its trial fails with the reason, the study goes on."""
+    trial.set_user_attr("status", "crashed")
+    trial.set_user_attr("reason", f"{type(e).__name__}: {' '.join(str(e).split())}"[:500])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -312,8 +319,7 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
             raise  # no worker, no trial: stop the study rather than fail every trial the same way
         except Exception as e:  # noqa: BLE001 - a trial without a status would be taken for an interrupted one
             log(f"trial {trial.number}: {type(e).__name__}: {e}")
-            trial.set_user_attr("status", "crashed")
-            trial.set_user_attr("reason", f"{type(e).__name__}: {' '.join(str(e).split())}"[:500])
+            _record_crash(trial, e)
             return float("nan")
 
     return objective
@@ -481,7 +487,8 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
     two, and a top-1 slower than its own twin would be a best configuration that is not the best measured
     (1x128x4096x32x11008 on an H200: a top-1 at 178 us beside its twin at 154; perf notes 37). The search leaves
     it the budget's last trial (search_budget). Only with PDL where the space holds -1.0 for every ratio, in the
-    first worker, and within the budget. Returns whether it ran a trial."""
+    first worker, and within the budget. The trial is evaluated here and added to the study, not queued: a
+    neighbour the search queued just before its timeout would be taken first. Returns whether it ran a trial."""
     pdl = bool(evaluator.pdl)
     ratios = _twin_ratios(space, pdl)
     trials = study.get_trials(deepcopy=False)
@@ -492,14 +499,41 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
         return False
     best = min(ok, key=lambda t: t.value)
     params = {**best.params, **{n: -1.0 for n in ratios}}
-    h = config_hash(_repairer(shape, evaluator)(params))
-    if any(t.user_attrs.get("config_hash") == h for t in trials):
+    cfg = _repairer(shape, evaluator)(params)
+    if any(t.user_attrs.get("config_hash") == config_hash(cfg) for t in trials):
         return False
-    study.enqueue_trial(params, user_attrs={"knobs_off_of": best.number})
-    objective = _objective(study, shape, evaluator, space, opts.trials, log)
-    study.optimize(objective, n_trials=1, catch=())
-    log(f"{shape.label}: trial {best.number}'s twin with every pair at (-1, -1) measured")
+
+    class Attrs(dict):
+        set_user_attr = dict.__setitem__
+
+    attrs = Attrs(knobs_off_of=best.number)
+    try:
+        res = evaluator.evaluate(cfg)
+        _record(attrs, cfg, res)
+        value = res.latency_us if res.status == "ok" else None
+    except WorkerStartError:
+        raise
+    except Exception as e:  # noqa: BLE001 - as in the objective: the candidate fails, the study goes on
+        log(f"{shape.label}: trial {best.number}'s twin: {type(e).__name__}: {e}")
+        _record_crash(attrs, e)
+        value = None
+    study.add_trial(optuna.trial.create_trial(
+        params=params, distributions={n: best.distributions[n] for n in params}, value=value,
+        state=TrialState.COMPLETE if value is not None else TrialState.FAIL, user_attrs=dict(attrs)))
+    log(f"{shape.label}: trial {best.number}'s twin with every pair at (-1, -1) measured: "
+        + (f"{value:.2f} us" if value is not None else attrs["status"]))
     return True
+
+
+def search_and_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
+    """search, then (first worker) knobs_off_twin, or the search again for the slot kept for the twin where there
+    is no twin to measure and time is left. What `tune decoder` and each of its workers run."""
+    t0 = time.time()
+    search(study, shape, evaluator, space, opts, log)
+    left = None if opts.timeout_s is None else opts.timeout_s - (time.time() - t0)
+    if opts.worker_index == 0 and not knobs_off_twin(study, shape, evaluator, space, opts, log) and (
+            left is None or left > 0):
+        search(study, shape, evaluator, space, opts, log, budget=opts.trials, timeout_s=left)
 
 
 def progress_bar(study, budget: int, label: str):
@@ -527,12 +561,7 @@ def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOpt
     """Run (or continue) the study for ``shape`` and write its run folder; returns the folder."""
     study = open_study(shape, evaluator, space, opts, out_root, log)
     t0 = time.time()
-    search(study, shape, evaluator, space, opts, log)
-    left = None if opts.timeout_s is None else opts.timeout_s - (time.time() - t0)
-    if opts.worker_index == 0 and not knobs_off_twin(study, shape, evaluator, space, opts, log) and (
-            left is None or left > 0):
-        # no twin to measure (the study has it): the slot kept for it goes to the search
-        search(study, shape, evaluator, space, opts, log, budget=opts.trials, timeout_s=left)
+    search_and_twin(study, shape, evaluator, space, opts, log)
     log(f"{shape.label}: {evaluated(study.get_trials(deepcopy=False))} trials in the study, "
         f"search took {time.time() - t0:.0f}s")
     return finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
