@@ -498,6 +498,8 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
     if not ok:
         return False
     best = min(ok, key=lambda t: t.value)
+    if not set(ratios) <= set(best.params):  # (a study continued with another space)
+        return False
     params = {**best.params, **{n: -1.0 for n in ratios}}
     cfg = _repairer(shape, evaluator)(params)
     if any(t.user_attrs.get("config_hash") == config_hash(cfg) for t in trials):
