@@ -59,7 +59,15 @@ def main():
                     "bk64 8 stages": replace(base, block_k=64, num_stages=8),
                     "bn32": replace(base, block_n=32), "bn128": replace(base, block_n=128),
                     "bm128": replace(base, block_m=128, num_warps=8), "bm32": replace(base, block_m=32),
-                    "split-K 2": replace(base, split_k=2 * base.split_k), "no TMA": replace(base, tma=0)}
+                    "split-K 2": replace(base, split_k=2 * base.split_k), "no TMA": replace(base, tma=0),
+                    # for long K (weights far beyond L2): more bytes in flight a program, more programs
+                    "split-K 4": replace(base, split_k=4 * base.split_k),
+                    "bk256 3 stages": replace(base, block_k=256, num_stages=3),
+                    "bm64 bn128": replace(base, block_m=64, block_n=128),
+                    "cluster split 2": replace(base, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6,
+                                               split_k=2, cluster=2, tma=1),
+                    "cluster split 4": replace(base, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6,
+                                               split_k=4, cluster=2, tma=1)}
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         copies = max(1, int(3 * dev.l2_bytes // (n * k * 2)) + 1)
         ws_cold = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
