@@ -1,12 +1,13 @@
 """How fast one GEMM of a layer runs alone: our kernel under several tiles against cuBLAS (torch).
 
-usage: python3 scripts/gemm_probe.py SHAPE [CONFIG.json]
+usage: python3 scripts/gemm_probe.py SHAPE [CONFIG.json] [NAME:field=value,... ...]
 For each GEMM of SHAPE (M = batch*seq rows): R launches of the same GEMM back to back in one CUDA graph,
 no PDL, weights either hot (one copy, stays in L2) or cold (copies rotating through more than L2). Per
 variant: the kernel's duration as CUPTI reports it (median over launches), and the bytes each program
 moves through its SM (A and B tiles) divided by that duration. Variants: the GEMM's config from CONFIG
 (a best.json; else the hand-picked tiles), the same with other stages, tiles, split-K or without TMA, and
-torch.nn.functional.linear.
+torch.nn.functional.linear; with NAME:field=value,... arguments (e.g. w256:block_n=256,num_warps=4), only the config
+and those variants of it, and torch.
 """
 
 import statistics
@@ -46,6 +47,7 @@ def durations(fn, n_launch, reps=5):
 def main():
     shape = resolve(sys.argv[1])
     cfg = load_config(sys.argv[2], shape=shape) if len(sys.argv) > 2 else hand_picked(shape)
+    extra = [a.split(":", 1) for a in sys.argv[3:]]
     dev = DeviceInfo.from_torch()
     m, d, f = shape.batch * shape.seq, shape.d_model, shape.ffn
     gemms = {"qkv": (3 * d, d, None), "out": (d, d, None), "ffn1": (f, d, "gelu"), "ffn2": (d, f, None)}
@@ -68,6 +70,13 @@ def main():
                                                split_k=2, cluster=2, tma=1),
                     "cluster split 4": replace(base, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6,
                                                split_k=4, cluster=2, tma=1)}
+        if extra:
+            def edited(c, edits):
+                fields = dict(e.split("=") for e in edits.split(","))
+                return replace(c, **{f: type(getattr(c, f))(float(v) if "." in v else int(v))
+                                     for f, v in fields.items()})
+
+            variants = {"tuned": base, **{name: edited(base, edits) for name, edits in extra}}
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         copies = max(1, int(3 * dev.l2_bytes // (n * k * 2)) + 1)
         ws_cold = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]
