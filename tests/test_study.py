@@ -475,6 +475,28 @@ def test_many_tokens_get_their_own_seed_and_big_weights_a_smaller_prefetch():
     assert fit_prefetch(hand_picked_fused(big), big, H200.l2_bytes).layer.prefetch_ratio == 0.0
 
 
+def test_wide_layers_get_wide_tiles_where_they_fill_one_wave():
+    from devices import H200
+
+    from tuner.bench import hand_picked_wide
+    from tuner.kernels.gemm import grid
+    from tuner.shapes import resolve
+
+    wide = resolve("1x128x4096x32x11008")
+    cfg = hand_picked_wide(wide, H200.num_sms)
+    assert not check_config(cfg, wide, 2, H200)
+    tiles = {g: (c.block_m, c.block_n, c.num_warps, c.split_k) for g, c in
+             (("qkv", cfg.qkv), ("out", cfg.out), ("ffn1", cfg.ffn1), ("ffn2", cfg.ffn2))}
+    # (perf notes 37.4: the fastest of each GEMM alone on an H200, within 6-12% of cuBLAS)
+    assert tiles == {"qkv": (128, 128, 8, 1), "out": (64, 128, 4, 2), "ffn1": (128, 128, 8, 1), "ffn2": (64, 128, 4, 2)}
+    for g, (m, n, _) in wide.gemms().items():
+        t, sp = grid(getattr(cfg, g), m, n)
+        assert 0.6 * H200.num_sms <= t * sp <= H200.num_sms
+    assert cfg.qkv.overlap_ratio == 0.0 and cfg.qkv.prefetch_ratio == 1.0  # (the study caps it: fit_prefetch)
+    for name in ("tiny", "bert-base", "bert-large"):  # too narrow for wide tiles in one wave
+        assert hand_picked_wide(PRESETS[name], H200.num_sms) is None
+
+
 def test_a_duplicate_of_this_process_reuses_its_measurement(tmp_path, replay):
     # Regression (H200 run of 2026-11-22, results/*/20261122-02*): a neighbour that repaired to a config
     # this process had measured read .value from the live trial and was marked crashed.

@@ -14,7 +14,7 @@ from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels.attention import AttnConfig
 from tuner.kernels._common import REL_TOLERANCE, tile_cap
-from tuner.kernels.gemm import GemmConfig, GemmProblem, cluster_tile
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, cluster_tile
 from tuner.kernels.norm import NormConfig
 from tuner.layer import (DecoderStack, check_config, default_config, fit_config, qkv_attn_error, random_stack_weights,
                          stack_depth)
@@ -66,6 +66,36 @@ def hand_picked_many(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     cfg = replace(base, qkv=gemm, out=gemm, ffn1=gemm, ffn2=gemm, norm1=replace(base.norm1, fuse=norms),
                   norm2=replace(base.norm2, fuse=norms))
     return fit_config(cfg, shape)
+
+
+# Wide layers at a few tokens (d_model 4096, 128 tokens): each GEMM has tiles enough to fill the chip with wide ones,
+# and its rate is the MMAs' (128 FLOP a weight byte). H200, 1x128x4096x32x11008, each GEMM alone, cold weights
+# (perf notes 37.4, device call 8): QKV and FFN1 in 128x128x128 tiles, 8 warps, 3 stages, 32.6 and 31.9 us against
+# 41.8 and 40.8 for the study's top-1 tiles (cuBLAS 29.1, 30.8); the out-projection and FFN2 in 64x128x128 split 2,
+# 14.1 and 29.4 against 14.6 and 32.6 (cuBLAS 13.7, 28.1). A study found none of them: each is three parameters
+# from its top-1. The seed takes, per GEMM, the first of these whose CTAs make 60-100% of one wave.
+WIDE_TILES = (GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, tma=1),
+              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1),
+              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1, split_k=2),
+              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1, split_k=4))
+
+
+def hand_picked_wide(shape: DecoderShape, num_sms: int) -> DecoderConfig | None:
+    """hand_picked with each GEMM in the first of :data:`WIDE_TILES` whose CTAs (tiles x split) make 60-100% of
+    ``num_sms``; None where a GEMM has no such tiles (the presets: their GEMMs are too narrow for wide tiles)."""
+    from tuner.kernels.gemm import grid
+
+    hp = hand_picked(shape)
+    out = {}
+    for name, (m, n, k) in shape.gemms().items():
+        for c in WIDE_TILES:
+            tiles, splits = grid(c, m, n)
+            if 0.6 * num_sms <= tiles * splits <= num_sms and check(c, GemmProblem(m, n, k)) is None:
+                out[name] = replace(c, overlap_ratio=0.0, prefetch_ratio=1.0)
+                break
+        else:
+            return None
+    return fit_config(replace(hp, **out), shape)
 
 
 # A kernel's prefetch pulls its weights into L2 before its wait; where they are a large part of the L2, the kernel
@@ -129,7 +159,6 @@ def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True
     where it runs (``qkv.fuse``: perf notes section 27).
     Where a GEMM's tiles do not fit the CUDA kernel it keeps the Triton kernels (repair)."""
     from tuner.kernels import cluster_gemm, mlp_cluster
-    from tuner.kernels.gemm import check
 
     hp = hand_picked(shape, norms)
     gemms = shape.gemms()

@@ -172,17 +172,18 @@ def _check_identity(study, ident: dict) -> None:
 
 
 def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSpace, log=print,
-                          budget: int | None = None, l2_bytes: int | None = None) -> None:
+                          budget: int | None = None, l2_bytes: int | None = None, num_sms: int | None = None) -> None:
     """The baseline and the hand-picked tiles (with and without knobs), where the space holds them; on many
-    tokens, the hand-picked tiles for them too (tuner.bench.hand_picked_many). Every seed prefetches at most
-    half of ``l2_bytes`` a kernel (tuner.bench.fit_prefetch; None: as picked).
+    tokens, the hand-picked tiles for them too (tuner.bench.hand_picked_many), and for wide layers on ``num_sms``
+    SMs, wide tiles (tuner.bench.hand_picked_wide). Every seed prefetches at most half of ``l2_bytes`` a kernel
+    (tuner.bench.fit_prefetch; None: as picked).
 
     A seed outside a user's restricted space is not enqueued (Optuna would reject its values, and the
     search must stay inside what the user asked for); the baseline is measured anyway in the final
     phase, interleaved with the top-k, and every speedup is against that measurement.
     """
     from tuner.bench import (MANY_TOKENS, fit_prefetch, hand_picked, hand_picked_cluster, hand_picked_fused,
-                             hand_picked_many)
+                             hand_picked_many, hand_picked_wide)
 
     hp = hand_picked(shape)
     norm_kernels = hand_picked(shape, norms=0)
@@ -215,6 +216,8 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
             seeds.insert(3, (hp_qa, None))
     if shape.tokens >= MANY_TOKENS:
         seeds.insert(1, (hand_picked_many(shape), None))
+    if num_sms and (wide := hand_picked_wide(shape, num_sms)) is not None:
+        seeds.insert(1, (wide if pdl else wide.without_knobs(), None))
     study.set_user_attr("seeded", True)
     for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
         cfg = fit_prefetch(cfg, shape, l2_bytes)
@@ -259,8 +262,9 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     trials = study.get_trials(deepcopy=False)
     seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") for t in trials)
     if created or (trials and not seeded):
+        dev = _device_dict(evaluator)
         _enqueue_first_trials(study, shape, pdl, space, log, budget=search_budget(space, pdl, opts),
-                              l2_bytes=_device_dict(evaluator).get("l2_bytes"))
+                              l2_bytes=dev.get("l2_bytes"), num_sms=dev.get("num_sms"))
     return study
 
 
