@@ -14,7 +14,7 @@ from tuner.config import DecoderConfig
 from tuner.device import DeviceInfo
 from tuner.kernels.attention import AttnConfig
 from tuner.kernels._common import REL_TOLERANCE, tile_cap
-from tuner.kernels.gemm import GemmConfig, GemmProblem, check, cluster_tile
+from tuner.kernels.gemm import GemmConfig, GemmProblem, check, cluster_tile, grid
 from tuner.kernels.norm import NormConfig
 from tuner.layer import (DecoderStack, check_config, default_config, fit_config, qkv_attn_error, random_stack_weights,
                          stack_depth)
@@ -68,24 +68,24 @@ def hand_picked_many(shape: DecoderShape, norms: int = 2) -> DecoderConfig:
     return fit_config(cfg, shape)
 
 
-# Wide layers at a few tokens (d_model 4096, 128 tokens): each GEMM has tiles enough to fill the chip with wide ones,
-# and its rate is the MMAs' (128 FLOP a weight byte). H200, 1x128x4096x32x11008, each GEMM alone, cold weights
-# (perf notes 37.4, device call 8): QKV and FFN1 in 128x128x128 tiles, 8 warps, 3 stages, 32.6 and 31.9 us against
-# 41.8 and 40.8 for the study's top-1 tiles (cuBLAS 29.1, 30.8); the out-projection and FFN2 in 64x128x128 split 2,
-# 14.1 and 29.4 against 14.6 and 32.6 (cuBLAS 13.7, 28.1). A study found none of them: each is three parameters
-# from its top-1. The seed takes, per GEMM, the first of these whose CTAs make 60-100% of one wave.
+# Wide layers at a few tokens (d_model 4096, 128 tokens): their long GEMMs have tiles enough to fill the chip with
+# wide ones, and their rate is the MMAs' (128 FLOP a weight byte). H200, 1x128x4096x32x11008 (perf notes 37.5): alone,
+# QKV and FFN1 in 128x128x128 tiles, 8 warps, 3 stages, take 32.6 and 31.9 us against 41.8 and 40.8 in a study's
+# top-1 tiles (cuBLAS 29.1, 30.8; device call 8); in the layer, that top-1 with them 126.9 us against 143.3 (call 11).
+# The split wide tiles that were faster alone for the out-projection and FFN2 (64x128 split 2) lose in the layer
+# (+2 to +5 us), and the norms folded into these GEMMs cost 33 us: the seed keeps the norm kernels. A study found
+# none of it: QKV's and FFN1's tiles are three parameters from its top-1.
 WIDE_TILES = (GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3, tma=1),
-              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1),
-              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1, split_k=2),
-              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1, split_k=4))
+              GemmConfig(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4, tma=1))
 
 
 def hand_picked_wide(shape: DecoderShape, num_sms: int) -> DecoderConfig | None:
-    """hand_picked with each GEMM in the first of :data:`WIDE_TILES` whose CTAs (tiles x split) make 60-100% of
-    ``num_sms``; None where a GEMM has no such tiles (the presets: their GEMMs are too narrow for wide tiles)."""
-    from tuner.kernels.gemm import grid
-
-    hp = hand_picked(shape)
+    """hand_picked with the norm kernels, and each GEMM in the first of :data:`WIDE_TILES` whose CTAs make 60-100%
+    of ``num_sms`` (the others keep hand_picked's tiles); None where no GEMM has such tiles (the presets: their
+    GEMMs are too narrow for wide tiles in one wave), and from :data:`MANY_TOKENS` tokens (hand_picked_many)."""
+    if shape.tokens >= MANY_TOKENS:
+        return None
+    hp = hand_picked(shape, norms=0)
     out = {}
     for name, (m, n, k) in shape.gemms().items():
         for c in WIDE_TILES:
@@ -93,9 +93,7 @@ def hand_picked_wide(shape: DecoderShape, num_sms: int) -> DecoderConfig | None:
             if 0.6 * num_sms <= tiles * splits <= num_sms and check(c, GemmProblem(m, n, k)) is None:
                 out[name] = replace(c, overlap_ratio=0.0, prefetch_ratio=1.0)
                 break
-        else:
-            return None
-    return fit_config(replace(hp, **out), shape)
+    return fit_config(replace(hp, **out), shape) if out else None
 
 
 # A kernel's prefetch pulls its weights into L2 before its wait; where they are a large part of the L2, the kernel
