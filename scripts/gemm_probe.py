@@ -70,13 +70,9 @@ def main():
                                                split_k=2, cluster=2, tma=1),
                     "cluster split 4": replace(base, block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6,
                                                split_k=4, cluster=2, tma=1)}
-        if extra:
-            def edited(c, edits):
-                fields = dict(e.split("=") for e in edits.split(","))
-                return replace(c, **{f: type(getattr(c, f))(float(v) if "." in v else int(v))
-                                     for f, v in fields.items()})
-
-            variants = {"tuned": base, **{name: edited(base, edits) for name, edits in extra}}
+        if extra:  # (DecoderConfig.edited parses the edits, as scripts/timeline.py's variants)
+            variants = {"tuned": base, **{name: getattr(replace(cfg, **{g: base}).edited(
+                [f"{g}.{e}" for e in edits.split(",")]), g) for name, edits in extra}}
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         copies = max(1, int(3 * dev.l2_bytes // (n * k * 2)) + 1)
         ws_cold = [torch.randn(n, k, device="cuda", dtype=torch.float16) * 0.02 for _ in range(copies)]

@@ -408,6 +408,12 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()
     return out
 
 
+def _best_trial(trials):
+    """The completed trial with the lowest latency; None where none has one."""
+    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
+    return min(ok, key=lambda t: t.value, default=None)
+
+
 def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials,
                      repaired=None, budget: int | None = None) -> bool:
     """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
@@ -420,10 +426,9 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
     budget = opts.trials if budget is None else budget
     if any(t.state == TrialState.WAITING for t in trials) or budget - spent(trials) < 2:
         return False
-    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
-    if not ok:
+    best = _best_trial(trials)
+    if best is None:
         return False
-    best = min(ok, key=lambda t: t.value)
     import numpy as np
 
     # (the best trial's params went through ``repaired`` when it was evaluated: this cannot fail where that did not)
@@ -498,10 +503,9 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
     trials = study.get_trials(deepcopy=False)
     if ratios is None or opts.worker_index != 0 or spent(trials) >= opts.trials:
         return False
-    ok = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None and not math.isnan(t.value)]
-    if not ok:
+    best = _best_trial(trials)
+    if best is None:
         return False
-    best = min(ok, key=lambda t: t.value)
     if not set(ratios) <= set(best.params):  # (a study continued with another space)
         return False
     params = {**best.params, **{n: -1.0 for n in ratios}}
