@@ -1,12 +1,13 @@
 """Where a per-kernel layer spends its time: every kernel's start and end inside the timed CUDA graph.
 
 usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
-variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, or BASE:kernel.field=value,...
+variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, BASE:kernel.field=value,..., or compile / eager
+(the torch.compile and eager baselines' kernels on the same weights)
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
 desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
-torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer, median over layers and
-replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
+torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer (of two layers, the
+second), median over layers and replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
 duration, and what it adds to the layer (its end minus the previous kernel's end). The un-profiled
 per-layer time of the same graph is printed beside, for the profiler's own cost.
 """
@@ -85,7 +86,15 @@ def main():
     n = stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
+    tag = " (weights hot in L2)" if hot else ""
     for name in names:
+        if name in ("compile", "eager"):  # the baselines' kernels, the same weights, one graph
+            from tuner.baselines import TorchStack
+
+            ts = TorchStack(shape, weights, torch.float16, compiled=name == "compile")
+            err = ts.check(1)
+            table(f"{shape.name}{tag} torch {name}", ts.replay, n, reps, err)
+            continue
         cfg = variant(shape, apply_switches(name))
         bad = check_config(cfg, shape, 2, dev)
         if bad:
@@ -93,41 +102,44 @@ def main():
             continue
         st = DecoderStack(shape, cfg, n_layers=n, dtype=torch.float16, weights=weights)
         st.capture()
-        err = st.check(1)
-        t = time_replay(st.replay, n, reps=30, warmup=5)
-        ks = kernel_records(st.replay, reps)
-        per_rep = len(ks) // reps
-        per_layer = per_rep // n
-        # The first layer may launch more kernels than the others (extra), e.g. its QKV on the Triton kernels, since
-        # its LayerNorm gathers its row sums in the K loop (no producer wrote them): the middle layers come after.
-        extra = per_rep - per_layer * n
-        if per_rep * reps != len(ks) or extra >= per_layer:
-            print(f"\n## {shape.name} {name}: {t.median_us:.2f} us/layer un-profiled; rel err {err:.1e}; "
-                  f"{len(ks)} kernel records for {reps}x{n} layers: no per-kernel table")
-            continue
-        rows = {}
-        for r in range(reps):
-            rep = ks[r * per_rep:(r + 1) * per_rep]
-            for layer in range(1, n - 1):
-                for j in range(per_layer):
-                    i = extra + layer * per_layer + j
-                    kname, s, e = rep[i]
-                    prev_end = rep[i - 1][2]
-                    rows.setdefault(j, []).append((kname, s - prev_end, e - s, e - prev_end))
-            layer_us = (rep[-1][2] - rep[0][1]) / n
-        med = lambda xs: statistics.median(xs)  # noqa: E731
-        tag = " (weights hot in L2)" if hot else ""
-        print(f"\n## {shape.name}{tag} {name}: {t.median_us:.2f} us/layer un-profiled, {layer_us:.2f} profiled; "
-              f"rel err {err:.1e}; {per_layer} kernels a layer, {n} layers")
-        print("| kernel | start - prev end | duration | adds |")
-        print("|---|---:|---:|---:|")
-        total = 0.0
-        for j, v in rows.items():
-            adds = med([x[3] for x in v])
-            total += adds
-            print(f"| {v[0][0][:40]} | {med([x[1] for x in v]):.2f} | {med([x[2] for x in v]):.2f} | {adds:.2f} |")
-        print(f"| sum | | | {total:.2f} |")
+        table(f"{shape.name}{tag} {name}", st.replay, n, reps, st.check(1))
 
+
+def table(title, replay, n, reps, err):
+    """Print the per-kernel table of ``replay`` (a graph of ``n`` layers): median over replays and the middle
+    layers (with two layers, the second)."""
+    t = time_replay(replay, n, reps=30, warmup=5)
+    ks = kernel_records(replay, reps)
+    per_rep = len(ks) // reps
+    per_layer = per_rep // n
+    # The first layer may launch more kernels than the others (extra), e.g. its QKV on the Triton kernels, since
+    # its LayerNorm gathers its row sums in the K loop (no producer wrote them): the middle layers come after.
+    extra = per_rep - per_layer * n
+    if per_rep * reps != len(ks) or extra >= per_layer or n < 2:
+        print(f"\n## {title}: {t.median_us:.2f} us/layer un-profiled; rel err {err:.1e}; "
+              f"{len(ks)} kernel records for {reps}x{n} layers: no per-kernel table")
+        return
+    rows = {}
+    for r in range(reps):
+        rep = ks[r * per_rep:(r + 1) * per_rep]
+        for layer in range(1, max(n - 1, 2)):
+            for j in range(per_layer):
+                i = extra + layer * per_layer + j
+                kname, s, e = rep[i]
+                prev_end = rep[i - 1][2]
+                rows.setdefault(j, []).append((kname, s - prev_end, e - s, e - prev_end))
+        layer_us = (rep[-1][2] - rep[0][1]) / n
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    print(f"\n## {title}: {t.median_us:.2f} us/layer un-profiled, {layer_us:.2f} profiled; "
+          f"rel err {err:.1e}; {per_layer} kernels a layer, {n} layers")
+    print("| kernel | start - prev end | duration | adds |")
+    print("|---|---:|---:|---:|")
+    total = 0.0
+    for j, v in rows.items():
+        adds = med([x[3] for x in v])
+        total += adds
+        print(f"| {v[0][0][:40]} | {med([x[1] for x in v]):.2f} | {med([x[2] for x in v]):.2f} | {adds:.2f} |")
+    print(f"| sum | | | {total:.2f} |")
 
 if __name__ == "__main__":
     main()
