@@ -1,14 +1,14 @@
 """Where a per-kernel layer spends its time: every kernel's start and end inside the timed CUDA graph.
 
-usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [VARIANT[@switch=0|1,...] ...]
+usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [--layers=N] [VARIANT[@switch=0|1,...] ...]
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, BASE:kernel.field=value,..., or compile / eager
 (the torch.compile and eager baselines' kernels on the same weights)
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
 desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu.
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer (of two layers, the
-second), median over layers and replays, in us: the start relative to the previous kernel's end (negative: launched early by PDL), the
-duration, and what it adds to the layer (its end minus the previous kernel's end). The un-profiled
+second), median over layers and replays, in us: the start relative to the previous kernel's end (negative:
+launched early by PDL), the duration, and what it adds to the layer (its end minus the previous kernel's end). The un-profiled
 per-layer time of the same graph is printed beside, for the profiler's own cost.
 """
 
@@ -80,10 +80,12 @@ def main():
         gemm_k._RED_BLOCK_M, gemm_k._RED_BLOCK_N = (int(v) for v in red[-1].split("=")[1].split("x"))
         print(f"split-K reduction tile {gemm_k._RED_BLOCK_M}x{gemm_k._RED_BLOCK_N}")
         args = [a for a in args if not a.startswith("--red=")]
+    layers = [a for a in args if a.startswith("--layers=")]  # a deeper stack than the tuner's (--layers=8)
+    args = [a for a in args if not a.startswith("--layers=")]
     shape = resolve(args[0])
     names = args[1:] or ["hp", "hp-off", "hp-fused-norms"]
     dev = DeviceInfo.from_torch()
-    n = stack_depth(shape, 2, dev.l2_bytes)
+    n = int(layers[-1].split("=")[1]) if layers else stack_depth(shape, 2, dev.l2_bytes)
     weights = random_stack_weights(shape, 1 if hot else n, torch.float16, "cuda", 0) * (n if hot else 1)
     reps = 5
     tag = " (weights hot in L2)" if hot else ""
