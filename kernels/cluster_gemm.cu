@@ -162,16 +162,15 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   if (tid >= CONSUMERS) {
     // Producer warp: one thread issues the loads.
     if (tid == CONSUMERS) {
-      constexpr bool racy = RACY;
       int early = p.n_pref > 0 ? min(S, n_iters) : 0;  // stages whose weight tile goes before the wait
       const int cap = (p.flags >> EARLY_SHIFT) & 15;
       if (cap > 0) early = min(early, cap - 1);
-      if (racy && early == 0 && n_iters > 0) early = 1;
+      if (RACY && early == 0 && n_iters > 0) early = 1;
       // (the racy activation tiles first, as qkv_attn.cu's: queued behind the weight tiles they reached memory after
       // the predecessor had finished, and bert-large's 64x128 tiles, 128 KB of them, hid the race: perf notes 35.3;
       // every early stage's, not only the first: each comes from another of the predecessor's column tiles, and
       // one that is still being written is enough to catch)
-      if (racy)
+      if (RACY)
         for (int i = 0; i < early; ++i)
           tma_load<HINT_ACT>(a_smem + i * TL::A_BYTES, &p.a_map, full + 8 * i, (k_first + i) * BK, m0);
       for (int i = 0; i < early; ++i) {
@@ -190,7 +189,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
           mbar_expect_tx(bar, TL::STAGE_BYTES);
           tma_load<HINT_WEIGHT>(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(racy && i < early)) tma_load<HINT_ACT>(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
+        if (!(RACY && i < early)) tma_load<HINT_ACT>(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;

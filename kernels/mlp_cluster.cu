@@ -299,7 +299,6 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
       // needed, and the rest right after the token tile (tiny, H200: all of them before the wait cost 0.24 us a
       // layer against w1's and w2's after it, perf notes 26.4). (The test-only racy variant loads the token tile
       // before them, so that nothing queued ahead of it in the TMA unit hides the race.)
-      constexpr bool racy = RACY;
       auto load_input = [&]() {  // after the wait: the token tile (ATT_IN: its Q, K and V, x_map over qkv)
         mbar_expect_tx(xbar, (ATT ? 3 : 1) * kt1 * XT);
         tma_load3<HINT_ACT>(xs, &p.x_map, xbar, t0, 0);
@@ -326,11 +325,11 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
         }
       };
       const int early = min(max(p.n_early, 0), NW);
-      if (racy) load_input();
+      if (RACY) load_input();
       for (int i = 0; i < early; ++i) load_weight(i);
       gdc_wait();
       if (pdl) gdc_launch();
-      if (!racy) load_input();
+      if (!RACY) load_input();
       for (int i = early; i < NW; ++i) load_weight(i);
     } else {
       gdc_wait();

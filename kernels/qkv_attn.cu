@@ -203,10 +203,9 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  constexpr bool cycles = CYCLES;
   // thread 0's trace stamp(s) (diagnostics only: nothing unless TRACED, and nothing when p.trace is null)
   const auto stamp = [&](int slot, int also = -1) {
-    trace_stamp<TRACED, CYCLES>(p.trace, prog * (cycles ? 10 : 6), slot, also);
+    trace_stamp<TRACED, CYCLES>(p.trace, prog * (CYCLES ? 10 : 6), slot, also);
   };
   stamp(0);
   const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
@@ -234,12 +233,11 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   float* const red = reinterpret_cast<float*>(smem_raw + (a_smem - raw));  // the second share, over the idle stages
   if (tid >= ATTENDERS) {
     if (tid == ATTENDERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
-      constexpr bool racy = RACY;
       const int pref = (p.n_pref + KC - 1) / KC;  // chunks of weights requested before the wait
       int early = min(S, pref);                   // of which into shared memory
-      if (racy && early == 0) early = 1;
+      if (RACY && early == 0) early = 1;
       // (the racy x chunk first: queued behind the weight chunks it would reach memory too late, perf notes 23)
-      if (racy) tma_load3<HINT_ACT>(a_smem, &p.a_map, full, m0, 0);
+      if (RACY) tma_load3<HINT_ACT>(a_smem, &p.a_map, full, m0, 0);
       for (int i = 0; i < early; ++i) {
         mbar_expect_tx(full + 8 * i, 2 * CH);
         tma_load3<HINT_WEIGHT>(b_smem + i * CH, &p.b_map, full + 8 * i, n0, i * KC);
@@ -256,7 +254,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
           mbar_expect_tx(bar, 2 * CH);
           tma_load3<HINT_WEIGHT>(b_smem + s * CH, &p.b_map, bar, n0, i * KC);
         }
-        if (!(racy && i == 0)) tma_load3<HINT_ACT>(a_smem + s * CH, &p.a_map, bar, m0, i * KC);
+        if (!(RACY && i == 0)) tma_load3<HINT_ACT>(a_smem + s * CH, &p.a_map, bar, m0, i * KC);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -364,7 +362,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
       ln_mr[h] = f.y;
     }
   }
-  if constexpr (cycles) stamp(6);
+  if constexpr (CYCLES) stamp(6);
   // K or V: the tile's place in the Q CTAs of row tiles t.. (causal: row tile t's keys are seen by queries from row
   // tile t on), and their mbarriers.
   const uint32_t dst = (part == 1 ? kt : vt) + t * TILE;
@@ -398,7 +396,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
         asm volatile("st.shared.b32 [%0], %1;" ::"r"(swz(own, r_lo + 8 * h, 8 * j + c_lo)), "r"(w) : "memory");
       }
     }
-    if (cycles && j == 0) stamp(7);
+    if (CYCLES && j == 0) stamp(7);
   }
 
   stamp(3);
@@ -447,10 +445,10 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   stamp(4);
   float o[32], mx[2], l[2];
   attention_share<BF16, RT>(t, 0, own, kt, vt, 64 * t + r_lo, lane, o, mx, l);
-  if constexpr (cycles) stamp(8);
+  if constexpr (CYCLES) stamp(8);
   asm volatile("bar.sync 2, %0;" ::"n"(ATTENDERS) : "memory");  // (B): the other share is in `red`, and every MMA
                                                                  // has read Q, which O now overwrites
-  if constexpr (cycles) stamp(9);
+  if constexpr (CYCLES) stamp(9);
   float f0[2], f1[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // (this share holds key 0: its maximum is finite)
