@@ -173,7 +173,7 @@ def globaltimer(x):
 @triton.jit
 def stamp(trace_ptr, slot, TRACE: tl.constexpr):
     """Diagnostics only (TRACE): this program's %globaltimer (ns) into ``trace_ptr[program, slot]`` of an
-    int64 ``[programs, 4]`` tensor (scripts/trace_gemms.py)."""
+    int64 ``[programs, 4]`` tensor (scripts/trace_gemms.py; cluster_gemm.TRACE_SLOTS, the same for either kernel)."""
     if TRACE:
         t = globaltimer(slot)
         pid = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)

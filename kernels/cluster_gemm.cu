@@ -50,6 +50,7 @@ enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, X
 #define CG_DIAG 0
 #endif
 constexpr bool TRACED = (CG_DIAG & 1) != 0, RACY = (CG_DIAG & 4) != 0;
+constexpr int TRACE_SLOTS = 4;  // a program's stamps (cluster_gemm.py's TRACE_SLOTS, checked at load)
 // CG_EVEN 1: M and N are multiples of the tile and the output's rows 16-byte aligned (the launcher checks), so the
 // epilogue has no bounds checks and one store path (perf notes 34)
 #ifndef CG_EVEN
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 4, slot); };  // (thread 0)
+  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * TRACE_SLOTS, slot); };  // (thread 0)
   stamp(0);
   const int n_tile = blockIdx.x, m_tile = blockIdx.y;
   const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split
@@ -431,6 +432,8 @@ extern "C" int cluster_gemm_variant() {
   return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24) |
          (CG_EVEN << 28);
 }
+
+extern "C" int cluster_gemm_trace_slots() { return TRACE_SLOTS; }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {
   return 1024 + stages * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;

@@ -682,9 +682,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     lines = max(1, c.block_k * x.element_size() // 128)
     tiles, splits = grid(c, M, N)
     act = act_code(activation, x)
-    if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < tiles * splits * 4
+    slots = cluster_gemm.TRACE_SLOTS  # the Triton kernel's stamp() writes as many a program
+    if _trace is not None and (_trace.dtype != torch.int64 or _trace.numel() < tiles * splits * slots
                                or _trace.device != x.device):
-        raise ValueError(f"linear: _trace must be int64 [{tiles * splits}, 4] on {x.device}")
+        raise ValueError(f"linear: _trace must be int64 [{tiles * splits}, {slots}] on {x.device}")
     if c.tma:
         for name, t in (("x", x), ("weight", weight)):
             if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:

@@ -50,6 +50,7 @@ enum Flags { USE_PDL = 64 };
 #define MLP_DIAG 0
 #endif
 constexpr bool TRACED = (MLP_DIAG & 1) != 0, RACY = (MLP_DIAG & 4) != 0;
+constexpr int TRACE_SLOTS = 8;  // a program's stamps (mlp_cluster.py's TRACE_SLOTS, checked at load)
 
 struct Params {
   CUtensorMap x_map;   // x [M, D] as [D / 64][M][64] (encode3): one box {64, BT, D / 64} brings the token tile
@@ -266,7 +267,7 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 
   const int tid = threadIdx.x;
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * 8, slot); };  // (thread 0)
+  const auto stamp = [&](int slot) { trace_stamp<TRACED>(p.trace, prog * TRACE_SLOTS, slot); };  // (thread 0)
   stamp(0);
   const int n0 = blockIdx.x * NG, t0 = blockIdx.y * BT;
   const int rank = blockIdx.z;
@@ -622,6 +623,8 @@ __global__ void __launch_bounds__(THREADS, 1) mlp_kernel(const __grid_constant__
 #endif
 
 extern "C" int mlp_diag() { return MLP_DIAG; }
+
+extern "C" int mlp_trace_slots() { return TRACE_SLOTS; }
 
 extern "C" int mlp_variant() {
   return MLP_BF16 | (MLP_SC << 1) | (MLP_EPI << 8) | (MLP_BT << 16) | ((MLP_D / 64) << 24) | ((MLP_FS / 64) << 29);

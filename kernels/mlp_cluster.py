@@ -24,6 +24,7 @@ from ._common import SMEM_DEFAULT_BYTES
 SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
+TRACE_SLOTS = 8  # a traced launch's int64 stamps a program (launch's ``trace``)
 MAX_LN_PARTS = 32
 B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
 USE_PDL = 64
@@ -95,8 +96,9 @@ def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128, hints:
     lib.mlp_smem_bytes.restype = ctypes.c_int
     variant = bf16 | (sc << 1) | (epi << 8) | (bt << 16) | ((d // 64) << 24) | ((fs // 64) << 29)
     if (lib.mlp_smem_bytes() != smem_bytes(d, sc, bt, fs, bool(epi & OUT_IN), bool(epi & ATT_IN))
-            or lib.mlp_variant() != variant or lib.mlp_diag() != diag):
-        raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py (shared-memory layout or variant)")
+            or lib.mlp_variant() != variant or lib.mlp_diag() != diag or lib.mlp_trace_slots() != TRACE_SLOTS):
+        raise RuntimeError(f"mlp: {lib._name} does not match mlp_cluster.py "
+                           "(shared-memory layout, variant or trace slots)")
     _LIBS[key] = lib
     return lib
 
@@ -124,8 +126,8 @@ def launch(x, w1, b1, w2, b2, residual, out, *, act=3, stats_out=None, ln_stats=
     output rows' sums for the next LayerNorm. ``act``: 0 none, 1 GELU (tanh form), 2 SiLU, 3 GELU by tanh.approx.
     ``pdl``: launched with PDL (griddepcontrol.wait before x and residual are read; the dependents launched right
     after it). ``racy``: the test-only defect that loads x before the wait (the correctness gate must catch it).
-    ``trace``: int64 [programs, 8] %globaltimer stamps (entry, wait returned, both GEMMs done, end, then w1 landed,
-    x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py.
+    ``trace``: int64 [programs, TRACE_SLOTS] %globaltimer stamps (entry, wait returned, both GEMMs done, end, then w1
+    landed, x landed, the first GEMM done, the exchange done; programs: :func:`programs`), for scripts/trace_gemms.py.
     ``fs``: hidden columns a CTA, 128 or 64 (:data:`SPLITS`). ``prefetch``: the share of the CTA's weight tiles
     loaded before the wait (:func:`early_tiles`); the others are loaded right after x.
 

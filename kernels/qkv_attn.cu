@@ -56,6 +56,8 @@ enum Epi { BIAS_F32 = 2, LN_IN = 8 };
 #define QA_DIAG 0
 #endif
 constexpr bool TRACED = (QA_DIAG & 1) != 0, CYCLES = (QA_DIAG & 2) != 0, RACY = (QA_DIAG & 4) != 0;
+// a program's stamps: %globaltimer, or with CYCLES clock64 (qkv_attn.py's TRACE_SLOTS, CYCLE_SLOTS, checked at load)
+constexpr int TRACE_SLOTS = CYCLES ? 10 : 6;
 
 enum Flags { USE_PDL = 64 };
 
@@ -205,7 +207,7 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
   const int prog = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
   // thread 0's trace stamp(s) (diagnostics only: nothing unless TRACED, and nothing when p.trace is null)
   const auto stamp = [&](int slot, int also = -1) {
-    trace_stamp<TRACED, CYCLES>(p.trace, prog * (CYCLES ? 10 : 6), slot, also);
+    trace_stamp<TRACED, CYCLES>(p.trace, prog * TRACE_SLOTS, slot, also);
   };
   stamp(0);
   const int head = blockIdx.x, rank = blockIdx.z, part = rank % 3, t = rank / 3;
@@ -505,6 +507,8 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 extern "C" int qkv_attn_variant() {
   return QA_BF16 | (QA_EPI << 8) | (QA_RT << 16) | (QA_KC << 20) | (QA_PUSH << 24) | (QA_DIAG << 27);
 }
+
+extern "C" int qkv_attn_trace_slots() { return TRACE_SLOTS; }
 
 extern "C" int qkv_attn_smem_bytes(int stages) {
   return 1024 + (2 * stages * QA_KC + 1 + 2 * QA_RT) * TILE + 16 * stages + 8;

@@ -122,8 +122,10 @@ def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = P
     lib.qkv_attn_smem_bytes.argtypes = [ctypes.c_int]
     lib.qkv_attn_smem_bytes.restype = ctypes.c_int
     if (lib.qkv_attn_smem_bytes(4) != smem_bytes(4 * kc, 64 * rt, kc)
-            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20) | (push << 24) | (diag << 27)):
-        raise RuntimeError(f"qkv_attn: {lib._name} does not match qkv_attn.py (shared-memory layout or variant)")
+            or lib.qkv_attn_variant() != bf16 | (epi << 8) | (rt << 16) | (kc << 20) | (push << 24) | (diag << 27)
+            or lib.qkv_attn_trace_slots() != (CYCLE_SLOTS if diag & _nvcc.DIAG_CYCLES else TRACE_SLOTS)):
+        raise RuntimeError(f"qkv_attn: {lib._name} does not match qkv_attn.py (shared-memory layout, variant or trace "
+                           "slots)")
     _LIBS[key] = lib
     return lib
 

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from tuner.kernels import cluster_gemm
 from tuner.kernels.gemm import GemmConfig, grid, linear
 from tuner.timing import capture, time_replay
 
@@ -36,7 +37,8 @@ def main():
     out1 = torch.empty(m, f, dtype=torch.float16, device="cuda")
     tiles, splits = grid(cl, m, d)
     for order in ("alone", "interleaved", "alone", "interleaved"):
-        traces = [torch.zeros(tiles * splits, 4, dtype=torch.int64, device="cuda") for _ in range(R)]
+        traces = [torch.zeros(tiles * splits, cluster_gemm.TRACE_SLOTS, dtype=torch.int64, device="cuda")
+                  for _ in range(R)]
 
         def run():
             for i in range(R):

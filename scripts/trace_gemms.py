@@ -30,7 +30,7 @@ import sys
 import torch
 
 import tuner.kernels.gemm as gemm_k
-from tuner.kernels import mlp_cluster, qkv_attn
+from tuner.kernels import cluster_gemm, mlp_cluster, qkv_attn
 from tuner.device import DeviceInfo
 from tuner.layer import DecoderStack, layer_launches, random_stack_weights, stack_depth
 from tuner.shapes import resolve
@@ -59,7 +59,7 @@ def trace(shape, name, hot=False):
     t_plain = time_replay(plain.replay, n, reps=30, warmup=5).median_us
     del plain
 
-    traces = {}  # (out ptr, weight ptr) -> int64 [programs, 4]
+    traces = {}  # (out ptr, weight ptr) -> int64 [programs, slots]
     order = []  # launch keys in order, first walk only
     tiling = {}  # launch key -> (tiles, splits) of a cluster launch (programs: tile + tiles * split)
     real = gemm_k.linear
@@ -69,7 +69,7 @@ def trace(shape, name, hot=False):
         key = (kw["out"].data_ptr(), weight.data_ptr())
         if key not in traces:
             tiles, splits = gemm_k.grid(c, x.shape[0], weight.shape[0])
-            traces[key] = torch.zeros(tiles * splits, 4, dtype=torch.int64, device=x.device)
+            traces[key] = torch.zeros(tiles * splits, cluster_gemm.TRACE_SLOTS, dtype=torch.int64, device=x.device)
             order.append(key)
             if c.cluster and splits > 1:
                 tiling[key] = (tiles, splits)
@@ -85,7 +85,7 @@ def trace(shape, name, hot=False):
         key = (out.data_ptr(), w1.data_ptr())
         if key not in traces:
             tiles, splits = mlp_cluster.programs(x.shape[0], x.shape[1], w1.shape[0], kw.get("fs", 128))
-            traces[key] = torch.zeros(tiles * splits, 8, dtype=torch.int64, device=x.device)
+            traces[key] = torch.zeros(tiles * splits, mlp_cluster.TRACE_SLOTS, dtype=torch.int64, device=x.device)
             order.append(key)
             tiling[key] = (tiles, splits)
             fused_keys.add(key)

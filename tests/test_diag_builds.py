@@ -48,3 +48,20 @@ def test_even_cluster_gemm_build_has_one_store_path(tmp_path):
     general, even = (_ptx(source, {**defines, "CG_EVEN": e}, tmp_path) for e in (0, 1))
     assert scalar.search(general) and not scalar.search(even)
     assert "st.global.v4" in even
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to build the kernels")
+@pytest.mark.parametrize("cycles", [False, True])
+def test_traced_builds_write_the_slots_python_allocates(cycles, tmp_path, monkeypatch):
+    # A traced build's stamps a program are the launchers' trace width: library() checks it at load (it raises on a
+    # mismatch), and the scripts allocate their buffers from these constants. Built and loaded here (no GPU needed).
+    monkeypatch.setattr(_nvcc, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(qkv_attn, "_LIBS", {})
+    trace = _nvcc.diag(object(), False, cycles)
+    lib = qkv_attn.library(0, qkv_attn.BIAS_F32 | qkv_attn.LN_IN, 2, 2, diag=trace)
+    assert lib.qkv_attn_trace_slots() == (qkv_attn.CYCLE_SLOTS if cycles else qkv_attn.TRACE_SLOTS)
+    if not cycles:  # the GEMM and the feed-forward block have no cycle stamps
+        monkeypatch.setattr(cluster_gemm, "_LIBS", {})
+        monkeypatch.setattr(mlp_cluster, "_LIBS", {})
+        assert cluster_gemm.library(0, 4, 45, 64, 64, 0, trace, 1).cluster_gemm_trace_slots() == cluster_gemm.TRACE_SLOTS
+        assert mlp_cluster.library(0, 8, 104, 32, 256, diag=trace).mlp_trace_slots() == mlp_cluster.TRACE_SLOTS
