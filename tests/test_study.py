@@ -10,6 +10,7 @@ import copy
 import json
 import importlib.resources
 import math
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -180,6 +181,34 @@ def test_study_of_another_identity_refuses_to_continue(tmp_path, replay, change)
     # Nothing was run or written for the refused worker.
     assert [(t.number, t.params, t.value) for t in load_study(tmp_path, "shared").trials] == before
     assert [p.name for p in first.parent.iterdir()] == [first.name]
+
+
+@pytest.mark.parametrize("change", ["search-space", "recording"])
+def test_study_of_another_space_or_recording_refuses_to_continue(tmp_path, replay, change):
+    # The same --out (and so the same default study) with another search space: Optuna would fail every new trial
+    # ("dynamic value space"); with another replay recording, the new run would be served the old one's timings.
+    name = study_name(BERT_BASE, "float16", "NVIDIA H200", "cold", replayed=True)
+    run(tmp_path, replay, trials=3)
+    before = [(t.number, t.params, t.value) for t in load_study(tmp_path, name).trials]
+    default = yaml.safe_load(importlib.resources.files("tuner.search_spaces").joinpath("decoder.yaml").read_text())
+    sp = None
+    if change == "search-space":
+        sp = space.parse(dict(default, gemm=dict(default["gemm"], block_m=[32, 64])), "narrow.yaml")
+    else:
+        other = tmp_path / "other"
+        shutil.copytree(REPLAY, other)
+        t = pd.read_csv(other / "trials.csv")
+        t["latency_us"] = t["latency_us"] / 2
+        t.to_csv(other / "trials.csv", index=False)
+        replay = ReplayEvaluator(other)
+    with pytest.raises(StudyError, match=f"study '{name}'") as e:
+        run(tmp_path, replay, sp, trials=5)
+    words = {"search-space": "another search space", "recording": "another replay recording"}[change]
+    assert words in str(e.value) and "--out" in str(e.value) and "\n" not in str(e.value)
+    assert [(t.number, t.params, t.value) for t in load_study(tmp_path, name).trials] == before
+    # The same space read again (another file, the same content) and the same recording continue.
+    run(tmp_path, ReplayEvaluator(REPLAY), space.parse(default, "copy.yaml"), trials=4)
+    assert len(load_study(tmp_path, name).trials) == 4
 
 
 def test_same_identity_continues(tmp_path, replay):

@@ -204,6 +204,7 @@ class ReplayEvaluator:
     replayed = True
 
     def __init__(self, path: str | Path, shape: DecoderShape | None = None):
+        import hashlib
         import json
 
         import pandas as pd
@@ -215,6 +216,9 @@ class ReplayEvaluator:
         if not csv.is_file() or not man.is_file():
             raise FileNotFoundError(f"replay recording {path}: needs trials.csv and manifest.json")
         self.source = str(path)
+        raw = man.read_bytes() + csv.read_bytes()
+        # what was recorded, not where: a study's identity (another recording must not join its study)
+        self.fingerprint = hashlib.sha1(raw).hexdigest()[:12]
         self.manifest = json.loads(man.read_text())
         df = pd.read_csv(csv)
         from tuner.space import from_config

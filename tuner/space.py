@@ -4,7 +4,7 @@ that turns a trial's parameters into a DecoderConfig. No torch, no CUDA: tested 
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields
 from pathlib import Path
 
 import yaml
@@ -81,6 +81,14 @@ class SearchSpace:
             elif not (dim.low <= v <= dim.high or (dim.off and v < 0)):
                 return False
         return True
+
+    def fingerprint(self) -> str:
+        """What the space holds, as 12 hex digits (not where it was read from): a study's identity, since a study
+        cannot change its parameters' distributions."""
+        import hashlib
+
+        text = repr(sorted((k, astuple(d)) for k, d in self.params(True).items()))
+        return hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def params(self, pdl: bool = True) -> dict[str, Dim]:
         """Flat ``kernel.field`` -> Dim; the ratios vanish where PDL/prefetch cannot run."""

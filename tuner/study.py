@@ -159,16 +159,27 @@ def storage_url(opts: StudyOptions, out_root: Path) -> str:
     return redact(opts.storage) if isinstance(opts.storage, str) else type(opts.storage).__name__
 
 
+# What an identity's fingerprints stand for, in the refusal's words.
+_FINGERPRINTS = {"space": "another search space", "recording": "another replay recording"}
+
+
 def _check_identity(study, ident: dict) -> None:
-    old = study.user_attrs.get("identity")
-    if not old or old == ident:
-        study.set_user_attr("identity", ident)
+    """Refuse a process whose shape, dtype, GPU model, L2 policy, search space or replay recording differs from the
+    study's: its trials would not be comparable, or (another space) Optuna would fail every one of them. A study
+    written before a key was recorded takes this process's value for it."""
+    old = study.user_attrs.get("identity") or {}
+    diff = {k: v for k, v in ident.items() if k in old and old[k] != v}
+    if not diff:
+        if {**old, **ident} != old:
+            study.set_user_attr("identity", {**old, **ident})
         return
-    if old.get("gpu") != ident["gpu"]:
+    if "gpu" in diff:
         raise StudyError(f"study {study.study_name!r} runs on {old.get('gpu')}, this process on {ident['gpu']}: "
                          "workers of one study must use the same GPU model (or give another --study-name)")
-    diff = ", ".join(f"{k} {old.get(k)!r} (here {v!r})" for k, v in ident.items() if old.get(k) != v)
-    raise StudyError(f"study {study.study_name!r} was started with {diff}: use another --study-name")
+    words = ", ".join(f"{_FINGERPRINTS[k]} ({old[k]}, here {v})" if k in _FINGERPRINTS else f"{k} {old[k]!r} "
+                      f"(here {v!r})" for k, v in diff.items())
+    raise StudyError(f"study {study.study_name!r} was started with {words}: its trials are kept; give another --out "
+                     "or --study-name")
 
 
 def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSpace, log=print,
@@ -251,7 +262,10 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     except optuna.exceptions.DuplicatedStudyError:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
         created = False
-    _check_identity(study, {"shape": shape.spec, "dtype": opts.dtype, "gpu": dev_name, "l2": opts.l2})
+    ident = {"shape": shape.spec, "dtype": opts.dtype, "gpu": dev_name, "l2": opts.l2, "space": space.fingerprint()}
+    if evaluator.replayed:
+        ident["recording"] = getattr(evaluator, "fingerprint", None)
+    _check_identity(study, ident)
     lost = recover_orphans(study)
     if lost:
         log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died): "

@@ -130,6 +130,7 @@ class IsolatedEvaluator:
     shape = property(lambda self: self.info["shape"])
     source = property(lambda self: self.info["source"])
     manifest = property(lambda self: self.info["manifest"])
+    fingerprint = property(lambda self: self.info.get("fingerprint"))
     worker_pid = property(lambda self: self.info["pid"])
 
     @property
@@ -306,7 +307,8 @@ def _describe(ev) -> dict:
     return {"pdl": bool(ev.pdl), "replayed": bool(ev.replayed),
             "device_name": getattr(ev, "device_name", None) or dev.name,
             "device": dev.to_dict() if dev is not None else None, "shape": ev.shape,
-            "source": getattr(ev, "source", None), "manifest": getattr(ev, "manifest", None), "pid": os.getpid()}
+            "source": getattr(ev, "source", None), "manifest": getattr(ev, "manifest", None),
+            "fingerprint": getattr(ev, "fingerprint", None), "pid": os.getpid()}
 
 
 def _dispatch(ev, method: str, args: tuple):
