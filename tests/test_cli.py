@@ -371,6 +371,24 @@ def test_report_on_no_folder(tmp_path):
     assert_user_error(*tune("report", tmp_path / "nope"), [str(tmp_path / "nope"), "not a run folder"])
 
 
+def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
+    _, run, _, _ = first
+    other = Path(shutil.copytree(run, tmp_path / "other-run"))
+    files = snapshot(other)
+    for target in (other / "trials.csv", other / "best.json", other):
+        what = "folder" if target.is_dir() else "file"
+        assert_user_error(*tune("export", run, "-o", target), [str(target), f"a {what} of that name exists", "--force"])
+    assert snapshot(other) == files and not list(tmp_path.rglob("*.tmp"))
+    target = tmp_path / "best.json"
+    assert tune("export", run, "-o", target)[0] == 0
+    target.write_text("edited")
+    rc, stdout, stderr = tune("export", run, "-o", target, "--force")
+    assert rc == 0 and json.loads(target.read_text()) == json.loads((run / "best.json").read_text())
+    # --force onto a folder: the rename fails; one line, and no stray temporary file beside it
+    assert_user_error(*tune("export", run, "-o", other, "--force"), [str(other), "cannot write it"])
+    assert snapshot(other) == files and not list(tmp_path.rglob("*.tmp"))
+
+
 @pytest.mark.parametrize("case", ["no-best-json", "schema-99", "invalid-json"])
 def test_export_of_a_bad_run_folder(run_copy, tmp_path, case):
     best = run_copy / "best.json"

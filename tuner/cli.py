@@ -470,6 +470,10 @@ def cmd_export(args) -> int:
     except ConfigError as e:
         raise UserError(str(e)) from None
     if args.output:
+        if Path(args.output).exists() and not args.force:
+            kind = "folder" if Path(args.output).is_dir() else "file"
+            raise UserError(f"-o {args.output}: a {kind} of that name exists; give another name, or --force to "
+                            "replace it")
         try:
             write_json_atomic(Path(args.output), best)
         except OSError as e:
@@ -537,7 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("export", help="the best configuration of a run as JSON")
     e.add_argument("run")
-    e.add_argument("-o", "--output")
+    e.add_argument("-o", "--output", help="write it to this file (default: print it); an existing file is kept")
+    e.add_argument("--force", action="store_true", help="with -o: replace an existing file")
     e.set_defaults(func=cmd_export)
 
     v = sub.add_parser("verify", help="show the PDL chain (launch census, graph edges) and that the gate catches races")

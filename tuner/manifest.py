@@ -63,14 +63,20 @@ def write_json_atomic(path: Path, obj) -> None:
     """Write to a temporary name and rename: a killed process never leaves half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    _replace_with(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _replace_with(path, text)
+
+
+def _replace_with(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (where the rename failed, e.g. onto a folder: no stray .tmp left)
+        raise
