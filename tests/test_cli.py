@@ -192,9 +192,14 @@ def test_rerun_with_another_identity_is_refused(first, tmp_path):
     out = Path(shutil.copytree(first[0], tmp_path / "results"))
     name = json.loads((first[1] / "manifest.json").read_text())["study_name"]
     before, files = finished(study_of(out / "bert-base" / first[1].name)), snapshot(out)
-    rc, stdout, stderr = decoder(out, BUDGET + 5, "--study-name", name, "--l2", "hot")
+    # (with --replay, dtype and L2 policy are the recording's: another search space is what can differ)
+    narrow = _space_file(tmp_path, lambda d: d["gemm"].update(block_m=[32, 64]))
+    rc, stdout, stderr = decoder(out, BUDGET + 5, "--study-name", name, "--search-space", narrow)
     assert rc == 2 and stderr.startswith("tune: error: ") and stderr.count("\n") == 1, stderr
-    assert name in stderr and "--study-name" in stderr
+    assert name in stderr and "--study-name" in stderr and "another search space" in stderr
+    # the default study of the same --out likewise
+    rc, stdout, stderr = decoder(out, BUDGET + 5, "--search-space", narrow)
+    assert rc == 2 and "another search space" in stderr and stderr.count("\n") == 1, stderr
     assert finished(study_of(out / "bert-base" / first[1].name)) == before
     assert snapshot(out) == files
 
@@ -313,6 +318,9 @@ BAD_DECODER = [
      ["--storage", "postgresql://nobody@127.0.0.1:1/x"]),
     ("replay-missing", ["--replay", "{missing}"], ["--replay", "{missing}"]),
     ("replay-of-another-shape", ["--shape", "tiny"], ["1x128x768x12x3072", "1x32x256x4x1024"]),
+    ("replay-of-another-dtype", ["--dtype", "float32"], ["--dtype float32", "measured with --dtype float16"]),
+    ("replay-of-another-l2-policy", ["--l2", "hot"], ["--l2 hot", "measured with --l2 cold"]),
+    ("replay-of-shape-file-shapes", ["--shape-file", "{shapes}"], ["--replay serves one recording"]),
 ]
 SPACE_TEXT = {"space-bad-yaml": "version: 1\ngemm: [16, 32\nnorm: {}\n"}
 SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5}
@@ -333,7 +341,9 @@ def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
     monkeypatch.setattr(optuna.samplers, "GridSampler", lambda *a, **k: pytest.fail("GridSampler was built"))
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    subst = {"{missing}": str(inputs / "nope")}
+    subst = {"{missing}": str(inputs / "nope"), "{shapes}": str(inputs / "shapes.yaml")}
+    (inputs / "shapes.yaml").write_text("shapes:\n  - {batch: 1, seq: 32, d_model: 256, heads: 4, ffn: 1024}\n"
+                                        "  - {batch: 1, seq: 64, d_model: 256, heads: 4, ffn: 1024}\n")
     if case in SPACE_TEXT or case in SPACE_EDIT:
         subst["{space}"] = str(_space_file(inputs, SPACE_EDIT.get(case), SPACE_TEXT.get(case)))
 
@@ -438,3 +448,13 @@ def test_bench_measures_a_config_on_its_own_shape(tmp_path):
     no_shape.write_text(json.dumps(d))
     assert_user_error(*tune("bench", "--config", no_shape, "--out", tmp_path / "out"),
                       [str(no_shape), "no valid 'shape'", "--shape"])
+
+
+def test_a_shape_file_alone_gives_its_shapes_only(tmp_path):
+    from tuner.cli import _shapes
+
+    f = tmp_path / "shapes.yaml"
+    f.write_text("shapes:\n  - {batch: 1, seq: 32, d_model: 256, heads: 4, ffn: 1024}\n")
+    assert [s.spec for s in _shapes(None, str(f))] == ["1x32x256x4x1024"]
+    assert [s.spec for s in _shapes(["tiny"], str(f))] == ["1x32x256x4x1024"] * 2
+    assert [s.spec for s in _shapes(None)] == ["1x128x768x12x3072"]  # neither: bert-base

@@ -24,7 +24,7 @@ class RunError(Exception):
 def _shapes(values: list[str] | None, shape_file: str | None = None):
     from tuner.shapes import PRESETS, ShapeError, resolve
 
-    names = values or ["bert-base"]
+    names = values or ([] if shape_file else ["bert-base"])  # a --shape-file alone: its shapes only
     out = []
     try:
         for v in names:
@@ -308,7 +308,8 @@ def _decoder_inputs(args):
     from tuner.study import SAMPLERS
 
     shapes = _shapes(args.shape, args.shape_file)
-    _dtype(args.dtype)
+    if args.dtype is not None:
+        _dtype(args.dtype)
     _check_decoder_numbers(args)
     if args.sampler not in SAMPLERS:
         raise UserError(f"--sampler {args.sampler}: choose one of {', '.join(SAMPLERS)}")
@@ -323,6 +324,7 @@ def _decoder_inputs(args):
     if args.search_only and len(shapes) > 1:
         raise UserError("--search-only: one shape per worker")
     if not args.replay:
+        args.dtype, args.l2 = args.dtype or "float16", args.l2 or "cold"
         _need_gpu("tune decoder")
         _check_gpu_indices(gpus)
         return shapes, space, gpus
@@ -331,7 +333,16 @@ def _decoder_inputs(args):
     if not Path(args.replay).exists():
         raise UserError(f"--replay {args.replay}: no such file or folder")
     # Read the recording now: a wrong one is the user's mistake, reported before anything is written.
-    return [_check_replay(args, shapes[0] if args.shape or args.shape_file else None)], space, gpus
+    rec = _check_replay(args, shapes[0] if args.shape or args.shape_file else None)
+    # A replay serves what was measured: its dtype and L2 policy, which the tables and best.json then name.
+    measured = {"--dtype": rec.manifest.get("dtype") or "float16",
+                "--l2": (rec.manifest.get("policy") or {}).get("l2") or "cold"}
+    for flag, given in (("--dtype", args.dtype), ("--l2", args.l2)):
+        if given is not None and given != measured[flag]:
+            raise UserError(f"{flag} {given}: --replay {args.replay} was measured with {flag} {measured[flag]}, and a "
+                            "replay serves only what was measured")
+    args.dtype, args.l2 = measured["--dtype"], measured["--l2"]
+    return [rec.shape], space, gpus
 
 
 def cmd_decoder(args) -> int:
@@ -387,7 +398,7 @@ def _check_replay(args, shape):
     from tuner.evaluate import ReplayEvaluator
 
     try:
-        return ReplayEvaluator(args.replay, shape).shape
+        return ReplayEvaluator(args.replay, shape)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise UserError(f"--replay {args.replay}: {str(e).splitlines()[0]}") from None
 
@@ -517,8 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "(default <out>/studies.journal with --workers), postgresql://... (several hosts)")
     d.add_argument("--study-name", help="join this study (several hosts: the same name and --storage on each)")
     d.add_argument("--top-k", type=int, default=10)
-    d.add_argument("--dtype", default="float16")
-    d.add_argument("--l2", choices=["cold", "hot"], default="cold")
+    d.add_argument("--dtype", help="float16 (default), bfloat16 or float32; with --replay, the recording's")
+    d.add_argument("--l2", choices=["cold", "hot"], help="cold (default) or hot; with --replay, the recording's")
     d.add_argument("--out", default="results")
     d.add_argument("--search-space", help="a YAML search space (default: the shipped decoder.yaml)")
     d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv (no GPU needed)")
