@@ -290,6 +290,42 @@ def test_unparseable_space_names_file_and_line(tmp_path, text, words):
         assert w in msg, (w, msg)
 
 
+def test_bare_off_key_of_a_range(tmp_path):
+    # `{low: 0, high: 1, step: 0.1, off: true}` as README writes it: YAML 1.1 reads the bare key off as false
+    text = yaml.safe_dump(edited(lambda d: d["ratios"].update(overlap="RANGE")), sort_keys=False)
+    text = text.replace("RANGE", "{low: 0, high: 1, step: 0.1, off: true}")
+    assert False in yaml.safe_load(text)["ratios"]["overlap"]  # (what PyYAML hands over)
+    dim = space.load(write_space(tmp_path, text)).params()["qkv.overlap_ratio"]
+    assert (dim.low, dim.high, dim.step, dim.off) == (0.0, 1.0, 0.1, True)
+
+
+@pytest.mark.parametrize("text, words", [
+    ("version: 1\n1: x\nzzz: y\n", ["unknown key(s) ['1', 'zzz']"]),
+    ("{low: 0, high: 1, 1: 2, 2.5: 3}", ["ratios.overlap", "'1'", "'2.5'"]),
+], ids=["mixed-top-level-keys", "mixed-range-keys"])
+def test_keys_of_mixed_types_are_named(tmp_path, text, words):
+    if text.startswith("{"):  # a range of the overlap ratio in the default space
+        text = yaml.safe_dump(edited(lambda d: d["ratios"].update(overlap="RANGE")), sort_keys=False).replace(
+            "RANGE", text)
+    with pytest.raises(SpaceError) as e:
+        space.load(write_space(tmp_path, text))
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_non_list_fuse_override_of_ffn1(tmp_path):
+    with pytest.raises(SpaceError, match=r"kernels.ffn1.fuse"):
+        load_edit(tmp_path, lambda d: d.update(kernels={"ffn1": {"fuse": 1}}))
+
+
+def test_unreadable_space_file(tmp_path):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes(b"version: 1\n# caf\xe9\n")
+    with pytest.raises(SpaceError, match="cannot read the search space file") as e:
+        space.load(p)
+    assert str(p) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_missing_space_file(tmp_path):
     with pytest.raises(SpaceError, match="search space file not found") as e:
         space.load(tmp_path / "nope.yaml")

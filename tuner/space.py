@@ -117,14 +117,17 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
                 raise SpaceError(f"{where}: choice {v!r} must be a {'non-negative' if zero else 'positive'} integer")
         return Dim(choices=tuple(float(v) if ratio else int(v) for v in value))
     if isinstance(value, dict) and ratio:
+        # YAML 1.1 (PyYAML) reads a bare `off:` key as the boolean false
+        value = {("off" if k is False else k): v for k, v in value.items()}
         unknown = set(value) - {"low", "high", "step", "off"}
         if unknown or "low" not in value or "high" not in value:
-            raise SpaceError(f"{where}: expected {{low, high[, step][, off]}}, got keys {sorted(value)}")
+            raise SpaceError(f"{where}: expected {{low, high[, step][, off]}}, got keys {_names(value)}")
         lo, hi = value["low"], value["high"]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi <= 1:
             raise SpaceError(f"{where}: need 0 <= low < high <= 1, got low={lo!r} high={hi!r}")
         step, off = value.get("step"), value.get("off", False)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= hi - lo):
+        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
+                                 or not 0 < step <= hi - lo):
             raise SpaceError(f"{where}.step: need 0 < step <= high - low, got {step!r}")
         if not isinstance(off, bool):
             raise SpaceError(f"{where}.off: expected true or false, got {off!r}")
@@ -134,13 +137,18 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
     raise SpaceError(f"{where}: expected {expect}, got {type(value).__name__}")
 
 
+def _names(keys) -> list[str]:
+    """Keys as a sorted list for a message (a user's YAML may mix strings, numbers and booleans)."""
+    return sorted(map(str, keys))
+
+
 def parse(data, source: str = "<space>") -> SearchSpace:
     if not isinstance(data, dict):
         raise SpaceError(f"{source}: expected a mapping at the top level")
     known = {"version", "ratios", "gemm", "norm", "attn", "layer", "kernels"}
     unknown = set(data) - known
     if unknown:
-        raise SpaceError(f"{source}: unknown key(s) {sorted(unknown)}; expected {sorted(known)}")
+        raise SpaceError(f"{source}: unknown key(s) {_names(unknown)}; expected {sorted(known)}")
     if data.get("version", 1) != 1:
         raise SpaceError(f"{source}: version {data.get('version')!r} is not supported (expected 1)")
     ratios = data.get("ratios") or {}
@@ -156,14 +164,14 @@ def parse(data, source: str = "<space>") -> SearchSpace:
             raise SpaceError(f"{source}: '{fam}' must be a mapping of {', '.join(names)}")
         unknown = set(sec) - set(names)
         if unknown:
-            raise SpaceError(f"{source}: {fam}: unknown key(s) {sorted(unknown)}; expected {list(names)}")
+            raise SpaceError(f"{source}: {fam}: unknown key(s) {_names(unknown)}; expected {list(names)}")
         # Switches added after version 1 shipped default to off, so older user files keep working.
         sec = {**{f: [0] for f in SWITCHES if f in names}, **sec}
         if fam in OPTIONAL:
             sec = {**{f: [getattr(OPTIONAL[fam], f)] for f in names}, **sec}
         missing = set(names) - set(sec)
         if missing:
-            raise SpaceError(f"{source}: {fam}: missing key(s) {sorted(missing)}")
+            raise SpaceError(f"{source}: {fam}: missing key(s) {_names(missing)}")
         fam_data[fam] = sec
     overrides = data.get("kernels") or {}
     if not isinstance(overrides, dict):
@@ -189,7 +197,7 @@ def parse(data, source: str = "<space>") -> SearchSpace:
                 raise SpaceError(f"{source}: kernels.{k}.prefetch_ratio: attention has no weights to prefetch")
             raw[f] = v
         if fam == "gemm" and k == "ffn1":  # fuse is FFN2's, the out-projection's (FFN1's kernel) and QKV's
-            if any(v != 0 for v in (ov.get("fuse") or [0])):
+            if not isinstance(ov.get("fuse", [0]), list) or any(v != 0 for v in (ov.get("fuse") or [0])):
                 raise SpaceError(f"{source}: kernels.ffn1.fuse: only ffn2, out and qkv can be fused; expected [0]")
             raw["fuse"] = [0]
         if k in ("out", "qkv") and isinstance(raw.get("fuse"), list):  # 0 or 1: 2 is FFN2's (64 hidden columns a CTA)
@@ -211,7 +219,12 @@ def read_yaml(path: str | Path, what: str, error=ValueError):
     if not p.is_file():
         raise error(f"{path}: {what} file not found")
     try:
-        return yaml.safe_load(p.read_text())
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or type(e).__name__
+        raise error(f"{path}: cannot read the {what} file ({why})") from None
+    try:
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
