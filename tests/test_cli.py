@@ -458,3 +458,98 @@ def test_a_shape_file_alone_gives_its_shapes_only(tmp_path):
     assert [s.spec for s in _shapes(None, str(f))] == ["1x32x256x4x1024"]
     assert [s.spec for s in _shapes(["tiny"], str(f))] == ["1x32x256x4x1024"] * 2
     assert [s.spec for s in _shapes(None)] == ["1x128x768x12x3072"]  # neither: bert-base
+
+
+# ------------------------------------------------------------------------------------------------
+# Broken files the user hands over: one line each, naming the file (found by an audit of session 27)
+# ------------------------------------------------------------------------------------------------
+
+def _edit_json(path: Path, edit) -> None:
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps(edit(d)))
+
+
+def _set(key, value):
+    return lambda d: dict(d, **{key: value})
+
+
+BAD_RECORDINGS = {  # what is wrong with a copy of the replay recording -> the words of the refusal
+    "manifest-is-a-list": (lambda r: (r / "manifest.json").write_text("[1, 2]"), ["manifest.json", "mapping"]),
+    "manifest-shape-is-text": (lambda r: _edit_json(r / "manifest.json", _set("shape", "bert-base")), ["'shape'"]),
+    "manifest-gpu-is-text": (lambda r: _edit_json(r / "manifest.json", _set("gpu", "H100")), ["'gpu'"]),
+    "manifest-without-baselines": (lambda r: _edit_json(r / "manifest.json", lambda d: {k: v for k, v in d.items()
+                                                                                      if k != "baselines"}),
+                                   ["'baselines'"]),
+    "manifest-not-utf8": (lambda r: (r / "manifest.json").write_bytes(b'{"caf\xe9": 1}'), ["manifest.json",
+                                                                                          "cannot be read"]),
+    "trials-header-only": (lambda r: (r / "trials.csv").write_text(
+        (r / "trials.csv").read_text().splitlines()[0] + "\n"), ["trials.csv", "no trials"]),
+    "trials-without-status": (lambda r: pd.read_csv(r / "trials.csv").drop(columns=["status"]).to_csv(
+        r / "trials.csv", index=False), ["trials.csv", "status"]),
+    "trials-latency-text": (lambda r: pd.read_csv(r / "trials.csv").assign(latency_us="fast").to_csv(
+        r / "trials.csv", index=False), ["latency_us", "not numeric"]),
+    "breakdown-not-per-kernel": (lambda r: (r / "breakdown.json").write_text('{"best": 5}'), ["breakdown.json"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RECORDINGS))
+def test_replay_of_a_broken_recording(tmp_path, case):
+    rec = Path(shutil.copytree(REPLAY, tmp_path / "rec"))
+    edit, words = BAD_RECORDINGS[case]
+    edit(rec)
+    out = tmp_path / "results"
+    rc, stdout, stderr = tune("decoder", "--replay", rec, "--trials", "3", "--no-progress", "--out", out)
+    assert_user_error(rc, stdout, stderr, ["--replay", str(rec)] + words)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_replay_of_a_best_json_is_refused(first, tmp_path):
+    out = tmp_path / "results"
+    rc, stdout, stderr = tune("decoder", "--replay", first[1] / "best.json", "--trials", "3", "--no-progress",
+                              "--out", out)
+    assert_user_error(rc, stdout, stderr, ["best.json", "trials.csv"])
+
+
+BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune report`'s refusal
+    "rows-are-text": (lambda r: _edit_json(r / "topk.json", _set("rows", "none")), ["'rows' is not a list"]),
+    "row-without-latency": (lambda r: _edit_json(r / "topk.json", lambda d: dict(d, rows=[{"rank": 1}])),
+                            ["rows[0]", "latency_us"]),
+    "manifest-shape-is-text": (lambda r: _edit_json(r / "manifest.json", _set("shape", "x")), ["'shape'"]),
+    "breakdown-not-per-kernel": (lambda r: (r / "breakdown.json").write_text('{"best": 5}'), ["breakdown.json"]),
+    "plots-is-a-file": (lambda r: (shutil.rmtree(r / "plots"), (r / "plots").write_text("x")), ["plots",
+                                                                                             "cannot write"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RUNS))
+def test_report_of_a_broken_run_folder(run_copy, case):
+    edit, words = BAD_RUNS[case]
+    edit(run_copy)
+    assert_user_error(*tune("report", run_copy), words)
+
+
+@pytest.mark.parametrize("field, value", [("shape", "tiny"), ("shape", {"batch": 1}), ("gpu", "H100")])
+def test_bench_config_with_a_malformed_field(tmp_path, field, value):
+    bad = tmp_path / "best.json"
+    bad.write_text(json.dumps(dict(json.loads(TINY_BEST.read_text()), **{field: value})))
+    assert_user_error(*tune("bench", "--config", bad, "--shape", "tiny", "--out", tmp_path), [str(bad), f"{field}"])
+
+
+def test_export_of_an_unreadable_best_json(run_copy, tmp_path):
+    (run_copy / "best.json").write_bytes(b'{"caf\xe9": 1}')
+    assert_user_error(*tune("export", run_copy), [str(run_copy / "best.json"), "cannot be read"])
+
+
+@pytest.mark.parametrize("flag", ["--timeout", "--trial-timeout"])
+def test_nan_seconds_are_refused(tmp_path, flag):
+    assert_user_error(*decoder(tmp_path / "results", 3, flag, "nan"), [flag, "nan"])
+
+
+def test_out_that_cannot_hold_run_folders(tmp_path):
+    # checked before the search: the run folder would be lost after it (its trials kept in the storage)
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    storage = f"sqlite:///{(tmp_path / 'elsewhere.db').as_posix()}"
+    for out in (f, f / "results"):
+        assert_user_error(*decoder(out, 3, "--storage", storage), [f"--out {out}", "cannot write run folders"])
+    assert not (tmp_path / "elsewhere.db").exists()

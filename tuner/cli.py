@@ -203,9 +203,9 @@ def _check_storage(url: str) -> str:
 def _check_decoder_numbers(args) -> None:
     if args.trials is not None and args.trials <= 0:
         raise UserError(f"--trials {args.trials}: must be a positive number of trials")
-    if args.timeout is not None and args.timeout <= 0:
+    if args.timeout is not None and not args.timeout > 0:  # (not > 0: NaN too, which would mean no limit)
         raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds")
-    if args.trial_timeout <= 0:
+    if not args.trial_timeout > 0:
         raise UserError(f"--trial-timeout {args.trial_timeout}: must be a positive number of seconds")
     if args.top_k <= 0:
         raise UserError(f"--top-k {args.top_k}: must be positive")
@@ -351,6 +351,8 @@ def cmd_decoder(args) -> int:
 
     shapes, space, gpus = _decoder_inputs(args)
     out_root = Path(args.out)
+    if not args.search_only:
+        _check_writable(out_root)
     url = _check_storage(args.storage or default_url(out_root, len(gpus)))
     opts = StudyOptions(trials=args.trials or DEFAULT_TRIALS, timeout_s=args.timeout, sampler=args.sampler,
                         seed=args.seed, storage=url, study_name=args.study_name, top_k=args.top_k, dtype=args.dtype,
@@ -371,6 +373,24 @@ def cmd_decoder(args) -> int:
         print("tune: some workers failed (their trials are kept): " + "; ".join(problems), file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _check_writable(out_root: Path) -> None:
+    """The run folders go under ``out_root``: found out now, not after the search (its trials would be kept in the
+    storage, but the tables, plots and best.json would be missing). Nothing is left behind: the probe is a temporary
+    file in ``out_root`` or, where that does not exist yet, in the folder it would be created in."""
+    import tempfile
+
+    here = out_root.absolute()
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    try:
+        if not here.is_dir():
+            raise NotADirectoryError(20, "not a folder", str(here))
+        with tempfile.TemporaryFile(dir=here):
+            pass
+    except OSError as e:
+        raise UserError(f"--out {out_root}: cannot write run folders there ({e.strerror or type(e).__name__})") from None
 
 
 def _write_summary(runs: list[Path], out_root: Path) -> None:
@@ -399,13 +419,14 @@ def _check_replay(args, shape):
 
     try:
         return ReplayEvaluator(args.replay, shape)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, OSError, KeyError) as e:
         raise UserError(f"--replay {args.replay}: {str(e).splitlines()[0]}") from None
 
 
 def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
     """One shape: the study in this process, or spread over workers. Returns (run folder, failures)."""
     from tuner.parallel import run_workers
+    from tuner.storage import redact
     from tuner.study import StudyError, run_study
     from tuner.worker import WorkerError
 
@@ -419,6 +440,9 @@ def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
         return run_study(shape, ev, space, opts, out_root, command), []
     except (StudyError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e).splitlines()[0]) from None
+    except OSError as e:  # e.g. the disk filled up while the run folder was written
+        raise RunError(f"{e.filename or out_root}: {e.strerror or type(e).__name__}; the study's trials are kept in "
+                       f"{redact(url)}: run the same command again to write the run folder") from None
     except WorkerError as e:
         raise RunError(str(e)) from None
     finally:
@@ -462,6 +486,9 @@ def cmd_report(args) -> int:
         written = report.write_reports(run)
     except report.RunFolderError as e:
         raise UserError(str(e)) from None
+    except OSError as e:  # a read-only folder, a plots file where the folder goes, ...
+        where = e.filename or run
+        raise UserError(f"{where}: cannot write the reports there ({e.strerror or type(e).__name__})") from None
     print((run / "topk.md").read_text())
     for w in written:
         print(f"written {w}")
@@ -495,8 +522,15 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its mistakes in one line (argparse prints the whole usage first) and exit code 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tune", description=__doc__)
+    p = _Parser(prog="tune", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("shapes", help="list the shape presets")
@@ -570,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # argparse already printed its one-line usage error
+    except SystemExit as e:  # argparse already printed its one-line error (_Parser), or --help
         return int(e.code or 0)
     args.argv = argv
     try:

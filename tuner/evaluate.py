@@ -216,11 +216,45 @@ class ReplayEvaluator:
         if not csv.is_file() or not man.is_file():
             raise FileNotFoundError(f"replay recording {path}: needs trials.csv and manifest.json")
         self.source = str(path)
-        raw = man.read_bytes() + csv.read_bytes()
+
+        def bad(what: str, why: str) -> ValueError:
+            return ValueError(f"replay recording {path}: {what} {why}")
+
+        def read_json(f: Path):
+            try:
+                return json.loads(f.read_text())
+            except (OSError, UnicodeDecodeError) as e:
+                raise bad(f.name, f"cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+            except json.JSONDecodeError as e:
+                raise bad(f.name, f"is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+        self.manifest = read_json(man)
+        try:
+            raw = man.read_bytes() + csv.read_bytes()
+            df = pd.read_csv(csv)
+        except (OSError, UnicodeDecodeError, ValueError) as e:  # (pandas' parser and empty-file errors are ValueErrors)
+            why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+            raise bad(csv.name, f"cannot be read as a table of trials ({why})") from None
         # what was recorded, not where: a study's identity (another recording must not join its study)
         self.fingerprint = hashlib.sha1(raw).hexdigest()[:12]
-        self.manifest = json.loads(man.read_text())
-        df = pd.read_csv(csv)
+        m = self.manifest
+        if not isinstance(m, dict):
+            raise bad(man.name, f"must be a mapping, not {type(m).__name__}")
+        for key in ("shape", "baselines"):
+            if not isinstance(m.get(key), dict):
+                raise bad(man.name, f"has no '{key}' mapping")
+        if not isinstance(m["baselines"].get("baseline_us"), (int, float)):
+            raise bad(man.name, "has no baselines.baseline_us figure")
+        if m.get("gpu") is not None and not isinstance(m["gpu"], dict):
+            raise bad(man.name, f"'gpu' must be a mapping, not {type(m['gpu']).__name__}")
+        missing = [c for c in ("status", "latency_us", "spread_us") if c not in df.columns]
+        if missing:
+            raise bad(csv.name, f"has no {', '.join(missing)} column(s) (is it a run's trials.csv?)")
+        if df.empty:
+            raise bad(csv.name, "has no trials")
+        for c in ("latency_us", "spread_us"):
+            if not pd.api.types.is_numeric_dtype(df[c]):
+                raise bad(csv.name, f"column {c} is not numeric")
         from tuner.space import from_config
 
         # Every parameter a config has today; one the recording predates (e.g. norm*.fuse) stands at its
@@ -232,12 +266,15 @@ class ReplayEvaluator:
                 df[c] = defaults[c]
         self.rows = df
         self.keys = {self._key(r): i for i, r in enumerate(df[self.params].to_dict("records"))}
-        self.shape = shape or DecoderShape.from_dict(self.manifest["shape"])
-        rec_shape = DecoderShape.from_dict(self.manifest["shape"])
+        rec_shape = DecoderShape.from_dict(self.manifest["shape"])  # (a ShapeError, a ValueError, names what is wrong)
+        self.shape = shape or rec_shape
         if shape is not None and shape.spec != rec_shape.spec:
             raise ValueError(f"replay recording {path} is for shape {rec_shape.spec}, not {shape.spec}")
         bpath = folder / "breakdown.json"
-        self._breakdown = json.loads(bpath.read_text()) if bpath.is_file() else None
+        self._breakdown = read_json(bpath) if bpath.is_file() else None
+        if self._breakdown is not None and not (isinstance(self._breakdown, dict) and all(
+                isinstance(v, dict) for k, v in self._breakdown.items() if k in ("best", "baseline"))):
+            raise bad(bpath.name, "must map 'best' and 'baseline' to per-kernel figures")
         g = self.manifest.get("gpu") or {}
         self.device_name = g.get("name", "unknown")
         self.pdl = bool(g) and (g.get("capability") or [0])[0] >= 9

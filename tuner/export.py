@@ -24,6 +24,8 @@ def read_best(path: str | Path) -> dict:
         raise ConfigError(f"{path}: no best.json found")
     try:
         d = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(d, dict) or d.get("schema_version") != BEST_SCHEMA_VERSION:
@@ -31,6 +33,9 @@ def read_best(path: str | Path) -> dict:
         raise ConfigError(f"{p}: best.json schema_version {v!r} is not supported (expected {BEST_SCHEMA_VERSION})")
     if not isinstance(d.get("config"), dict):
         raise ConfigError(f"{p}: best.json has no 'config' mapping")
+    for key in ("shape", "gpu"):  # optional, but where present what load_config and `tune bench` read
+        if d.get(key) is not None and not isinstance(d[key], dict):
+            raise ConfigError(f"{p}: best.json's '{key}' must be a mapping, not {type(d[key]).__name__}")
     return d
 
 
@@ -50,7 +55,10 @@ def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gp
             from tuner.shapes import resolve
 
             want = resolve(shape)
-        got = DecoderShape.from_dict(d["shape"]) if "shape" in d else None
+        try:
+            got = DecoderShape.from_dict(d["shape"]) if d.get("shape") is not None else None
+        except ValueError as e:  # ShapeError
+            raise ConfigError(f"{path}: best.json's shape: {e}") from None
         if got is not None and got.spec != want.spec:
             problems.append(f"tuned for shape {got.spec}, loaded for {want.spec}")
     if gpu is None:

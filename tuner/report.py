@@ -202,17 +202,39 @@ def load_run(run_dir) -> Run:
         problems.append("manifest.json is not a JSON object")
     if topk is not None and not isinstance(topk, dict):
         problems.append("topk.json is not a JSON object")
+    if not problems:
+        problems += _shape_problems(manifest, topk)
     if problems:
         raise RunFolderError(f"{path}: " + "; ".join(problems))
     optional: list[str] = []
     breakdown = _read_json(path / "breakdown.json", optional) if (path / "breakdown.json").exists() else None
     importance = _read_json(path / "importance.json", optional) if (path / "importance.json").exists() else None
+    if isinstance(breakdown, dict) and any(not isinstance(breakdown.get(k), (dict, type(None)))
+                                           for k in ("best", "baseline")):
+        optional.append("breakdown.json's 'best' and 'baseline' must map kernels to figures")
     if optional:  # an optional file that is there but broken is still the user's to know about
         raise RunFolderError(f"{path}: " + "; ".join(optional))
     _fill_speedup(trials, manifest, topk)
     return Run(path=path, manifest=manifest, trials=trials, topk=topk,
                breakdown=breakdown if isinstance(breakdown, dict) else None,
                importance=importance if isinstance(importance, dict) and importance else None)
+
+
+def _shape_problems(manifest: dict, topk: dict) -> list[str]:
+    """What of a run folder's JSON the tables and plots read but could not (the files' own words)."""
+    out = [f"manifest.json's '{k}' is not a mapping" for k in ("shape", "gpu", "baselines", "policy")
+           if manifest.get(k) is not None and not isinstance(manifest[k], dict)]
+    rows = topk.get("rows")
+    if rows is not None and not isinstance(rows, list):
+        out.append("topk.json's 'rows' is not a list")
+    elif rows:
+        for i, r in enumerate(rows):
+            r = r if isinstance(r, dict) else {}
+            cfg = r.get("config") if isinstance(r.get("config"), dict) else {}
+            if _num(r.get("latency_us")) is None or not isinstance(cfg.get("kernels"), dict):
+                out.append(f"topk.json's rows[{i}] needs latency_us and config.kernels")
+                break
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -73,7 +73,12 @@ class DecoderShape:
 
     @classmethod
     def from_dict(cls, d: dict) -> "DecoderShape":
-        return cls(**d)
+        if not isinstance(d, dict):
+            raise ShapeError(f"a shape must be a mapping of batch, seq, d_model, heads, ffn, not {type(d).__name__}")
+        try:
+            return cls(**d)
+        except TypeError as e:  # a key missing or unknown
+            raise ShapeError(f"shape {d}: {str(e).split('() ', 1)[-1]}") from None
 
 
 PRESETS: dict[str, DecoderShape] = {

@@ -43,6 +43,14 @@ class StudyError(ValueError):
 
 
 def make_sampler(name: str, seed: int, space: SearchSpace, pdl: bool, parallel: bool = False):
+    import warnings
+
+    with warnings.catch_warnings():  # the user chose the sampler: Optuna's "experimental" notes are noise here
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return _sampler(name, seed, space, pdl, parallel)
+
+
+def _sampler(name: str, seed: int, space: SearchSpace, pdl: bool, parallel: bool):
     if name == "tpe":
         # constant_liar: with several workers, a running trial counts as a bad result for the others'
         # proposals, so two GPUs do not measure the same region at once.
