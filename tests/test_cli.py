@@ -321,6 +321,7 @@ BAD_DECODER = [
     ("replay-of-another-dtype", ["--dtype", "float32"], ["--dtype float32", "measured with --dtype float16"]),
     ("replay-of-another-l2-policy", ["--l2", "hot"], ["--l2 hot", "measured with --l2 cold"]),
     ("replay-of-shape-file-shapes", ["--shape-file", "{shapes}"], ["--replay serves one recording"]),
+    ("storage-journal-onto-another-file", ["--storage", "journal:{notes}"], ["{notes}", "not an Optuna journal"]),
 ]
 SPACE_TEXT = {"space-bad-yaml": "version: 1\ngemm: [16, 32\nnorm: {}\n"}
 SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5}
@@ -341,7 +342,8 @@ def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
     monkeypatch.setattr(optuna.samplers, "GridSampler", lambda *a, **k: pytest.fail("GridSampler was built"))
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    subst = {"{missing}": str(inputs / "nope"), "{shapes}": str(inputs / "shapes.yaml")}
+    subst = {"{missing}": str(inputs / "nope"), "{shapes}": str(inputs / "shapes.yaml"), "{notes}": str(inputs / "notes")}
+    (inputs / "notes").write_text("a file of the user's\n")
     (inputs / "shapes.yaml").write_text("shapes:\n  - {batch: 1, seq: 32, d_model: 256, heads: 4, ffn: 1024}\n"
                                         "  - {batch: 1, seq: 64, d_model: 256, heads: 4, ffn: 1024}\n")
     if case in SPACE_TEXT or case in SPACE_EDIT:
@@ -357,6 +359,7 @@ def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
                               *[fill(a) for a in argv])
     assert_user_error(rc, stdout, stderr, [fill(w) for w in words])
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
+    assert (inputs / "notes").read_text() == "a file of the user's\n"  # a file named as a journal stays as it was
 
 
 def test_decoder_without_gpu_points_to_replay(tmp_path):

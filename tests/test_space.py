@@ -326,6 +326,18 @@ def test_unreadable_space_file(tmp_path):
     assert str(p) in str(e.value) and "\n" not in str(e.value)
 
 
+def test_shipped_spaces_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # outside the checkout, as after `pip install .`
+    assert {"decoder", "fused-layer", "layer-kernel"} <= set(space.shipped())
+    for name in ("fused-layer", "layer-kernel.yaml"):
+        sp = space.load(name)
+        assert "(shipped)" in sp.source and sp.params()
+    assert space.load("decoder").params() == space.load().params()
+    # a file of the user's of that name, in the working folder, comes first
+    write_space(tmp_path, edited(lambda d: d["gemm"].update(block_m=[64])), "fused-layer.yaml")
+    assert space.load("fused-layer.yaml").params()["qkv.block_m"].choices == (64,)
+
+
 def test_missing_space_file(tmp_path):
     with pytest.raises(SpaceError, match="search space file not found") as e:
         space.load(tmp_path / "nope.yaml")

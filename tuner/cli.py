@@ -530,7 +530,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tuner import __version__
+
     p = _Parser(prog="tune", description=__doc__)
+    p.add_argument("--version", action="version", version=f"pdl-tune {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     s = sub.add_parser("shapes", help="list the shape presets")
@@ -565,7 +568,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dtype", help="float16 (default), bfloat16 or float32; with --replay, the recording's")
     d.add_argument("--l2", choices=["cold", "hot"], help="cold (default) or hot; with --replay, the recording's")
     d.add_argument("--out", default="results")
-    d.add_argument("--search-space", help="a YAML search space (default: the shipped decoder.yaml)")
+    d.add_argument("--search-space", help="a YAML search space file, or a shipped one by name: fused-layer, "
+                                          "layer-kernel (default: the shipped decoder)")
     d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv (no GPU needed)")
     d.add_argument("--workers", type=int, help="study processes on one study, one per GPU (GPUs 0..N-1)")
     d.add_argument("--gpus", help="the GPUs of the workers, e.g. 0,1,2,3 (one worker each)")

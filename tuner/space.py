@@ -217,7 +217,8 @@ def read_yaml(path: str | Path, what: str, error=ValueError):
     """A user's YAML file, or ``error`` with one line naming the file (and the line of a syntax error)."""
     p = Path(path)
     if not p.is_file():
-        raise error(f"{path}: {what} file not found")
+        hint = f" (shipped: {', '.join(shipped())})" if what == "search space" else ""
+        raise error(f"{path}: {what} file not found{hint}")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -231,11 +232,21 @@ def read_yaml(path: str | Path, what: str, error=ValueError):
         raise error(f"{path}: not valid YAML{at} ({str(e).splitlines()[0]})") from None
 
 
+def shipped() -> list[str]:
+    """The search spaces installed with tuner (package data), by name: decoder (the default), fused-layer, ..."""
+    files = importlib.resources.files("tuner.search_spaces").iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
 def load(path: str | Path | None = None) -> SearchSpace:
-    """The shipped default (package data of tuner) or a user's YAML file."""
+    """The shipped default (package data of tuner), a user's YAML file, or a shipped space by name (``fused-layer``
+    or ``fused-layer.yaml``, where no such file is in the working folder)."""
     if path is None:
-        text = importlib.resources.files("tuner.search_spaces").joinpath("decoder.yaml").read_text()
-        return parse(yaml.safe_load(text), "decoder.yaml (default)")
+        path = "decoder"
+    name = str(path).removesuffix(".yaml")
+    if not Path(path).exists() and "/" not in str(path) and name in shipped():
+        text = importlib.resources.files("tuner.search_spaces").joinpath(f"{name}.yaml").read_text()
+        return parse(yaml.safe_load(text), f"{name}.yaml (shipped)" if name != "decoder" else "decoder.yaml (default)")
     return parse(read_yaml(path, "search space", SpaceError), str(path))
 
 

@@ -114,6 +114,18 @@ def _rdb(url: str, heartbeat_interval_s: int, grace_period_s: int):
             time.sleep(0.5 + attempt)
 
 
+def _is_journal(path: Path) -> bool:
+    """An empty file, or one whose first line is an Optuna journal record (a JSON object with an op_code)."""
+    import json
+
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+        return not first.strip() or "op_code" in json.loads(first)
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, grace_period_s: int = GRACE_PERIOD_S):
     """The Optuna storage object for ``url``. A folder missing for a SQLite or journal file is created;
     if the storage then fails to open, whatever was created here is removed again (StorageError)."""
@@ -130,6 +142,8 @@ def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, 
         if url.startswith(JOURNAL_PREFIX):
             if not path or path.is_dir():
                 raise StorageError(f"--storage {redact(url)!r}: journal:PATH needs a file path")
+            if existed and not _is_journal(path):  # Optuna would append its records to someone else's file
+                raise StorageError(f"--storage {redact(url)!r}: {path} exists and is not an Optuna journal file")
             from optuna.storages.journal import JournalFileBackend
 
             return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=FlockLock(str(path))))
