@@ -322,6 +322,11 @@ BAD_DECODER = [
     ("replay-of-another-l2-policy", ["--l2", "hot"], ["--l2 hot", "measured with --l2 cold"]),
     ("replay-of-shape-file-shapes", ["--shape-file", "{shapes}"], ["--replay serves one recording"]),
     ("storage-journal-onto-another-file", ["--storage", "journal:{notes}"], ["{notes}", "not an Optuna journal"]),
+    ("storage-sqlite-without-a-file", ["--storage", "sqlite:///"], ["sqlite:///PATH needs a file"]),
+    ("storage-sqlite-in-memory", ["--storage", "sqlite:///:memory:"], ["sqlite:///PATH needs a file"]),
+    ("seed-negative", ["--seed", "-1"], ["--seed -1"]),
+    ("out-empty", ["--out", ""], ["--out ''"]),
+    ("replay-path-too-long", ["--replay", "{long}"], ["File name too long"]),
 ]
 SPACE_TEXT = {"space-bad-yaml": "version: 1\ngemm: [16, 32\nnorm: {}\n"}
 SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5}
@@ -342,7 +347,8 @@ def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
     monkeypatch.setattr(optuna.samplers, "GridSampler", lambda *a, **k: pytest.fail("GridSampler was built"))
     inputs = tmp_path / "inputs"
     inputs.mkdir()
-    subst = {"{missing}": str(inputs / "nope"), "{shapes}": str(inputs / "shapes.yaml"), "{notes}": str(inputs / "notes")}
+    subst = {"{missing}": str(inputs / "nope"), "{shapes}": str(inputs / "shapes.yaml"),
+             "{notes}": str(inputs / "notes"), "{long}": str(inputs / ("x" * 300))}
     (inputs / "notes").write_text("a file of the user's\n")
     (inputs / "shapes.yaml").write_text("shapes:\n  - {batch: 1, seq: 32, d_model: 256, heads: 4, ffn: 1024}\n"
                                         "  - {batch: 1, seq: 64, d_model: 256, heads: 4, ffn: 1024}\n")
@@ -388,18 +394,26 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     _, run, _, _ = first
     other = Path(shutil.copytree(run, tmp_path / "other-run"))
     files = snapshot(other)
-    for target in (other / "trials.csv", other / "best.json", other):
-        what = "folder" if target.is_dir() else "file"
-        assert_user_error(*tune("export", run, "-o", target), [str(target), f"a {what} of that name exists", "--force"])
+    for target in (other / "trials.csv", other / "best.json"):
+        assert_user_error(*tune("export", run, "-o", target), [str(target), "a file of that name exists", "--force"])
+    for target in (str(other), str(tmp_path / "new-folder") + "/"):  # a folder, or a name that says it is one
+        for force in ((), ("--force",)):
+            assert_user_error(*tune("export", run, "-o", target, *force), [target, "names a folder"])
+    assert not (tmp_path / "new-folder").exists()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # (a device or FIFO is never replaced, --force or not)
+    assert_user_error(*tune("export", run, "-o", fifo, "--force"), [str(fifo), "not a regular file"])
+    assert fifo.is_fifo()
     assert snapshot(other) == files and not list(tmp_path.rglob("*.tmp"))
     target = tmp_path / "best.json"
     assert tune("export", run, "-o", target)[0] == 0
     target.write_text("edited")
     rc, stdout, stderr = tune("export", run, "-o", target, "--force")
     assert rc == 0 and json.loads(target.read_text()) == json.loads((run / "best.json").read_text())
-    # --force onto a folder: the rename fails; one line, and no stray temporary file beside it
-    assert_user_error(*tune("export", run, "-o", other, "--force"), [str(other), "cannot write it"])
     assert snapshot(other) == files and not list(tmp_path.rglob("*.tmp"))
+    # a best.json whose config does not load is refused here as `tune bench --config` would refuse it
+    (other / "best.json").write_text(json.dumps(dict(json.loads((run / "best.json").read_text()), config={})))
+    assert_user_error(*tune("export", other), [str(other), "config schema_version"])
 
 
 @pytest.mark.parametrize("case", ["no-best-json", "schema-99", "invalid-json"])
@@ -492,6 +506,22 @@ BAD_RECORDINGS = {  # what is wrong with a copy of the replay recording -> the w
     "trials-latency-text": (lambda r: pd.read_csv(r / "trials.csv").assign(latency_us="fast").to_csv(
         r / "trials.csv", index=False), ["latency_us", "not numeric"]),
     "breakdown-not-per-kernel": (lambda r: (r / "breakdown.json").write_text('{"best": 5}'), ["breakdown.json"]),
+    "manifest-policy-a-list": (lambda r: _edit_json(r / "manifest.json", _set("policy", [])), ["'policy'"]),
+    "manifest-gpu-name-a-number": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(d, gpu=dict(d["gpu"],
+                                                                                                    name=5))),
+                                   ["gpu.name"]),
+    "manifest-dtype-float8": (lambda r: _edit_json(r / "manifest.json", _set("dtype", "float8")), ["dtype 'float8'"]),
+    "manifest-l2-warm": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(d, policy=dict(d["policy"],
+                                                                                             l2="warm"))),
+                         ["policy.l2 'warm'"]),
+    "manifest-baseline-negative": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(d, baselines=dict(
+        d["baselines"], baseline_us=-5))), ["baseline_us", "positive"]),
+    "trials-latency-nan": (lambda r: pd.read_csv(r / "trials.csv").assign(latency_us=float("nan")).to_csv(
+        r / "trials.csv", index=False), ["trials.csv", "positive, finite latency_us"]),
+    "trials-latency-negative": (lambda r: pd.read_csv(r / "trials.csv").assign(latency_us=-3.0).to_csv(
+        r / "trials.csv", index=False), ["trials.csv", "positive, finite latency_us"]),
+    "trials-parameter-text": (lambda r: pd.read_csv(r / "trials.csv").assign(**{"qkv.block_m": "abc"}).to_csv(
+        r / "trials.csv", index=False), ["trials.csv", "not a number"]),
 }
 
 
@@ -521,6 +551,11 @@ BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune 
     "breakdown-not-per-kernel": (lambda r: (r / "breakdown.json").write_text('{"best": 5}'), ["breakdown.json"]),
     "plots-is-a-file": (lambda r: (shutil.rmtree(r / "plots"), (r / "plots").write_text("x")), ["plots",
                                                                                              "cannot write"]),
+    "row-kernel-is-text": (lambda r: _edit_json(r / "topk.json", lambda d: dict(d, rows=[dict(
+        d["rows"][0], config=dict(d["rows"][0]["config"], kernels=dict(d["rows"][0]["config"]["kernels"],
+                                                                          ffn2="x")))])), ["rows[0]"]),
+    "breakdown-figure-is-text": (lambda r: (r / "breakdown.json").write_text('{"best": {"qkv": "fast"}}'),
+                                 ["breakdown.json"]),
 }
 
 
@@ -556,3 +591,41 @@ def test_out_that_cannot_hold_run_folders(tmp_path):
     for out in (f, f / "results"):
         assert_user_error(*decoder(out, 3, "--storage", storage), [f"--out {out}", "cannot write run folders"])
     assert not (tmp_path / "elsewhere.db").exists()
+
+
+def test_report_draws_a_breakdown_with_a_kernel_on_one_side_only(run_copy):
+    (run_copy / "breakdown.json").write_text('{"best": {"x": 1.5}}')
+    rc, stdout, stderr = tune("report", run_copy)
+    assert rc == 0, stderr
+
+
+def test_a_path_the_system_refuses_is_one_line(tmp_path):
+    long = tmp_path / ("x" * 300)
+    for argv in (("report", long), ("export", long), ("bench", "--config", long, "--out", tmp_path)):
+        rc, stdout, stderr = tune(*argv)
+        assert rc == 2 and "Traceback" not in stderr and stderr.count("\n") == 1, (argv, stderr)
+
+
+def test_bench_and_verify_numbers_and_out_before_the_gpu(tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    assert_user_error(*tune("bench", "--reps", "0", "--out", tmp_path), ["--reps 0"])
+    assert_user_error(*tune("verify", "--trials", "0", "--out", tmp_path), ["--trials 0"])
+    for cmd in ("bench", "verify"):
+        assert_user_error(*tune(cmd, "--out", f / "results"), [f"--out {f / 'results'}", "cannot write"])
+
+
+def test_one_process_continues_the_journal_of_a_workers_run(tmp_path):
+    out = tmp_path / "results"
+    rc, stdout, stderr = decoder(out, 6, "--workers", "2")
+    assert rc == 0, stderr
+    assert (out / "studies.journal").is_file() and not (out / "studies.db").exists()
+    rc, stdout, stderr = decoder(out, 8)  # one process, the same --out: the same study, 2 trials more
+    assert rc == 0, stderr
+    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 8
+    assert not (out / "studies.db").exists()
+    half = Path(shutil.copytree(REPLAY, tmp_path / "half"))
+    pd.read_csv(half / "trials.csv").assign(latency_us=lambda t: t["latency_us"] / 2).to_csv(
+        half / "trials.csv", index=False)
+    rc, stdout, stderr = tune("decoder", "--replay", half, "--trials", 8, "--no-progress", "--out", out)
+    assert rc == 2 and "another replay recording" in stderr, stderr

@@ -105,6 +105,9 @@ def cmd_bench(args) -> int:
     else:
         shapes = _shapes(args.shape, args.shape_file)
     dtype = _dtype(args.dtype)
+    if args.reps <= 0:
+        raise UserError(f"--reps {args.reps}: must be a positive number of repetitions")
+    _check_writable(Path(args.out), "--out", "cannot write its results there")
     if args.config:  # schema and shape first: those mistakes are found without a GPU
         for shape in shapes:
             _bench_config(args.config, shape=shape, gpu="")
@@ -147,6 +150,9 @@ def cmd_verify(args) -> int:
 
     shapes = _shapes(args.shape)
     dtype = _dtype(args.dtype)
+    if args.trials <= 0:
+        raise UserError(f"--trials {args.trials}: must be a positive number of race checks")
+    _check_writable(Path(args.out), "--out", "cannot write its results there")
     _need_gpu("tune verify")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
@@ -211,6 +217,10 @@ def _check_decoder_numbers(args) -> None:
         raise UserError(f"--top-k {args.top_k}: must be positive")
     if args.workers is not None and args.workers <= 0:
         raise UserError(f"--workers {args.workers}: must be at least 1 (one study process per GPU)")
+    if not 0 <= args.seed < 2**32 - 1024:  # (each worker samples with seed + its index; Optuna takes 32 bits)
+        raise UserError(f"--seed {args.seed}: must be in 0..{2**32 - 1025}")
+    if not args.out.strip():
+        raise UserError("--out '': give a folder for the run folders (default results)")
 
 
 def _gpus(args) -> list[str | None]:
@@ -375,7 +385,7 @@ def cmd_decoder(args) -> int:
     return 0
 
 
-def _check_writable(out_root: Path) -> None:
+def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot write run folders there") -> None:
     """The run folders go under ``out_root``: found out now, not after the search (its trials would be kept in the
     storage, but the tables, plots and best.json would be missing). Nothing is left behind: the probe is a temporary
     file in ``out_root`` or, where that does not exist yet, in the folder it would be created in."""
@@ -390,7 +400,7 @@ def _check_writable(out_root: Path) -> None:
         with tempfile.TemporaryFile(dir=here):
             pass
     except OSError as e:
-        raise UserError(f"--out {out_root}: cannot write run folders there ({e.strerror or type(e).__name__})") from None
+        raise UserError(f"{flag} {out_root}: {what} ({e.strerror or type(e).__name__})") from None
 
 
 def _write_summary(runs: list[Path], out_root: Path) -> None:
@@ -502,15 +512,22 @@ def cmd_export(args) -> int:
     from tuner.export import read_best
     from tuner.manifest import write_json_atomic
 
+    from tuner.config import DecoderConfig
+
     run = _run_dir(args.run)
     try:
         best = read_best(run)
+        DecoderConfig.from_dict(best["config"])  # what `tune bench --config` and load_config will read
     except ConfigError as e:
-        raise UserError(str(e)) from None
+        raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
     if args.output:
-        if Path(args.output).exists() and not args.force:
-            kind = "folder" if Path(args.output).is_dir() else "file"
-            raise UserError(f"-o {args.output}: a {kind} of that name exists; give another name, or --force to "
+        out = Path(args.output)
+        if args.output.endswith(("/", os.sep)) or out.is_dir():
+            raise UserError(f"-o {args.output}: names a folder; give a file name")
+        if out.exists() and not out.is_file():  # a device, a FIFO, ...: never replaced, --force or not
+            raise UserError(f"-o {args.output}: exists and is not a regular file")
+        if out.exists() and not args.force:
+            raise UserError(f"-o {args.output}: a file of that name exists; give another name, or --force to "
                             "replace it")
         try:
             write_json_atomic(Path(args.output), best)
@@ -622,6 +639,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tune: interrupted; completed trials are kept in the study storage", file=sys.stderr)
         return 130
+    except OSError as e:  # a path the system refuses (too long, no permission, ...) that no check above caught
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"tune: error: {where}{e.strerror or type(e).__name__}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -243,10 +243,23 @@ class ReplayEvaluator:
         for key in ("shape", "baselines"):
             if not isinstance(m.get(key), dict):
                 raise bad(man.name, f"has no '{key}' mapping")
-        if not isinstance(m["baselines"].get("baseline_us"), (int, float)):
+        if isinstance(m["baselines"].get("baseline_us"), bool) or not isinstance(
+                m["baselines"].get("baseline_us"), (int, float)):
             raise bad(man.name, "has no baselines.baseline_us figure")
         if m.get("gpu") is not None and not isinstance(m["gpu"], dict):
             raise bad(man.name, f"'gpu' must be a mapping, not {type(m['gpu']).__name__}")
+        if not isinstance((m.get("gpu") or {}).get("name", ""), str):
+            raise bad(man.name, "gpu.name must be text")
+        if m.get("policy") is not None and not isinstance(m["policy"], dict):
+            raise bad(man.name, f"'policy' must be a mapping, not {type(m['policy']).__name__}")
+        from tuner.layer import DTYPES
+
+        if m.get("dtype", "float16") not in DTYPES:
+            raise bad(man.name, f"dtype {m.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+        if (m.get("policy") or {}).get("l2", "cold") not in ("cold", "hot"):
+            raise bad(man.name, f"policy.l2 {m['policy']['l2']!r} is not cold or hot")
+        if not 0 < m["baselines"]["baseline_us"] < float("inf"):
+            raise bad(man.name, "baselines.baseline_us must be a positive number of microseconds")
         missing = [c for c in ("status", "latency_us", "spread_us") if c not in df.columns]
         if missing:
             raise bad(csv.name, f"has no {', '.join(missing)} column(s) (is it a run's trials.csv?)")
@@ -255,6 +268,9 @@ class ReplayEvaluator:
         for c in ("latency_us", "spread_us"):
             if not pd.api.types.is_numeric_dtype(df[c]):
                 raise bad(csv.name, f"column {c} is not numeric")
+        ok = df[df["status"] == "ok"]
+        if ok.empty or not ok["latency_us"].between(0, float("inf"), inclusive="neither").all():
+            raise bad(csv.name, "needs trials of status ok, each with a positive, finite latency_us")
         from tuner.space import from_config
 
         # Every parameter a config has today; one the recording predates (e.g. norm*.fuse) stands at its
@@ -265,7 +281,10 @@ class ReplayEvaluator:
             if c not in df.columns:
                 df[c] = defaults[c]
         self.rows = df
-        self.keys = {self._key(r): i for i, r in enumerate(df[self.params].to_dict("records"))}
+        try:
+            self.keys = {self._key(r): i for i, r in enumerate(df[self.params].to_dict("records"))}
+        except (TypeError, ValueError) as e:
+            raise bad(csv.name, f"has a parameter value that is not a number ({e})") from None
         rec_shape = DecoderShape.from_dict(self.manifest["shape"])  # (a ShapeError, a ValueError, names what is wrong)
         self.shape = shape or rec_shape
         if shape is not None and shape.spec != rec_shape.spec:
@@ -283,7 +302,7 @@ class ReplayEvaluator:
         return tuple(float(params.get(k, -1.0)) for k in self.params)
 
     def policy(self) -> dict:
-        return dict(self.manifest.get("policy", {}), replayed_from=self.source)
+        return dict(self.manifest.get("policy") or {}, replayed_from=self.source)
 
     def invalid(self, cfg: DecoderConfig) -> str | None:
         from tuner.layer import check_config

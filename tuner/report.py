@@ -209,8 +209,9 @@ def load_run(run_dir) -> Run:
     optional: list[str] = []
     breakdown = _read_json(path / "breakdown.json", optional) if (path / "breakdown.json").exists() else None
     importance = _read_json(path / "importance.json", optional) if (path / "importance.json").exists() else None
-    if isinstance(breakdown, dict) and any(not isinstance(breakdown.get(k), (dict, type(None)))
-                                           for k in ("best", "baseline")):
+    if isinstance(breakdown, dict) and any(
+            not isinstance(breakdown.get(k), (dict, type(None)))
+            or any(_num(v) is None for v in (breakdown.get(k) or {}).values()) for k in ("best", "baseline")):
         optional.append("breakdown.json's 'best' and 'baseline' must map kernels to figures")
     if optional:  # an optional file that is there but broken is still the user's to know about
         raise RunFolderError(f"{path}: " + "; ".join(optional))
@@ -231,7 +232,9 @@ def _shape_problems(manifest: dict, topk: dict) -> list[str]:
         for i, r in enumerate(rows):
             r = r if isinstance(r, dict) else {}
             cfg = r.get("config") if isinstance(r.get("config"), dict) else {}
-            if _num(r.get("latency_us")) is None or not isinstance(cfg.get("kernels"), dict):
+            kernels = cfg.get("kernels")
+            if (_num(r.get("latency_us")) is None or not isinstance(kernels, dict)
+                    or not all(isinstance(v, dict) for v in kernels.values())):
                 out.append(f"topk.json's rows[{i}] needs latency_us and config.kernels")
                 break
     return out
@@ -590,8 +593,10 @@ def breakdown_data(run: Run) -> pd.DataFrame:
     names += sorted((set(best) | set(base)) - set(KERNELS))
     if not names:
         return pd.DataFrame(columns=["kernel", "best_us", "baseline_us"])
-    df = pd.DataFrame({"kernel": names, "best_us": [_num(best.get(k)) for k in names],
-                       "baseline_us": [_num(base.get(k)) for k in names]})
+    def figures(d):  # NaN where a kernel has no figure on that side (a bar not drawn)
+        return pd.Series([_num(d.get(k)) for k in names], dtype=float)
+
+    df = pd.DataFrame({"kernel": names, "best_us": figures(best), "baseline_us": figures(base)})
     total = pd.DataFrame({"kernel": ["sum"], "best_us": [df["best_us"].sum(min_count=1)],
                           "baseline_us": [df["baseline_us"].sum(min_count=1)]})
     return pd.concat([df, total], ignore_index=True)

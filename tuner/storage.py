@@ -41,10 +41,12 @@ class StorageError(ValueError):
 
 
 def default_url(out_root: Path, workers: int = 1) -> str:
-    """SQLite for one study process; a journal file when several processes write (SQLite locks them out)."""
-    if workers > 1:
-        return f"{JOURNAL_PREFIX}{(out_root / 'studies.journal').as_posix()}"
-    return f"sqlite:///{(out_root / 'studies.db').as_posix()}"
+    """SQLite for one study process; a journal file when several processes write (SQLite locks them out), and for
+    one process where an earlier --workers run left one and no SQLite file is there (its studies continue)."""
+    journal, db = out_root / "studies.journal", out_root / "studies.db"
+    if workers > 1 or (journal.is_file() and not db.exists()):
+        return f"{JOURNAL_PREFIX}{journal.as_posix()}"
+    return f"sqlite:///{db.as_posix()}"
 
 
 def redact(url: str) -> str:
@@ -133,6 +135,9 @@ def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, 
         raise StorageError(f"--storage {redact(url)!r}: expected a URL like sqlite:///results/studies.db, "
                            "postgresql://user@host/db, or journal:PATH for a journal file")
     path = _local_path(url)
+    if url.startswith("sqlite:") and (path is None or str(path) in (":memory:", "")):
+        raise StorageError(f"--storage {redact(url)!r}: sqlite:///PATH needs a file (an in-memory database keeps "
+                           "nothing, and several processes cannot share it)")
     existed = path.exists() if path is not None else True
     try:
         created_dirs = _make_parents(path) if path is not None else []
