@@ -301,8 +301,9 @@ def test_bare_off_key_of_a_range(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("version: 1\n1: x\nzzz: y\n", ["unknown key(s) ['1', 'zzz']"]),
+    ("version: true\n", ["version True is not supported"]),
     ("{low: 0, high: 1, 1: 2, 2.5: 3}", ["ratios.overlap", "'1'", "'2.5'"]),
-], ids=["mixed-top-level-keys", "mixed-range-keys"])
+], ids=["mixed-top-level-keys", "version-true", "mixed-range-keys"])
 def test_keys_of_mixed_types_are_named(tmp_path, text, words):
     if text.startswith("{"):  # a range of the overlap ratio in the default space
         text = yaml.safe_dump(edited(lambda d: d["ratios"].update(overlap="RANGE")), sort_keys=False).replace(

@@ -149,7 +149,7 @@ def parse(data, source: str = "<space>") -> SearchSpace:
     unknown = set(data) - known
     if unknown:
         raise SpaceError(f"{source}: unknown key(s) {_names(unknown)}; expected {sorted(known)}")
-    if data.get("version", 1) != 1:
+    if data.get("version", 1) != 1 or isinstance(data.get("version"), bool):  # (true == 1 in Python)
         raise SpaceError(f"{source}: version {data.get('version')!r} is not supported (expected 1)")
     ratios = data.get("ratios") or {}
     if not isinstance(ratios, dict) or set(ratios) - {"overlap", "prefetch"}:
