@@ -629,3 +629,10 @@ def test_one_process_continues_the_journal_of_a_workers_run(tmp_path):
         half / "trials.csv", index=False)
     rc, stdout, stderr = tune("decoder", "--replay", half, "--trials", 8, "--no-progress", "--out", out)
     assert rc == 2 and "another replay recording" in stderr, stderr
+
+
+def test_unknown_arguments_are_named_by_their_subcommand():
+    rc, stdout, stderr = tune("decoder", "--bogus", "1")
+    assert rc == 2 and stderr == "tune decoder: error: unrecognized arguments: --bogus 1 (see tune decoder --help)\n"
+    rc, stdout, stderr = tune("decoder", "--timeout", "abc")
+    assert rc == 2 and stderr.count("\n") == 1 and "--timeout" in stderr and "tune decoder --help" in stderr

@@ -617,6 +617,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--trials", type=int, default=20)
     v.add_argument("--out", default="results")
     v.set_defaults(func=cmd_verify)
+    p.commands = sub.choices  # (main names a subcommand's unknown arguments by its own parser)
     return p
 
 
@@ -624,7 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # named by the subcommand's parser, whose --help lists what it takes
+            parser.commands[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # argparse already printed its one-line error (_Parser), or --help
         return int(e.code or 0)
     args.argv = argv
