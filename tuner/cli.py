@@ -385,10 +385,16 @@ def cmd_decoder(args) -> int:
     return 0
 
 
+def _why(e: OSError) -> str:
+    """An OSError in a few words: the system's (No space left on device), else its kind."""
+    return e.strerror or type(e).__name__
+
+
 def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot write run folders there") -> None:
     """The run folders go under ``out_root``: found out now, not after the search (its trials would be kept in the
     storage, but the tables, plots and best.json would be missing). Nothing is left behind: the probe is a temporary
     file in ``out_root`` or, where that does not exist yet, in the folder it would be created in."""
+    import errno
     import tempfile
 
     here = out_root.absolute()
@@ -396,11 +402,11 @@ def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot wri
         here = here.parent
     try:
         if not here.is_dir():
-            raise NotADirectoryError(20, "not a folder", str(here))
+            raise NotADirectoryError(errno.ENOTDIR, "not a folder", str(here))
         with tempfile.TemporaryFile(dir=here):
             pass
     except OSError as e:
-        raise UserError(f"{flag} {out_root}: {what} ({e.strerror or type(e).__name__})") from None
+        raise UserError(f"{flag} {out_root}: {what} ({_why(e)})") from None
 
 
 def _write_summary(runs: list[Path], out_root: Path) -> None:
@@ -451,7 +457,7 @@ def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
     except (StudyError, ValueError, FileNotFoundError) as e:
         raise UserError(str(e).splitlines()[0]) from None
     except OSError as e:  # e.g. the disk filled up while the run folder was written
-        raise RunError(f"{e.filename or out_root}: {e.strerror or type(e).__name__}; the study's trials are kept in "
+        raise RunError(f"{e.filename or out_root}: {_why(e)}; the study's trials are kept in "
                        f"{redact(url)}: run the same command again to write the run folder") from None
     except WorkerError as e:
         raise RunError(str(e)) from None
@@ -498,7 +504,7 @@ def cmd_report(args) -> int:
         raise UserError(str(e)) from None
     except OSError as e:  # a read-only folder, a plots file where the folder goes, ...
         where = e.filename or run
-        raise UserError(f"{where}: cannot write the reports there ({e.strerror or type(e).__name__})") from None
+        raise UserError(f"{where}: cannot write the reports there ({_why(e)})") from None
     print((run / "topk.md").read_text())
     for w in written:
         print(f"written {w}")
@@ -508,11 +514,9 @@ def cmd_report(args) -> int:
 def cmd_export(args) -> int:
     import json
 
-    from tuner.config import ConfigError
+    from tuner.config import ConfigError, DecoderConfig
     from tuner.export import read_best
     from tuner.manifest import write_json_atomic
-
-    from tuner.config import DecoderConfig
 
     run = _run_dir(args.run)
     try:
@@ -530,9 +534,9 @@ def cmd_export(args) -> int:
             raise UserError(f"-o {args.output}: a file of that name exists; give another name, or --force to "
                             "replace it")
         try:
-            write_json_atomic(Path(args.output), best)
+            write_json_atomic(out, best)
         except OSError as e:
-            raise UserError(f"-o {args.output}: cannot write it ({e.strerror or type(e).__name__})") from None
+            raise UserError(f"-o {args.output}: cannot write it ({_why(e)})") from None
         print(f"written {args.output}")
     else:
         print(json.dumps(best, indent=2))
@@ -644,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as e:  # a path the system refuses (too long, no permission, ...) that no check above caught
         where = f"{e.filename}: " if e.filename else ""
-        print(f"tune: error: {where}{e.strerror or type(e).__name__}", file=sys.stderr)
+        print(f"tune: error: {where}{_why(e)}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -205,9 +205,10 @@ class ReplayEvaluator:
 
     def __init__(self, path: str | Path, shape: DecoderShape | None = None):
         import hashlib
-        import json
 
         import pandas as pd
+
+        from tuner.manifest import read_json
 
         p = Path(path)
         folder = p if p.is_dir() else p.parent
@@ -220,15 +221,13 @@ class ReplayEvaluator:
         def bad(what: str, why: str) -> ValueError:
             return ValueError(f"replay recording {path}: {what} {why}")
 
-        def read_json(f: Path):
+        def read(f: Path):
             try:
-                return json.loads(f.read_text())
-            except (OSError, UnicodeDecodeError) as e:
-                raise bad(f.name, f"cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
-            except json.JSONDecodeError as e:
-                raise bad(f.name, f"is not valid JSON ({e.msg} at line {e.lineno})") from None
+                return read_json(f)
+            except ValueError as e:
+                raise bad(f"{f.name}:", str(e)) from None
 
-        self.manifest = read_json(man)
+        self.manifest = read(man)
         try:
             raw = man.read_bytes() + csv.read_bytes()
             df = pd.read_csv(csv)
@@ -290,7 +289,7 @@ class ReplayEvaluator:
         if shape is not None and shape.spec != rec_shape.spec:
             raise ValueError(f"replay recording {path} is for shape {rec_shape.spec}, not {shape.spec}")
         bpath = folder / "breakdown.json"
-        self._breakdown = read_json(bpath) if bpath.is_file() else None
+        self._breakdown = read(bpath) if bpath.is_file() else None
         if self._breakdown is not None and not (isinstance(self._breakdown, dict) and all(
                 isinstance(v, dict) for k, v in self._breakdown.items() if k in ("best", "baseline"))):
             raise bad(bpath.name, "must map 'best' and 'baseline' to per-kernel figures")

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 
 from tuner.config import ConfigError, DecoderConfig
+from tuner.manifest import read_json
 from tuner.shapes import DecoderShape
 
 BEST_SCHEMA_VERSION = 1
@@ -23,11 +23,9 @@ def read_best(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"{path}: no best.json found")
     try:
-        d = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{p}: cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        d = read_json(p)
+    except ValueError as e:
+        raise ConfigError(f"{p}: {e}") from None
     if not isinstance(d, dict) or d.get("schema_version") != BEST_SCHEMA_VERSION:
         v = d.get("schema_version") if isinstance(d, dict) else None
         raise ConfigError(f"{p}: best.json schema_version {v!r} is not supported (expected {BEST_SCHEMA_VERSION})")

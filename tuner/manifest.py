@@ -12,6 +12,17 @@ from pathlib import Path
 MANIFEST_SCHEMA_VERSION = 1
 
 
+def read_json(path: Path):
+    """A JSON file's content, or ValueError with one line of why (the caller names the file): unreadable, not UTF-8,
+    or not valid JSON."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
 def git_revision() -> str:
     rev = os.environ.get("PDL_TUNE_GIT_REV")
     if rev:
@@ -61,18 +72,12 @@ def make(command: list[str] | None = None, **extra) -> dict:
 
 def write_json_atomic(path: Path, obj) -> None:
     """Write to a temporary name and rename: a killed process never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_with(path, json.dumps(obj, indent=2, default=str) + "\n")
+    write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _replace_with(path, text)
-
-
-def _replace_with(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text)

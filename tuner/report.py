@@ -203,7 +203,7 @@ def load_run(run_dir) -> Run:
     if topk is not None and not isinstance(topk, dict):
         problems.append("topk.json is not a JSON object")
     if not problems:
-        problems += _shape_problems(manifest, topk)
+        problems += _content_problems(manifest, topk)
     if problems:
         raise RunFolderError(f"{path}: " + "; ".join(problems))
     optional: list[str] = []
@@ -221,7 +221,7 @@ def load_run(run_dir) -> Run:
                importance=importance if isinstance(importance, dict) and importance else None)
 
 
-def _shape_problems(manifest: dict, topk: dict) -> list[str]:
+def _content_problems(manifest: dict, topk: dict) -> list[str]:
     """What of a run folder's JSON the tables and plots read but could not (the files' own words)."""
     out = [f"manifest.json's '{k}' is not a mapping" for k in ("shape", "gpu", "baselines", "policy")
            if manifest.get(k) is not None and not isinstance(manifest[k], dict)]
