@@ -71,6 +71,20 @@ def smem_bytes(c: AttnConfig, head_dim: int, dtype_bytes: int) -> int:
     return c.num_stages * c.block_n * bd * 2 * dtype_bytes + c.block_m * bd * dtype_bytes
 
 
+def field_error(c: AttnConfig) -> str | None:
+    """Why a field of ``c`` is invalid whatever the problem and the GPU (the search space refuses such a choice when
+    it is read); None when each field alone can run. The first rules of :func:`check`."""
+    for name in ("block_m", "block_n"):
+        v = getattr(c, name)
+        if not pow2(v) or v < 16:
+            return f"{name}={v} must be a power of two >= 16 (tl.dot)"
+    if c.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
+    if c.num_stages < 1 or c.num_stages > 8:
+        return f"num_stages={c.num_stages} must be in 1..8"
+    return None
+
+
 def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = None) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None when it is valid.
 
@@ -81,14 +95,9 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
         v = getattr(p, name)
         if v < 1:
             return f"problem {name}={v} must be >= 1"
-    for name in ("block_m", "block_n"):
-        v = getattr(c, name)
-        if not pow2(v) or v < 16:
-            return f"{name}={v} must be a power of two >= 16 (tl.dot)"
-    if c.num_warps not in (1, 2, 4, 8, 16):
-        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
-    if c.num_stages < 1 or c.num_stages > 8:
-        return f"num_stages={c.num_stages} must be in 1..8"
+    why = field_error(c)
+    if why:
+        return why
     if not HEAD_DIM_MIN <= p.head_dim <= HEAD_DIM_MAX:
         return (f"head_dim={p.head_dim} is not supported: it must be in {HEAD_DIM_MIN}..{HEAD_DIM_MAX} "
                 f"(padded to a power of two inside the kernel)")

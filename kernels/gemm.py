@@ -128,12 +128,9 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
     return max(loop, partial)
 
 
-def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
-    """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None when it is valid.
-
-    The one validity rule: the search space, the evaluator and the tests all call this.
-    """
-    c, p = config, problem
+def field_error(c: GemmConfig) -> str | None:
+    """Why a field of ``c`` is invalid whatever the problem and the GPU (the search space refuses such a choice when
+    it is read); None when each field alone can run. The first rules of :func:`check`."""
     for name in ("block_m", "block_n", "block_k"):
         v = getattr(c, name)
         if not pow2(v) or v < 16:
@@ -144,14 +141,32 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"num_stages={c.num_stages} must be in 1..8"
     if c.group_m < 1:
         return f"group_m={c.group_m} must be >= 1"
+    if c.split_k < 1:
+        return f"split_k={c.split_k} must be >= 1"
+    if c.tma not in (0, 1):
+        return f"tma={c.tma} must be 0 or 1"
+    if c.fuse not in (0, 1, 2):
+        return f"fuse={c.fuse} must be 0, 1 or 2"
+    if c.hints not in (0, 1):
+        return f"hints={c.hints} must be 0 or 1"
+    return None
+
+
+def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> str | None:
+    """Why ``config`` cannot (or should not) run ``problem`` on ``device``; None when it is valid.
+
+    The one validity rule: the search space, the evaluator and the tests all call this.
+    """
+    c, p = config, problem
+    why = field_error(c)
+    if why:
+        return why
     # A tile much larger than the problem is the same program as a smaller one doing masked work.
     for name, dim in (("block_m", p.m), ("block_n", p.n), ("block_k", p.k)):
         cap = tile_cap(dim)
         if getattr(c, name) > cap:
             return f"{name}={getattr(c, name)} exceeds the problem ({dim} -> {cap})"
     k_tiles = triton.cdiv(p.k, c.block_k)
-    if c.split_k < 1:
-        return f"split_k={c.split_k} must be >= 1"
     if c.split_k > k_tiles:
         return f"split_k={c.split_k} exceeds the {k_tiles} K tiles of K={p.k} at block_k={c.block_k}"
     if empty_split(k_tiles, c.split_k):
@@ -161,12 +176,6 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"accumulator needs {acc_regs} registers per thread (block_m*block_n/(32*num_warps) > 256)"
     if c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         return f"tile {c.block_m}x{c.block_n} is too small for num_warps={c.num_warps}"
-    if c.tma not in (0, 1):
-        return f"tma={c.tma} must be 0 or 1"
-    if c.fuse not in (0, 1, 2):
-        return f"fuse={c.fuse} must be 0, 1 or 2"
-    if c.hints not in (0, 1):
-        return f"hints={c.hints} must be 0 or 1"
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)

@@ -52,6 +52,16 @@ class NormProblem:
 
 
 
+def field_error(c: NormConfig) -> str | None:
+    """Why a field of ``c`` is invalid whatever the problem (the search space refuses such a choice when it is
+    read); None when each field alone can run. The first rules of :func:`check`."""
+    if not pow2(c.rows_per_program) or c.rows_per_program > MAX_ROWS_PER_PROGRAM:
+        return f"rows_per_program={c.rows_per_program} must be a power of two in 1..{MAX_ROWS_PER_PROGRAM}"
+    if c.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
+    return None
+
+
 def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = None) -> str | None:
     """Why ``config`` cannot (or should not) run ``problem``; None when it is valid.
 
@@ -59,10 +69,9 @@ def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = 
     """
     c, p = config, problem
     rpp = c.rows_per_program
-    if not pow2(rpp) or rpp > MAX_ROWS_PER_PROGRAM:
-        return f"rows_per_program={rpp} must be a power of two in 1..{MAX_ROWS_PER_PROGRAM}"
-    if c.num_warps not in (1, 2, 4, 8, 16):
-        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
+    why = field_error(c)
+    if why:
+        return why
     if p.cols < 1 or p.cols > MAX_COLS:
         return f"cols={p.cols} must be in 1..{MAX_COLS} (the whole row is held in registers)"
     # More rows per program than the problem has is the same program with masked-off iterations.

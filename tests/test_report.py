@@ -143,7 +143,13 @@ def test_load_run_names_missing_files(run_dir, missing):
 
 def test_load_run_names_unreadable_file(run_dir):
     (run_dir / "topk.json").write_text("{not json")
-    with pytest.raises(RunFolderError, match=r"topk\.json is unreadable"):
+    with pytest.raises(RunFolderError, match=r"topk\.json: not valid JSON \(.* at line 1\)"):
+        report.load_run(run_dir)
+
+
+def test_load_run_names_unreadable_table(run_dir):
+    (run_dir / "trials.csv").write_bytes(b"")
+    with pytest.raises(RunFolderError, match=r"trials\.csv: cannot be read as a table of trials \("):
         report.load_run(run_dir)
 
 

@@ -9,7 +9,6 @@ and a formatter or renderer that turns it into Markdown or a PNG.
 from __future__ import annotations
 
 import io
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tuner.manifest import write_text_atomic
+from tuner.manifest import read_json, write_text_atomic
 
 # The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
 # (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
@@ -141,9 +140,9 @@ def _read_json(path: Path, problems: list[str]):
         problems.append(f"{path.name} is missing")
         return None
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        problems.append(f"{path.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        return read_json(path)
+    except ValueError as e:
+        problems.append(f"{path.name}: {e}")
         return None
 
 
@@ -160,7 +159,8 @@ def _read_trials(path: Path, problems: list[str]) -> pd.DataFrame | None:
     try:
         df = pd.read_csv(path)
     except (OSError, ValueError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
-        problems.append(f"{path.name} is unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        problems.append(f"{path.name}: cannot be read as a table of trials ({why})")
         return None
     missing = [c for c in ("number", "status") if c not in df.columns]
     if missing:

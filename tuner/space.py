@@ -4,7 +4,7 @@ that turns a trial's parameters into a DecoderConfig. No torch, no CUDA: tested 
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import astuple, dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from pathlib import Path
 
 import yaml
@@ -204,13 +204,35 @@ def parse(data, source: str = "<space>") -> SearchSpace:
             if "fuse" in ov and any(v not in (0, 1) for v in ov["fuse"]):
                 raise SpaceError(f"{source}: kernels.{k}.fuse: expected a list of 0 and 1, got {ov['fuse']!r}")
             raw["fuse"] = [v for v in raw["fuse"] if v in (0, 1)] or [0]
-        # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
-        dims[k] = {f: _dim(f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
-                                             else f"ratios.{f.removesuffix('_ratio')}"),
-                           v, f in RATIOS, SWITCH_VALUES.get((fam, f), SWITCH_VALUES.get(fam, (0, 1)))
-                           if f in SWITCHES else None, f in ZERO_OK)
-                   for f, v in raw.items()}
+        dims[k] = {}
+        for f, v in raw.items():
+            # Errors name the key as the YAML spells it: kernels.qkv.block_m, gemm.block_m, ratios.overlap.
+            where = f"{source}: " + (f"kernels.{k}.{f}" if f in ov else f"{fam}.{f}" if f not in RATIOS
+                                     else f"ratios.{f.removesuffix('_ratio')}")
+            dims[k][f] = _dim(where, v, f in RATIOS, SWITCH_VALUES.get((fam, f), SWITCH_VALUES.get(fam, (0, 1)))
+                              if f in SWITCHES else None, f in ZERO_OK)
+            _check_choices(where, k, f, dims[k][f])
     return SearchSpace(source, dims)
+
+
+def _field_rules() -> dict:
+    """Each family's rules for one field alone (the kernels' ``field_error``; the one-kernel layer has none here:
+    its fields' rules depend on which of its two kernels runs)."""
+    from tuner.kernels import attention, gemm, norm
+
+    return {"gemm": gemm.field_error, "norm": norm.field_error, "attn": attention.field_error}
+
+
+def _check_choices(where: str, kernel: str, field: str, dim: Dim) -> None:
+    """Refuse a tile choice that no problem and no GPU can run (``num_warps: [3]``, ``block_m: [48]``): every trial
+    that drew it would be invalid."""
+    rule = _field_rules().get(FAMILY[kernel])
+    if rule is None or dim.choices is None or field in RATIOS or field in SWITCHES:
+        return
+    for v in dim.choices:
+        why = rule(replace(KIND[kernel](), **{field: v}))
+        if why:
+            raise SpaceError(f"{where}: choice {v} can never run ({why})")
 
 
 def read_yaml(path: str | Path, what: str, error=ValueError):
