@@ -85,4 +85,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     main()

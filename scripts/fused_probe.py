@@ -71,4 +71,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     main()

@@ -153,4 +153,7 @@ def show_trace(shape, name, cfg, diag, weights, n, dev):
               f"{row(L.TR_EPI)[:36]}")
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     main()

@@ -4,9 +4,11 @@
 
 import torch
 
+from tuner.device import require_gpu
 from tuner.kernels._common import rel_error
 from tuner.kernels.gemm import GemmConfig, fold_layernorm, linear, linear_ref
 
+require_gpu(__file__)
 torch.manual_seed(0)
 M, K, N = 128, 768, 2304
 x = torch.randn(M, K, device="cuda").half() + 0.3

@@ -7,7 +7,12 @@ PDL_TUNE_NVCC_LINEINFO=1 for the package's CUDA kernels.)
 """
 import csv
 import sys
-rows = list(csv.reader(open(sys.argv[1])))
+if len(sys.argv) < 2:
+    sys.exit("usage: python3 scripts/ncu_top.py SRC.csv [N] (ncu's source page as CSV: see this file's docstring)")
+try:
+    rows = list(csv.reader(open(sys.argv[1])))
+except (OSError, UnicodeDecodeError) as e:
+    sys.exit(f"ncu_top.py: cannot read {sys.argv[1]} ({getattr(e, 'strerror', None) or type(e).__name__})")
 hdr = None; path = None; recs = []
 for r in rows:
     if not r: continue

@@ -107,4 +107,7 @@ def gemm_main() -> None:
 if __name__ == "__main__":
     import sys
 
+    from tuner.device import require_gpu
+
+    require_gpu(__file__, dry_run_ok=sys.argv[1:] == ["gemm"])
     gemm_main() if sys.argv[1:] == ["gemm"] else main()

@@ -144,4 +144,7 @@ def table(title, replay, n, reps, err):
     print(f"| sum | | | {total:.2f} |")
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     main()

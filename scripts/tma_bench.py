@@ -141,5 +141,8 @@ def multicast():
 
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     main()
     multicast()

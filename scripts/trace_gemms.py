@@ -163,4 +163,7 @@ def trace(shape, name, hot=False):
 
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     main()

@@ -63,6 +63,9 @@ def icache():
 
 
 if __name__ == "__main__":
+    from tuner.device import require_gpu
+
+    require_gpu(__file__)
     icache()
     tma()
     main()

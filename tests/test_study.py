@@ -116,7 +116,7 @@ def _no_grid(*args, **kwargs):
 
 
 def test_grid_refuses_a_space_too_large_to_enumerate(monkeypatch):
-    """Optuna's GridSampler lists every combination up front: the default space (about 1e31 of them)
+    """Optuna's GridSampler lists every combination up front: the default space (about 1e47 of them)
     must be refused at once, not exhaust the memory (the stub keeps a regression from doing that here)."""
     monkeypatch.setattr(optuna.samplers, "GridSampler", _no_grid)
     with pytest.raises(StudyError, match=r"--sampler grid: the search space has .* points"):

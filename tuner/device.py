@@ -64,3 +64,21 @@ def current() -> DeviceInfo:
     import torch
 
     return DeviceInfo.from_torch() if torch.cuda.is_available() else DeviceInfo.interpreter()
+
+
+def require_gpu(script: str, dry_run_ok: bool = False) -> None:
+    """A diagnostics script's first step (scripts/*.py): where no CUDA GPU is visible, one line on stderr and exit
+    status 2, not a traceback from inside torch. ``dry_run_ok``: the script has a CPU dry run under
+    TRITON_INTERPRET=1."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available() or (dry_run_ok and os.environ.get("TRITON_INTERPRET") == "1"):
+        return
+    dry = " (or TRITON_INTERPRET=1 for its CPU dry run)" if dry_run_ok else ""
+    print(f"{Path(script).name}: needs a CUDA GPU and none is visible{dry}; it is a diagnostic for the GPU machine "
+          "(README.md, Performance notes)", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,43 @@
+"""The diagnostics scripts (scripts/*.py) on a machine without a GPU: one line naming the script and what it needs,
+exit status 2, no traceback (tuner.device.require_gpu). CUDA_VISIBLE_DEVICES="" hides a GPU where there is one."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+# ncu_top.py reads a CSV of ncu's output and needs no GPU (its usage line is tested below).
+GPU_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "ncu_top.py")
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=SCRIPTS.parent)
+
+
+@pytest.mark.parametrize("name", GPU_SCRIPTS)
+def test_gpu_script_without_a_gpu_says_so_in_one_line(name):
+    r = run(str(SCRIPTS / name), "bert-base")
+    assert r.returncode == 2, (r.stdout[-1000:], r.stderr[-2000:])
+    assert r.stderr.strip() == (f"{name}: needs a CUDA GPU and none is visible; it is a diagnostic for the GPU "
+                                "machine (README.md, Performance notes)"), r.stderr
+    assert r.stdout == ""
+
+
+def test_smem_check_gemm_names_its_cpu_dry_run():
+    r = run(str(SCRIPTS / "smem_check.py"), "gemm")
+    assert r.returncode == 2 and "(or TRITON_INTERPRET=1 for its CPU dry run)" in r.stderr, r.stderr
+
+
+def test_ncu_top_without_arguments_prints_its_usage():
+    r = run(str(SCRIPTS / "ncu_top.py"))
+    assert r.returncode != 0 and r.stderr.startswith("usage: python3 scripts/ncu_top.py SRC.csv"), r.stderr
+    r = run(str(SCRIPTS / "ncu_top.py"), "no-such-file.csv")
+    assert r.returncode != 0 and r.stderr.strip() == "ncu_top.py: cannot read no-such-file.csv (No such file or directory)"
