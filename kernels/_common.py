@@ -42,6 +42,21 @@ def pow2(v: int) -> bool:
     return v > 0 and (v & (v - 1)) == 0
 
 
+def launch_field_error(c, tiles: tuple[str, ...] = (), stages: bool = True) -> str | None:
+    """The rules a Triton launch's fields obey alone, whatever the problem: the ``tiles`` (``tl.dot`` operands) powers
+    of two >= 16, ``num_warps`` a power of two up to 16 and, with ``stages``, ``num_stages`` in 1..8. The first part of
+    each family's ``field_error``."""
+    for name in tiles:
+        v = getattr(c, name)
+        if not pow2(v) or v < 16:
+            return f"{name}={v} must be a power of two >= 16 (tl.dot)"
+    if c.num_warps not in (1, 2, 4, 8, 16):
+        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
+    if stages and not 1 <= c.num_stages <= 8:
+        return f"num_stages={c.num_stages} must be in 1..8"
+    return None
+
+
 def tile_cap(dim: int) -> int:
     """The largest useful tl.dot tile along a dimension: its next power of two, at least 16. A larger
     tile is the same program as this one doing masked work."""

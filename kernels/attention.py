@@ -29,8 +29,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, launch_mode, pdl_trigger, pdl_wait, pow2, ratio_error, smem_limit,
-                      tile_cap)
+from ._common import (KnobConfig, effective_config, launch_field_error, launch_mode, pdl_trigger, pdl_wait, ratio_error,
+                      smem_limit, tile_cap)
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
 _LOG2E = 1.4426950408889634
@@ -74,15 +74,7 @@ def smem_bytes(c: AttnConfig, head_dim: int, dtype_bytes: int) -> int:
 def field_error(c: AttnConfig) -> str | None:
     """Why a field of ``c`` is invalid whatever the problem and the GPU (the search space refuses such a choice when
     it is read); None when each field alone can run. The first rules of :func:`check`."""
-    for name in ("block_m", "block_n"):
-        v = getattr(c, name)
-        if not pow2(v) or v < 16:
-            return f"{name}={v} must be a power of two >= 16 (tl.dot)"
-    if c.num_warps not in (1, 2, 4, 8, 16):
-        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
-    if c.num_stages < 1 or c.num_stages > 8:
-        return f"num_stages={c.num_stages} must be in 1..8"
-    return None
+    return launch_field_error(c, ("block_m", "block_n"))
 
 
 def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = None) -> str | None:

@@ -27,9 +27,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from tuner.device import DeviceInfo
 
 from . import cluster_gemm
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting, launch_mode,
-                      pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper, prefetch_count, prefetch_l2,
-                      ratio_error, smem_limit, stamp, tile_cap, trigger_index)
+from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting,
+                      launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper,
+                      prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -131,14 +131,9 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
 def field_error(c: GemmConfig) -> str | None:
     """Why a field of ``c`` is invalid whatever the problem and the GPU (the search space refuses such a choice when
     it is read); None when each field alone can run. The first rules of :func:`check`."""
-    for name in ("block_m", "block_n", "block_k"):
-        v = getattr(c, name)
-        if not pow2(v) or v < 16:
-            return f"{name}={v} must be a power of two >= 16 (tl.dot)"
-    if c.num_warps not in (1, 2, 4, 8, 16):
-        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
-    if c.num_stages < 1 or c.num_stages > 8:
-        return f"num_stages={c.num_stages} must be in 1..8"
+    why = launch_field_error(c, ("block_m", "block_n", "block_k"))
+    if why:
+        return why
     if c.group_m < 1:
         return f"group_m={c.group_m} must be >= 1"
     if c.split_k < 1:

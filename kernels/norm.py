@@ -25,8 +25,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, pdl_trigger, pdl_wait, pow2, prefetch_count, prefetch_l2,
-                      ratio_error, trigger_index)
+from ._common import (KnobConfig, effective_config, launch_field_error, pdl_trigger, pdl_wait, pow2, prefetch_count,
+                      prefetch_l2, ratio_error, trigger_index)
 
 MAX_COLS = 65536  # the whole row lives in registers
 MAX_ROWS_PER_PROGRAM = 64
@@ -57,9 +57,7 @@ def field_error(c: NormConfig) -> str | None:
     read); None when each field alone can run. The first rules of :func:`check`."""
     if not pow2(c.rows_per_program) or c.rows_per_program > MAX_ROWS_PER_PROGRAM:
         return f"rows_per_program={c.rows_per_program} must be a power of two in 1..{MAX_ROWS_PER_PROGRAM}"
-    if c.num_warps not in (1, 2, 4, 8, 16):
-        return f"num_warps={c.num_warps} must be one of 1, 2, 4, 8, 16"
-    return None
+    return launch_field_error(c, stages=False)
 
 
 def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = None) -> str | None:

@@ -59,8 +59,8 @@ def test_installed_tune_runs_outside_the_checkout(installed):
     _, target, tmp = installed
     env = {**os.environ, "PYTHONPATH": str(target)}
     probe = subprocess.run(
-        [sys.executable, "-c", "import tuner, tuner.kernels.gemm as g, importlib.resources as r; from tuner import space;"
-         "print(tuner.__file__); print(g.__file__); print(','.join(space.shipped()));"
+        [sys.executable, "-c", "import tuner, tuner.kernels.gemm as g, importlib.resources as r;"
+         "from tuner import space; print(tuner.__file__); print(g.__file__); print(','.join(space.shipped()));"
          "print(r.files('tuner.kernels').joinpath('cluster_gemm.cu').is_file())"],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-2000:]

@@ -40,4 +40,5 @@ def test_ncu_top_without_arguments_prints_its_usage():
     r = run(str(SCRIPTS / "ncu_top.py"))
     assert r.returncode != 0 and r.stderr.startswith("usage: python3 scripts/ncu_top.py SRC.csv"), r.stderr
     r = run(str(SCRIPTS / "ncu_top.py"), "no-such-file.csv")
-    assert r.returncode != 0 and r.stderr.strip() == "ncu_top.py: cannot read no-such-file.csv (No such file or directory)"
+    assert r.returncode != 0
+    assert r.stderr.strip() == "ncu_top.py: cannot read no-such-file.csv (No such file or directory)"

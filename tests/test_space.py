@@ -260,7 +260,8 @@ BAD_SPACES = [
     ("kernels-not-a-mapping", _set("kernels", value=["qkv"]), ["'kernels'"]),
     ("version-2", _set("version", value=2), ["version 2"]),
     # choices no problem and no GPU can run: each kernel's field_error, the first rules of its check()
-    ("warps-3", _set("gemm", "num_warps", value=[4, 3]), ["gemm.num_warps:", "choice 3 can never run", "1, 2, 4, 8, 16"]),
+    ("warps-3", _set("gemm", "num_warps", value=[4, 3]),
+     ["gemm.num_warps:", "choice 3 can never run", "1, 2, 4, 8, 16"]),
     ("tile-48", _set("gemm", "block_m", value=[64, 48]), ["gemm.block_m:", "choice 48", "power of two >= 16"]),
     ("gemm-stages-9", _set("gemm", "num_stages", value=[9]), ["gemm.num_stages:", "choice 9", "1..8"]),
     ("norm-rows-3", _set("norm", "rows_per_program", value=[1, 3]), ["norm.rows_per_program:", "choice 3"]),
