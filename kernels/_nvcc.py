@@ -25,6 +25,16 @@ HEADER = HERE / "hopper.cuh"
 # mufu=0). A kernel module's library cache keys on it.
 MUFU_MATH = True
 
+# The thread-block clusters' scheduling policy preference of every clustered launch (hopper.cuh's
+# launch_z_clusters: cudaLaunchAttributeClusterSchedulingPolicyPreference; 0 default, 1 spread, 2 load balancing);
+# None sets no attribute (the production build). An A/B switch: scripts/timeline.py's cluster_policy=N.
+CLUSTER_POLICY: int | None = None
+
+
+def build_key() -> tuple:
+    """What every kernel module's library cache keys on besides its own defines: the module-wide switches above."""
+    return (MUFU_MATH, CLUSTER_POLICY)
+
 # The diagnostics define of every CUDA kernel (qkv_attn.cu's QA_DIAG, cluster_gemm.cu's CG_DIAG, mlp_cluster.cu's
 # MLP_DIAG): bit 0 the trace's %globaltimer stamps, bit 1 those stamps in SM cycles (qkv_attn only), bit 2 the
 # test-only racy variant. Each value is a library of its own, so that the production build (0) carries none of their
@@ -54,6 +64,8 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     """The shared library of ``source`` built for sm_90a with ``-Dname=value`` for each define (cached)."""
     if not MUFU_MATH:
         defines = {**defines, "HOPPER_IEEE_MATH": 1}
+    if CLUSTER_POLICY is not None:
+        defines = {**defines, "HOPPER_CLUSTER_POLICY": CLUSTER_POLICY}
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")

@@ -87,7 +87,7 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
     """The library of one variant (``diag``: CG_DIAG, _nvcc.diag's bits; ``even``: the tiles divide M and N and the
     output rows are 16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not
     been built for it on this machine (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.MUFU_MATH, hints, diag, even)
+    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,

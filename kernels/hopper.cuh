@@ -550,13 +550,18 @@ int launch_z_clusters(K kernel, const P& params, dim3 grid, int threads, int sme
   cfg.blockDim = dim3(threads, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attrs[2];
+  cudaLaunchAttribute attrs[3];
   int n = 0;
   attrs[n].id = cudaLaunchAttributeClusterDimension;
   attrs[n].val.clusterDim.x = 1;
   attrs[n].val.clusterDim.y = 1;
   attrs[n].val.clusterDim.z = grid.z;
   ++n;
+#ifdef HOPPER_CLUSTER_POLICY  // (an A/B build only: _nvcc.CLUSTER_POLICY)
+  attrs[n].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
+  attrs[n].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(HOPPER_CLUSTER_POLICY);
+  ++n;
+#endif
   if (pdl) add_pdl(attrs, n);
   cfg.attrs = attrs;
   cfg.numAttrs = n;

@@ -111,7 +111,7 @@ WGMMA_N = 64
 
 
 def library(bf16: int) -> ctypes.CDLL:
-    key = (bf16, WGMMA_N, _nvcc.MUFU_MATH)
+    key = (bf16, WGMMA_N, _nvcc.build_key())
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"LK_BF16": bf16, "LK_WGMMA_N": WGMMA_N}, "layer_kernel")

@@ -85,7 +85,7 @@ def stats_parts(d: int, f: int, fs: int = 128) -> int:
 
 def library(bf16: int, sc: int, epi: int, bt: int, d: int, fs: int = 128, hints: int = 0,
             diag: int = 0) -> ctypes.CDLL:
-    key = (bf16, sc, epi, bt, d, fs, _nvcc.MUFU_MATH, hints, diag)
+    key = (bf16, sc, epi, bt, d, fs, _nvcc.build_key(), hints, diag)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"MLP_BF16": bf16, "MLP_SC": sc, "MLP_EPI": epi, "MLP_BT": bt, "MLP_D": d, "MLP_FS": fs,

@@ -112,7 +112,7 @@ _LIBS: dict[tuple[int, ...], ctypes.CDLL] = {}
 def library(bf16: int, epi: int, rt: int, kc: int, hints: int = 0, push: int = PUSH, diag: int = 0) -> ctypes.CDLL:
     """The library of one variant (dtype, epilogue, row tiles a sequence, K tiles a box, L2 hints, K/V hand-over mode,
     diagnostics: QA_DIAG, _nvcc.diag's bits), built on first use (cached)."""
-    key = (bf16, epi, rt, kc, _nvcc.MUFU_MATH, hints, push, diag)
+    key = (bf16, epi, rt, kc, _nvcc.build_key(), hints, push, diag)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"QA_BF16": bf16, "QA_EPI": epi, "QA_RT": rt, "QA_KC": kc,

@@ -4,7 +4,8 @@ usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [--layers=N] [VAR
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, BASE:kernel.field=value,..., or compile / eager
 (the torch.compile and eager baselines' kernels on the same weights)
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
-desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu.
+desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu, cluster_policy=N (0 default, 1 spread,
+2 load balancing: the clustered launches' scheduling policy preference).
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer (of two layers, the
 second), median over layers and replays, in us: the start relative to the previous kernel's end (negative:
@@ -51,7 +52,7 @@ def _switches():
             "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
             "cg_even": (cluster_gemm, "EVEN_BUILDS"),
             "qa_chunk": (qkv_attn, "CHUNK"), "qa_push": (qkv_attn, "PUSH"),
-            "mufu": (_nvcc, "MUFU_MATH")}
+            "mufu": (_nvcc, "MUFU_MATH"), "cluster_policy": (_nvcc, "CLUSTER_POLICY")}
 
 
 _DEFAULTS = {}
@@ -68,7 +69,8 @@ def apply_switches(name: str) -> str:
     if "@" in name:
         for e in name.split("@", 1)[1].split(","):
             key, v = e.split("=")
-            setattr(*switches[key], int(v) if key in ("cg_early", "qa_chunk", "qa_push") else bool(int(v)))
+            ints = ("cg_early", "qa_chunk", "qa_push", "cluster_policy")
+            setattr(*switches[key], int(v) if key in ints else bool(int(v)))
     return name.split("@", 1)[0]
 
 
