@@ -65,3 +65,17 @@ def test_traced_builds_write_the_slots_python_allocates(cycles, tmp_path, monkey
         monkeypatch.setattr(mlp_cluster, "_LIBS", {})
         assert cluster_gemm.library(0, 4, 45, 64, 64, 0, trace, 1).cluster_gemm_trace_slots() == cluster_gemm.TRACE_SLOTS
         assert mlp_cluster.library(0, 8, 104, 32, 256, diag=trace).mlp_trace_slots() == mlp_cluster.TRACE_SLOTS
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to compile the kernels to PTX")
+def test_cluster_policy_switch_changes_host_code_only(tmp_path, monkeypatch):
+    # _nvcc.CLUSTER_POLICY (timeline.py's cluster_policy=N, an A/B of the clusters' scheduling policy preference): a
+    # library of its own, which the launchers' caches tell apart, with the same device code as the production build
+    source, _, defines = KERNELS["cluster_gemm"]
+    assert _ptx(source, defines, tmp_path) == _ptx(source, {**defines, "HOPPER_CLUSTER_POLICY": 2}, tmp_path)
+    monkeypatch.setattr(_nvcc, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cluster_gemm, "_LIBS", {})
+    prod = cluster_gemm.library(0, 4, 0)
+    monkeypatch.setattr(_nvcc, "CLUSTER_POLICY", 2)
+    policy = cluster_gemm.library(0, 4, 0)
+    assert policy is not prod and policy._name != prod._name and policy._name.endswith("-2.so")
