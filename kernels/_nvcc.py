@@ -30,10 +30,18 @@ MUFU_MATH = True
 # None sets no attribute (the production build). An A/B switch: scripts/timeline.py's cluster_policy=N.
 CLUSTER_POLICY: int | None = None
 
+# The memory synchronization domain of every clustered launch (cudaLaunchAttributeMemSyncDomain: 0 default, 1 remote;
+# the Triton kernels stay in the default domain); None sets no attribute (the production build). An A/B switch only
+# (scripts/timeline.py's sync_domain=N): whether a kernel's end waits on its early-launched successor's traffic.
+MEM_SYNC_DOMAIN: int | None = None
+
+
+AB_TAGS = {"HOPPER_CLUSTER_POLICY": "cp", "HOPPER_MEM_SYNC_DOMAIN": "sd"}
+
 
 def build_key() -> tuple:
     """What every kernel module's library cache keys on besides its own defines: the module-wide switches above."""
-    return (MUFU_MATH, CLUSTER_POLICY)
+    return (MUFU_MATH, CLUSTER_POLICY, MEM_SYNC_DOMAIN)
 
 # The diagnostics define of every CUDA kernel (qkv_attn.cu's QA_DIAG, cluster_gemm.cu's CG_DIAG, mlp_cluster.cu's
 # MLP_DIAG): bit 0 the trace's %globaltimer stamps, bit 1 those stamps in SM cycles (qkv_attn only), bit 2 the
@@ -66,6 +74,8 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
         defines = {**defines, "HOPPER_IEEE_MATH": 1}
     if CLUSTER_POLICY is not None:
         defines = {**defines, "HOPPER_CLUSTER_POLICY": CLUSTER_POLICY}
+    if MEM_SYNC_DOMAIN is not None:
+        defines = {**defines, "HOPPER_MEM_SYNC_DOMAIN": MEM_SYNC_DOMAIN}
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")
@@ -73,7 +83,8 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     extra = ["-lineinfo"] if os.environ.get("PDL_TUNE_NVCC_LINEINFO") == "1" else []
     tag = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + compiler.encode()
                          + " ".join(extra).encode()).hexdigest()[:16]
-    variant = "-".join(str(v) for v in defines.values())
+    # (the A/B defines by name: two of them set to the same value must not share a file)
+    variant = "-".join(AB_TAGS.get(k, "") + str(v) for k, v in defines.items())
     out = cache_dir() / f"{source.stem}-{tag}-{variant}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

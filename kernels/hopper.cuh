@@ -550,7 +550,7 @@ int launch_z_clusters(K kernel, const P& params, dim3 grid, int threads, int sme
   cfg.blockDim = dim3(threads, 1, 1);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = static_cast<cudaStream_t>(stream);
-  cudaLaunchAttribute attrs[3];
+  cudaLaunchAttribute attrs[4];
   int n = 0;
   attrs[n].id = cudaLaunchAttributeClusterDimension;
   attrs[n].val.clusterDim.x = 1;
@@ -560,6 +560,11 @@ int launch_z_clusters(K kernel, const P& params, dim3 grid, int threads, int sme
 #ifdef HOPPER_CLUSTER_POLICY  // (an A/B build only: _nvcc.CLUSTER_POLICY)
   attrs[n].id = cudaLaunchAttributeClusterSchedulingPolicyPreference;
   attrs[n].val.clusterSchedulingPolicyPreference = static_cast<cudaClusterSchedulingPolicy>(HOPPER_CLUSTER_POLICY);
+  ++n;
+#endif
+#ifdef HOPPER_MEM_SYNC_DOMAIN  // (an A/B build only: _nvcc.MEM_SYNC_DOMAIN)
+  attrs[n].id = cudaLaunchAttributeMemSyncDomain;
+  attrs[n].val.memSyncDomain = static_cast<cudaLaunchMemSyncDomain>(HOPPER_MEM_SYNC_DOMAIN);
   ++n;
 #endif
   if (pdl) add_pdl(attrs, n);

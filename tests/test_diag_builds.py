@@ -68,14 +68,20 @@ def test_traced_builds_write_the_slots_python_allocates(cycles, tmp_path, monkey
 
 
 @pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to compile the kernels to PTX")
-def test_cluster_policy_switch_changes_host_code_only(tmp_path, monkeypatch):
-    # _nvcc.CLUSTER_POLICY (timeline.py's cluster_policy=N, an A/B of the clusters' scheduling policy preference): a
-    # library of its own, which the launchers' caches tell apart, with the same device code as the production build
+def test_launch_attribute_switches_change_host_code_only(tmp_path, monkeypatch):
+    # _nvcc.CLUSTER_POLICY and MEM_SYNC_DOMAIN (timeline.py's cluster_policy=N and sync_domain=N, A/B of the clustered
+    # launches' attributes): libraries of their own, which the launchers' caches tell apart, with the same device code
+    # as the production build
     source, _, defines = KERNELS["cluster_gemm"]
-    assert _ptx(source, defines, tmp_path) == _ptx(source, {**defines, "HOPPER_CLUSTER_POLICY": 2}, tmp_path)
+    prod_ptx = _ptx(source, defines, tmp_path)
+    assert prod_ptx == _ptx(source, {**defines, "HOPPER_CLUSTER_POLICY": 2, "HOPPER_MEM_SYNC_DOMAIN": 1}, tmp_path)
     monkeypatch.setattr(_nvcc, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(cluster_gemm, "_LIBS", {})
     prod = cluster_gemm.library(0, 4, 0)
-    monkeypatch.setattr(_nvcc, "CLUSTER_POLICY", 2)
+    monkeypatch.setattr(_nvcc, "CLUSTER_POLICY", 1)
     policy = cluster_gemm.library(0, 4, 0)
-    assert policy is not prod and policy._name != prod._name and policy._name.endswith("-2.so")
+    assert policy is not prod and policy._name != prod._name and policy._name.endswith("-cp1.so")
+    monkeypatch.setattr(_nvcc, "CLUSTER_POLICY", None)
+    monkeypatch.setattr(_nvcc, "MEM_SYNC_DOMAIN", 1)  # (the same value under another define: another file)
+    domain = cluster_gemm.library(0, 4, 0)
+    assert domain._name.endswith("-sd1.so") and len({prod._name, policy._name, domain._name}) == 3
