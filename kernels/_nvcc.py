@@ -34,14 +34,14 @@ CLUSTER_POLICY: int | None = None
 # the Triton kernels stay in the default domain); None sets no attribute (the production build). An A/B switch only
 # (scripts/timeline.py's sync_domain=N): whether a kernel's end waits on its early-launched successor's traffic.
 MEM_SYNC_DOMAIN: int | None = None
-
-
+# The two switches' defines, tagged in a build's file name (one value under either define is another build).
 AB_TAGS = {"HOPPER_CLUSTER_POLICY": "cp", "HOPPER_MEM_SYNC_DOMAIN": "sd"}
 
 
 def build_key() -> tuple:
     """What every kernel module's library cache keys on besides its own defines: the module-wide switches above."""
     return (MUFU_MATH, CLUSTER_POLICY, MEM_SYNC_DOMAIN)
+
 
 # The diagnostics define of every CUDA kernel (qkv_attn.cu's QA_DIAG, cluster_gemm.cu's CG_DIAG, mlp_cluster.cu's
 # MLP_DIAG): bit 0 the trace's %globaltimer stamps, bit 1 those stamps in SM cycles (qkv_attn only), bit 2 the
