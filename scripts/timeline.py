@@ -147,6 +147,7 @@ def table(title, replay, n, reps, err):
         print(f"| {v[0][0][:40]} | {med([x[1] for x in v]):.2f} | {med([x[2] for x in v]):.2f} | {adds:.2f} |")
     print(f"| sum | | | {total:.2f} |")
 
+
 if __name__ == "__main__":
     from tuner.device import require_gpu
 

@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+from tuner.manifest import why as _why
+
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 DEFAULT_TRIALS = 120
@@ -345,8 +347,7 @@ def _decoder_inputs(args):
     # Read the recording now: a wrong one is the user's mistake, reported before anything is written.
     rec = _check_replay(args, shapes[0] if args.shape or args.shape_file else None)
     # A replay serves what was measured: its dtype and L2 policy, which the tables and best.json then name.
-    measured = {"--dtype": rec.manifest.get("dtype") or "float16",
-                "--l2": (rec.manifest.get("policy") or {}).get("l2") or "cold"}
+    measured = {"--dtype": rec.dtype_name, "--l2": rec.l2}
     for flag, given in (("--dtype", args.dtype), ("--l2", args.l2)):
         if given is not None and given != measured[flag]:
             raise UserError(f"{flag} {given}: --replay {args.replay} was measured with {flag} {measured[flag]}, and a "
@@ -383,11 +384,6 @@ def cmd_decoder(args) -> int:
         print("tune: some workers failed (their trials are kept): " + "; ".join(problems), file=sys.stderr)
         return EXIT_FAILED
     return 0
-
-
-def _why(e: OSError) -> str:
-    """An OSError in a few words: the system's (No space left on device), else its kind."""
-    return e.strerror or type(e).__name__
 
 
 def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot write run folders there") -> None:

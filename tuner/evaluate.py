@@ -208,7 +208,7 @@ class ReplayEvaluator:
 
         import pandas as pd
 
-        from tuner.manifest import read_json
+        from tuner.manifest import read_json, read_table
 
         p = Path(path)
         folder = p if p.is_dir() else p.parent
@@ -229,13 +229,11 @@ class ReplayEvaluator:
 
         self.manifest = read(man)
         try:
-            raw = man.read_bytes() + csv.read_bytes()
-            df = pd.read_csv(csv)
-        except (OSError, UnicodeDecodeError, ValueError) as e:  # (pandas' parser and empty-file errors are ValueErrors)
-            why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-            raise bad(csv.name, f"cannot be read as a table of trials ({why})") from None
+            df = read_table(csv)
+        except ValueError as e:
+            raise bad(csv.name, str(e)) from None
         # what was recorded, not where: a study's identity (another recording must not join its study)
-        self.fingerprint = hashlib.sha1(raw).hexdigest()[:12]
+        self.fingerprint = hashlib.sha1(man.read_bytes() + csv.read_bytes()).hexdigest()[:12]
         m = self.manifest
         if not isinstance(m, dict):
             raise bad(man.name, f"must be a mapping, not {type(m).__name__}")
@@ -253,10 +251,12 @@ class ReplayEvaluator:
             raise bad(man.name, f"'policy' must be a mapping, not {type(m['policy']).__name__}")
         from tuner.layer import DTYPES
 
-        if m.get("dtype", "float16") not in DTYPES:
-            raise bad(man.name, f"dtype {m.get('dtype')!r} is not one of {', '.join(DTYPES)}")
-        if (m.get("policy") or {}).get("l2", "cold") not in ("cold", "hot"):
-            raise bad(man.name, f"policy.l2 {m['policy']['l2']!r} is not cold or hot")
+        # what was measured, which a replay serves (tune decoder takes them for its --dtype and --l2)
+        self.dtype_name, self.l2 = m.get("dtype", "float16"), (m.get("policy") or {}).get("l2", "cold")
+        if self.dtype_name not in DTYPES:
+            raise bad(man.name, f"dtype {self.dtype_name!r} is not one of {', '.join(DTYPES)}")
+        if self.l2 not in ("cold", "hot"):
+            raise bad(man.name, f"policy.l2 {self.l2!r} is not cold or hot")
         if not 0 < m["baselines"]["baseline_us"] < float("inf"):
             raise bad(man.name, "baselines.baseline_us must be a positive number of microseconds")
         missing = [c for c in ("status", "latency_us", "spread_us") if c not in df.columns]

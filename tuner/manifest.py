@@ -12,15 +12,32 @@ from pathlib import Path
 MANIFEST_SCHEMA_VERSION = 1
 
 
+def why(e: Exception) -> str:
+    """A file's read or write error in a few words: the system's (No space left on device), else its kind
+    (UnicodeDecodeError)."""
+    return getattr(e, "strerror", None) or type(e).__name__
+
+
 def read_json(path: Path):
     """A JSON file's content, or ValueError with one line of why (the caller names the file): unreadable, not UTF-8,
     or not valid JSON."""
     try:
         return json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot be read ({getattr(e, 'strerror', None) or type(e).__name__})") from None
+        raise ValueError(f"cannot be read ({why(e)})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_table(path: Path):
+    """A run's trials.csv as a pandas DataFrame, or ValueError with one line of why (the caller names the file)."""
+    import pandas as pd
+
+    try:
+        return pd.read_csv(path)
+    except (OSError, ValueError) as e:  # (pandas' parser and empty-file errors and UnicodeDecodeError are ValueErrors)
+        detail = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot be read as a table of trials ({detail})") from None
 
 
 def git_revision() -> str:

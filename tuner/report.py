@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tuner.manifest import read_json, write_text_atomic
+from tuner.manifest import read_json, read_table, write_text_atomic
 
 # The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
 # (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
@@ -157,10 +157,9 @@ def _read_trials(path: Path, problems: list[str]) -> pd.DataFrame | None:
         problems.append(f"{path.name} is missing")
         return None
     try:
-        df = pd.read_csv(path)
-    except (OSError, ValueError) as e:  # pandas' EmptyDataError and ParserError are ValueErrors
-        why = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
-        problems.append(f"{path.name}: cannot be read as a table of trials ({why})")
+        df = read_table(path)
+    except ValueError as e:
+        problems.append(f"{path.name}: {e}")
         return None
     missing = [c for c in ("number", "status") if c not in df.columns]
     if missing:

@@ -10,7 +10,9 @@ from pathlib import Path
 import yaml
 
 from tuner.config import CONFIGS, KIND
+from tuner.kernels import attention, gemm, norm
 from tuner.kernels.fused_layer import FusedLayerConfig
+from tuner.manifest import why
 
 FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out": "gemm", "ffn1": "gemm",
           "ffn2": "gemm", "layer": "layer"}
@@ -22,6 +24,9 @@ TILE_FIELDS = {
     # The one-kernel layer (tuner.kernels.fused_layer); fuse: 1 replaces the seven kernels above.
     "layer": tuple(f.name for f in fields(FusedLayerConfig) if not f.name.endswith("_ratio")),
 }
+# Each family's rules for one field alone, whatever the shape (the kernels' ``field_error``, the first rules of their
+# check()); the one-kernel layer has none here: its fields' rules depend on which of its two kernels runs.
+FIELD_RULES = {"gemm": gemm.field_error, "norm": norm.field_error, "attn": attention.field_error}
 # Families a version-1 file may leave out or leave partly out: missing fields take the config's default.
 OPTIONAL = {"layer": FusedLayerConfig()}
 # Fields whose choices may include 0 (FusedLayerConfig.programs: 0 = one program per SM).
@@ -215,24 +220,16 @@ def parse(data, source: str = "<space>") -> SearchSpace:
     return SearchSpace(source, dims)
 
 
-def _field_rules() -> dict:
-    """Each family's rules for one field alone (the kernels' ``field_error``; the one-kernel layer has none here:
-    its fields' rules depend on which of its two kernels runs)."""
-    from tuner.kernels import attention, gemm, norm
-
-    return {"gemm": gemm.field_error, "norm": norm.field_error, "attn": attention.field_error}
-
-
 def _check_choices(where: str, kernel: str, field: str, dim: Dim) -> None:
     """Refuse a tile choice that no problem and no GPU can run (``num_warps: [3]``, ``block_m: [48]``): every trial
     that drew it would be invalid."""
-    rule = _field_rules().get(FAMILY[kernel])
+    rule = FIELD_RULES.get(FAMILY[kernel])
     if rule is None or dim.choices is None or field in RATIOS or field in SWITCHES:
         return
     for v in dim.choices:
-        why = rule(replace(KIND[kernel](), **{field: v}))
-        if why:
-            raise SpaceError(f"{where}: choice {v} can never run ({why})")
+        error = rule(replace(KIND[kernel](), **{field: v}))
+        if error:
+            raise SpaceError(f"{where}: choice {v} can never run ({error})")
 
 
 def read_yaml(path: str | Path, what: str, error=ValueError):
@@ -244,8 +241,7 @@ def read_yaml(path: str | Path, what: str, error=ValueError):
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
-        why = getattr(e, "strerror", None) or type(e).__name__
-        raise error(f"{path}: cannot read the {what} file ({why})") from None
+        raise error(f"{path}: cannot read the {what} file ({why(e)})") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
