@@ -111,6 +111,24 @@ def test_decoder_replay_writes_the_run_folder(first):
     assert (out / "studies.db").is_file()
 
 
+def test_replay_reads_its_recording_once(tmp_path, monkeypatch):
+    """In this process (a replay's default) the evaluator the command line was checked with serves the study."""
+    from tuner import evaluate
+
+    built = []
+    real = evaluate.ReplayEvaluator.__init__
+
+    def counting(self, *a, **k):
+        built.append(a)
+        real(self, *a, **k)
+
+    monkeypatch.setattr(evaluate.ReplayEvaluator, "__init__", counting)
+    rc, stdout, stderr = decoder(tmp_path, 2)
+    assert rc == 0, stderr
+    assert len(built) == 1, built
+    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 2
+
+
 def test_manifest_says_replayed(first):
     _, run, _, _ = first
     m = json.loads((run / "manifest.json").read_text())

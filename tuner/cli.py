@@ -275,6 +275,8 @@ def _make_evaluator(args, shape, gpu: str | None):
     if _isolated(args):
         env = {"CUDA_VISIBLE_DEVICES": gpu} if gpu is not None else None
         return IsolatedEvaluator(spec, trial_timeout_s=args.trial_timeout, env=env)
+    if spec.kind == "replay" and getattr(args, "checked_replay", None) is not None:
+        return args.checked_replay  # read once, when the command line was checked (_decoder_inputs)
     if gpu is not None:
         import torch
 
@@ -345,7 +347,7 @@ def _decoder_inputs(args):
     if not Path(args.replay).exists():
         raise UserError(f"--replay {args.replay}: no such file or folder")
     # Read the recording now: a wrong one is the user's mistake, reported before anything is written.
-    rec = _check_replay(args, shapes[0] if args.shape or args.shape_file else None)
+    rec = args.checked_replay = _check_replay(args, shapes[0] if args.shape or args.shape_file else None)
     # A replay serves what was measured: its dtype and L2 policy, which the tables and best.json then name.
     measured = {"--dtype": rec.dtype_name, "--l2": rec.l2}
     for flag, given in (("--dtype", args.dtype), ("--l2", args.l2)):

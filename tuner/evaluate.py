@@ -205,10 +205,11 @@ class ReplayEvaluator:
 
     def __init__(self, path: str | Path, shape: DecoderShape | None = None):
         import hashlib
+        import io
 
         import pandas as pd
 
-        from tuner.manifest import read_json, read_table
+        from tuner.manifest import read_json, read_table, why
 
         p = Path(path)
         folder = p if p.is_dir() else p.parent
@@ -229,11 +230,14 @@ class ReplayEvaluator:
 
         self.manifest = read(man)
         try:
-            df = read_table(csv)
+            table = csv.read_bytes()  # read once: parsed here, hashed below
+            df = read_table(io.BytesIO(table))
+        except OSError as e:
+            raise bad(csv.name, f"cannot be read as a table of trials ({why(e)})") from None
         except ValueError as e:
             raise bad(csv.name, str(e)) from None
         # what was recorded, not where: a study's identity (another recording must not join its study)
-        self.fingerprint = hashlib.sha1(man.read_bytes() + csv.read_bytes()).hexdigest()[:12]
+        self.fingerprint = hashlib.sha1(man.read_bytes() + table).hexdigest()[:12]
         m = self.manifest
         if not isinstance(m, dict):
             raise bad(man.name, f"must be a mapping, not {type(m).__name__}")

@@ -29,8 +29,8 @@ def read_json(path: Path):
         raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def read_table(path: Path):
-    """A run's trials.csv as a pandas DataFrame, or ValueError with one line of why (the caller names the file)."""
+def read_table(path):
+    """A run's trials.csv (a path, or its bytes in a buffer) as a pandas DataFrame, or ValueError with one line of why (the caller names the file)."""
     import pandas as pd
 
     try:
