@@ -21,7 +21,7 @@ import torch
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
-SPLITS = (2, 4)  # CTAs a cluster (the K splits of one tile)
+SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
 # A traced launch's int64 stamps a program: entry, wait returned, K loop done, end (scripts/trace_gemms.py).
 TRACE_SLOTS = 4
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
@@ -62,6 +62,16 @@ def smem_bytes(stages: int, bm: int = 64, bn: int = 64) -> int:
     """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): 1 KB for the swizzle
     alignment, the stages, the slabs pushed by the other CTAs (one partial tile), mbarriers."""
     return 1024 + stages * stage_bytes(bm, bn) + part_bytes(bm, bn) + 16 * stages + 8
+
+
+def split_error(split: int, bn: int = 64) -> str | None:
+    """Why the kernel cannot split a tile of ``bn`` columns ``split`` ways: a CTA reduces and stores bm / split rows,
+    2 x split threads a row, each at least 8 columns (one 16-byte store): bn >= 16 x split."""
+    if split not in SPLITS:
+        return f"needs split_k in {SPLITS}, not {split}"
+    if bn < 16 * split:
+        return f"split_k={split} needs tiles of {16 * split} columns or more, not {bn}"
+    return None
 
 
 def stages_error(stages: int, bm: int = 64, bn: int = 64) -> str | None:

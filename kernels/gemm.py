@@ -210,6 +210,9 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
             or c.block_k < 64 or not c.tma):
         return (f"{name} needs 64- or 128-row and -column tiles (or block_m >= M below 64), 4 warps a 64 rows, "
                 "block_k >= 64 and tma=1")
+    why = cluster_gemm.split_error(c.split_k, bn)
+    if why:
+        return f"{name} {why}"
     if p.dtype_bytes != 2:
         return f"{name} needs 16-bit operands"
     st = cluster_stages(c)

@@ -18,8 +18,11 @@ CL = GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, t
 
 @pytest.mark.parametrize("cfg, problem, needle", [
     (replace(CL, cluster=3), GemmProblem(128, 256, 768), "cluster=3 must be 0"),
-    (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
-    (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4)"),
+    (replace(CL, split_k=3), GemmProblem(128, 256, 768), "needs split_k in (2, 4, 8)"),
+    (replace(CL, split_k=1), GemmProblem(128, 256, 768), "needs split_k in (2, 4, 8)"),
+    # 8 splits: a CTA stores bm / 8 rows, 16 threads a row, 8 columns or more each
+    (replace(CL, split_k=8), GemmProblem(128, 256, 4096), "split_k=8 needs tiles of 128 columns or more, not 64"),
+    (replace(CL, block_m=128, num_warps=8, split_k=8), GemmProblem(128, 256, 4096), "needs tiles of 128 columns"),
     (replace(CL, block_n=32), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
     (replace(CL, tma=0), GemmProblem(128, 256, 768), "needs 64- or 128-row"),
     (CL, GemmProblem(128, 256, 768, 4), "16-bit operands"),
@@ -33,6 +36,12 @@ def test_check_rejects_cluster(cfg, problem, needle):
 def test_check_accepts_16_bit_exchange():
     assert check(replace(CL, cluster=2), GemmProblem(128, 256, 768), H200) is None
     assert check(replace(CL, cluster=2, split_k=2), GemmProblem(128, 256, 768), H200) is None
+
+
+@pytest.mark.parametrize("bm, warps, stages", [(64, 4, 3), (128, 8, 4)])
+def test_check_accepts_eight_splits_of_128_column_tiles(bm, warps, stages):
+    cfg = replace(CL, block_m=bm, block_n=128, num_warps=warps, num_stages=stages, split_k=8, cluster=2)
+    assert check(cfg, GemmProblem(128, 1024, 4096), H200) is None
 
 
 def test_check_cluster_few_rows():
@@ -124,6 +133,7 @@ def test_cluster_linear_odd_shapes(dtype, split, stages, knobs, epilogue):
 @pytest.mark.parametrize("tile, split, epilogue", [
     ((64, 64), 4, "plain"), ((64, 64), 4, "bias-gelu-res-stats"), ((64, 64), 2, "layernorm"),
     ((128, 128), 2, "bias-gelu-res-stats"), ((64, 128), 4, "layernorm"), ((128, 64), 2, "plain"),
+    ((128, 128), 8, "bias-gelu-res-stats"), ((64, 128), 8, "layernorm"), ((128, 128), 8, "plain"),
 ], ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 def test_cluster_linear_16_bit_exchange(dtype, tile, split, epilogue):
     # cluster=2: the partials pushed through distributed shared memory in the operands' 16-bit type. The error stays
@@ -166,11 +176,13 @@ def _row_sums(x: torch.Tensor, parts: int) -> torch.Tensor:
 
 
 @gpu
-@pytest.mark.parametrize("tile", [(64, 128), (128, 64), (128, 128)], ids=lambda t: f"{t[0]}x{t[1]}")
-@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("tile, split", [((64, 128), 2), ((64, 128), 4), ((64, 128), 8), ((128, 64), 2), ((128, 64), 4),
+                                         ((128, 128), 2), ((128, 128), 4), ((128, 128), 8)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
 @pytest.mark.parametrize("epilogue", ["plain", "bias-gelu-res-stats", "layernorm"])
 def test_cluster_linear_tiles(tile, split, epilogue):
-    # The wider tiles (128 columns: wgmma m64n128) and the taller ones (two consumer warpgroups).
+    # The wider tiles (128 columns: wgmma m64n128) and the taller ones (two consumer warpgroups); 8 splits (clusters
+    # of 8, 8 or 16 rows a CTA reduces) on the 128-column tiles only.
     _check_odd_tile(torch.float16, tile, split, epilogue, cluster=1, seed=split * 100 + sum(tile))
 
 
@@ -249,6 +261,7 @@ def test_cluster_pdl_chain_in_a_graph():
     cfgs = [replace(CL, block_k=bk, num_stages=s, split_k=sk, overlap_ratio=0.0, prefetch_ratio=1.0)
             for bk, s, sk in ((64, 4, 4), (128, 2, 2), (64, 2, 4))]
     cfgs[1] = replace(cfgs[1], cluster=2)  # (one of the three exchanges its partials in 16 bits)
+    cfgs[2] = replace(cfgs[2], block_n=128, split_k=8)  # (and one splits 8 ways)
     ref = x.float()
     for w in ws:
         ref = ref @ w.float().T
@@ -272,8 +285,11 @@ def test_cluster_pdl_chain_in_a_graph():
 @gpu
 @pytest.mark.parametrize("d, n, tiles", [(768, 768, dict(block_k=64, num_stages=4)),
                                          # bert-large's FFN2 seed: 8 stages of 16 KB weight tiles before the wait
-                                         (4096, 1024, dict(block_n=128, block_k=128, num_stages=4, cluster=2))],
-                         ids=["64x64", "64x128-long-k"])
+                                         (4096, 1024, dict(block_n=128, block_k=128, num_stages=4, cluster=2)),
+                                         # the same in 128x128 tiles split 8 (64 CTAs in clusters of 8)
+                                         (4096, 1024, dict(block_m=128, block_n=128, num_warps=8, block_k=64,
+                                                           num_stages=4, split_k=8, cluster=2))],
+                         ids=["64x64", "64x128-long-k", "128x128-split-8"])
 def test_cluster_racy_read_is_caught(d, n, tiles):
     # The test-only defect (the early stages' activation tiles loaded before griddepcontrol.wait) behind a slow PDL
     # predecessor that writes x and lets its successor launch at once, replayed in a CUDA graph with x poisoned

@@ -134,10 +134,14 @@ ONE_WAVE_CTAS = 96
 
 
 def _cluster_split(c: GemmConfig, gemm: tuple[int, int, int], splits) -> int | None:
-    """The largest of ``splits`` whose CTAs (the cluster kernel's tiles x the split) fit ONE_WAVE_CTAS, else None."""
+    """The largest of ``splits`` that the cluster kernel runs on ``c``'s tiles and whose CTAs (tiles x the split) fit
+    ONE_WAVE_CTAS, else None."""
+    from tuner.kernels import cluster_gemm
+
     bm, bn = cluster_tile(c, GemmProblem(*gemm))
     tiles = -(-gemm[0] // bm) * -(-gemm[1] // bn)
-    return max((s for s in splits if tiles * s <= ONE_WAVE_CTAS), default=None)
+    return max((s for s in splits if tiles * s <= ONE_WAVE_CTAS and cluster_gemm.split_error(s, bn) is None),
+               default=None)
 
 
 def hand_picked_cluster(shape: DecoderShape, norms: int = 2, xchg16: bool = True, mlp: bool = True,
