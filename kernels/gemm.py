@@ -62,10 +62,10 @@ class GemmConfig(KnobConfig):
     # 1: the K loop loads A and B tiles with the tensor memory accelerator (host-built TMA descriptors,
     # zero-filled out of bounds) instead of cp.async from every thread.
     tma: int = 0
-    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2 or 4) programs of a tile form one
-    # thread-block cluster and reduce through distributed shared memory, with no reduction kernel. 2: the same with
-    # the partials exchanged in the operands' 16-bit type (half the bytes; each partial rounded once). Elsewhere,
-    # and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, this module's kernels run it.
+    # 1: on Hopper, the CUDA kernel of cluster_gemm.cu: the split_k (2, 4, or 8 on 128-column tiles) programs of a
+    # tile form one thread-block cluster and reduce through distributed shared memory, with no reduction kernel. 2: the
+    # same with the partials exchanged in the operands' 16-bit type (half the bytes; each partial rounded once).
+    # Elsewhere, and for a GEMM whose fused LayerNorm gathers its row sums in the K loop, this module's kernels run it.
     cluster: int = 0
     # FFN2 only (tuner.layer.check_config): 1 launches no FFN2 kernel; FFN1's launch computes the whole feed-forward
     # block, FFN1, its activation and FFN2, as one kernel (mlp_cluster.cu: Hopper, d_model a multiple of 128 up to

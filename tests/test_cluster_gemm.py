@@ -252,7 +252,7 @@ def test_cluster_pdl_chain_in_a_graph():
     # Three dependent GEMMs launched with PDL (trigger right after the wait, weights requested before it) in one
     # CUDA graph; every output poisoned before each replay: a read before the predecessor's writes land, or a
     # reduction that sums a slab before it has arrived, would show as NaN or a wrong value.
-    m, d = 128, 768
+    m, d = 128, 1024  # (K 1024: 16 K tiles, two for each of 8 splits)
     dtype = torch.float16
     g = torch.Generator().manual_seed(7)
     ws = [(torch.randn(d, d, generator=g) / d**0.5).to(dtype).cuda() for _ in range(3)]

@@ -274,6 +274,31 @@ def test_the_clustered_seed_launches_each_clustered_gemm_as_one_wave():
     assert check_config(large, PRESETS["bert-large"]) == {}
 
 
+@pytest.mark.parametrize("name, seeded", [("bert-large", True), ("bert-base", False), ("tiny", False)])
+def test_ffn2_in_128x128_tiles_split_8_is_seeded_where_its_ctas_stream_fewer_bytes(name, seeded):
+    # bert-large's clustered FFN2 (64x128 split 4: 64 CTAs of (64 + 128) x 4096 / 4 elements) in 128x128 tiles split
+    # 8 (64 CTAs of 256 x 4096 / 8) is a seed of its own; bert-base's (64x64 split 4, 96 CTAs) would stream as much on
+    # half the CTAs, tiny's FFN2 is in the fused block.
+    from tuner.bench import square_split_ffn2
+    from tuner.study import _enqueue_first_trials
+
+    shape = PRESETS[name]
+    st = optuna.create_study()
+    _enqueue_first_trials(st, shape, True, space.parse(default_data(), "default"), log=lambda m: None)
+    queued = [t.system_attrs["fixed_params"] for t in st.get_trials(deepcopy=False)]  # (waiting: not yet sampled)
+    clustered = hand_picked_cluster(shape)
+    square = square_split_ffn2(clustered, shape)
+    assert (square is not None) == seeded
+    if seeded:
+        assert space.from_config(square) in queued
+        assert (square.ffn2.block_m, square.ffn2.block_n, square.ffn2.split_k, square.ffn2.num_warps) == (128, 128, 8, 8)
+        assert check_config(square, shape) == {} and square.ffn2.cluster == clustered.ffn2.cluster
+        assert {k: v for k, v in space.from_config(square).items() if not k.startswith("ffn2.")} == {
+            k: v for k, v in space.from_config(clustered).items() if not k.startswith("ffn2.")}
+    else:
+        assert not any(p["ffn2.split_k"] == 8 and p["ffn2.block_m"] == 128 and p["ffn2.cluster"] for p in queued)
+
+
 def recorded_config(row) -> DecoderConfig:
     """The DecoderConfig of a row of the recording's trials.csv."""
     params = {k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in row.items() if "." in k}
@@ -342,6 +367,7 @@ def test_baseline_is_measured_when_the_space_excludes_default_tiles(tmp_path, re
 def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
     import numpy as np
 
+    from tuner.kernels.cluster_gemm import split_error
     from tuner.study import PAIRED, neighbour
 
     sp = space.load()
@@ -372,10 +398,12 @@ def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
         gemm = moved[0].split(".")[0]
         cluster, split = f"{gemm}.cluster", f"{gemm}.split_k"
         if cluster in moved and p[cluster] > 0 and split in moved:
-            # into a cluster: a split the cluster kernel has (2 or 4), its smallest where the step left it another
-            assert p[split] in (2, 4) and (p[split] == 2 or adjacent(split, p)), (moved, p)
+            # into a cluster: a split the cluster kernel runs on the tile's columns, its smallest where the step left
+            # it another
+            assert split_error(p[split], p[f"{gemm}.block_n"]) is None and (p[split] == 2 or adjacent(split, p)), (
+                moved, p)
             moved.remove(split)
-            split_fixed += params[split] not in (2, 4)
+            split_fixed += split_error(params[split], params[f"{gemm}.block_n"]) is not None
         assert 1 <= len(moved) <= 2, moved
         if len(moved) == 2:  # two tile-shape parameters of one GEMM
             assert {k.split(".")[0] for k in moved} == {gemm} and all(k.split(".")[1] in PAIRED for k in moved), moved

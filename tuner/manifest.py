@@ -30,7 +30,8 @@ def read_json(path: Path):
 
 
 def read_table(path):
-    """A run's trials.csv (a path, or its bytes in a buffer) as a pandas DataFrame, or ValueError with one line of why (the caller names the file)."""
+    """A run's trials.csv (a path, or its bytes in a buffer) as a pandas DataFrame, or ValueError with one line of why
+    (the caller names the file)."""
     import pandas as pd
 
     try:

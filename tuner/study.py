@@ -202,7 +202,7 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     phase, interleaved with the top-k, and every speedup is against that measurement.
     """
     from tuner.bench import (MANY_TOKENS, fit_prefetch, hand_picked, hand_picked_cluster, hand_picked_fused,
-                             hand_picked_many, hand_picked_wide)
+                             hand_picked_many, hand_picked_wide, square_split_ffn2)
 
     hp = hand_picked(shape)
     norm_kernels = hand_picked(shape, norms=0)
@@ -227,6 +227,12 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
             hinted = replace(clustered, **{g: replace(getattr(clustered, g), hints=1) for g in GEMMS})
             if space.contains(from_config(hinted, pdl), pdl):
                 seeds.insert(3, (hinted, None))
+            # and the same with FFN2 in 128x128 tiles split 8 where its CTAs then stream fewer bytes (bert-large: the
+            # weights read once, not once a 64-row tile; perf notes 40): four parameters from the seed's FFN2, which
+            # neither the local step nor TPE's model reaches
+            square = square_split_ffn2(clustered, shape)
+            if square is not None and space.contains(from_config(square, pdl), pdl):
+                seeds.insert(3, (square, None))
         # and the hand-picked tiles with the attention in QKV's kernel, where it runs: on bert-large the clustered
         # seed's out-projection and FFN2 are slow, and a study that meets the fusion only there may not return to it
         # (session 16's run: 3 of 62 trials; perf notes 27)
@@ -420,11 +426,15 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()
             out[second] = _step(sorted(dims[second].choices), params[second], rng)
             moved.append(second)
     cluster, split = gemm + ".cluster", gemm + ".split_k"
-    if cluster in moved and out[cluster] != 0 and split in dims and out[split] not in cluster_gemm.SPLITS:
-        # Into a cluster from a split the cluster kernel lacks (unsplit, say): with the fewest splits it has, or
-        # repair would switch the cluster off again and the step would measure the same configuration. (bert-large's
-        # out-projection in clusters of 2, -0.5 us a layer, lay two such steps from every top-1 of sessions 16-23.)
-        fits = sorted(s for s in cluster_gemm.SPLITS if s in dims[split].choices)
+    bn = out.get(gemm + ".block_n", 64)
+    if (cluster in moved and out[cluster] != 0 and split in dims
+            and cluster_gemm.split_error(out[split], bn) is not None):
+        # Into a cluster from a split the cluster kernel lacks (unsplit, say, or 8 on 64-column tiles): with the
+        # fewest splits it has, or repair would switch the cluster off again and the step would measure the same
+        # configuration. (bert-large's out-projection in clusters of 2, -0.5 us a layer, lay two such steps from every
+        # top-1 of sessions 16-23.)
+        fits = sorted(s for s in cluster_gemm.SPLITS
+                      if s in dims[split].choices and cluster_gemm.split_error(s, bn) is None)
         if fits:
             out[split] = fits[0]
     return out
