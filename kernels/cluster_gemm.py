@@ -142,6 +142,9 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     N = weight.shape[0]
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("cluster_gemm: ln_stats and ln_colsum go together")
+    why = split_error(split, bn)
+    if why:  # (before nvcc, whose static_assert would say it less clearly)
+        raise ValueError(f"cluster_gemm: {why}")
     epi = ((HAS_BIAS if bias is not None else 0) | (BIAS_F32 if bias is not None and bias.dtype == torch.float32
                                                     else 0)
            | (HAS_RES if residual is not None else 0) | (STATS_OUT if stats_out is not None else 0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tuner.device import DeviceInfo
+from tuner.kernels import cluster_gemm
 from tuner.kernels._common import REL_TOLERANCE, rel_error
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fold_layernorm, linear, linear_ref, stats_parts
 
@@ -31,6 +32,15 @@ CL = GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, t
 ])
 def test_check_rejects_cluster(cfg, problem, needle):
     assert needle in (check(cfg, problem, H200) or "")
+
+
+def test_launch_refuses_a_split_the_tile_cannot_take():
+    # Before any build or GPU call: a one-line error instead of nvcc's static_assert.
+    x, w, out = torch.zeros(128, 1024, dtype=torch.float16), torch.zeros(256, 1024, dtype=torch.float16), None
+    with pytest.raises(ValueError, match="cluster_gemm: split_k=8 needs tiles of 128 columns or more, not 64"):
+        cluster_gemm.launch(x, w, out, split=8, bm=64, bn=64)
+    with pytest.raises(ValueError, match=r"cluster_gemm: needs split_k in \(2, 4, 8\), not 3"):
+        cluster_gemm.launch(x, w, out, split=3, bn=128)
 
 
 def test_check_accepts_16_bit_exchange():

@@ -291,7 +291,8 @@ def test_ffn2_in_128x128_tiles_split_8_is_seeded_where_its_ctas_stream_fewer_byt
     assert (square is not None) == seeded
     if seeded:
         assert space.from_config(square) in queued
-        assert (square.ffn2.block_m, square.ffn2.block_n, square.ffn2.split_k, square.ffn2.num_warps) == (128, 128, 8, 8)
+        ffn2 = square.ffn2
+        assert (ffn2.block_m, ffn2.block_n, ffn2.split_k, ffn2.num_warps) == (128, 128, 8, 8)
         assert check_config(square, shape) == {} and square.ffn2.cluster == clustered.ffn2.cluster
         assert {k: v for k, v in space.from_config(square).items() if not k.startswith("ffn2.")} == {
             k: v for k, v in space.from_config(clustered).items() if not k.startswith("ffn2.")}
@@ -400,10 +401,10 @@ def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
         if cluster in moved and p[cluster] > 0 and split in moved:
             # into a cluster: a split the cluster kernel runs on the tile's columns, its smallest where the step left
             # it another
-            assert split_error(p[split], p[f"{gemm}.block_n"]) is None and (p[split] == 2 or adjacent(split, p)), (
-                moved, p)
+            ok = split_error(p[split], p[f"{gemm}.block_n"]) is None
+            assert ok and (p[split] == 2 or adjacent(split, p)), (moved, p)
             moved.remove(split)
-            split_fixed += split_error(params[split], params[f"{gemm}.block_n"]) is not None
+            split_fixed += split_error(params[split], p[f"{gemm}.block_n"]) is not None
         assert 1 <= len(moved) <= 2, moved
         if len(moved) == 2:  # two tile-shape parameters of one GEMM
             assert {k.split(".")[0] for k in moved} == {gemm} and all(k.split(".")[1] in PAIRED for k in moved), moved
@@ -413,6 +414,37 @@ def test_neighbour_moves_one_acting_parameter_to_an_adjacent_choice():
             assert adjacent(k, p), (k, params[k], p[k])
     assert hints > 0 and split_fixed > 0 and pairs > 0 and 40 < sweeps < 150  # (KNOB_SWEEP 0.15 of 600)
     assert neighbour(params, continuous_space(), True, np.random.default_rng(0)) is None
+
+
+@pytest.mark.parametrize("block_n, cluster", [(128, 0), (64, 0), (128, 2)])
+def test_neighbour_keeps_a_cluster_split_the_kernel_runs_on_the_tiles_columns(block_n, cluster):
+    # FFN2 at split 8: a step into a cluster keeps 8 on 128-column tiles and takes 2 on 64-column ones; a clustered
+    # split 8 whose tile narrows to 64 columns takes 2 too (repair would otherwise leave the cluster kernel).
+    import numpy as np
+
+    from tuner.kernels.cluster_gemm import split_error
+    from tuner.study import neighbour
+
+    sp = space.load()
+    base = space.from_config(hand_picked_cluster(PRESETS["bert-large"]))
+    params = {**base, "ffn2.block_n": block_n, "ffn2.split_k": 8, "ffn2.cluster": cluster, "ffn2.block_m": 128,
+              "ffn2.num_warps": 8}
+    kept = narrowed = 0
+    for seed in range(3000):
+        p = neighbour(params, sp, True, np.random.default_rng(seed))
+        moved_in = p["ffn2.cluster"] > 0 and p["ffn2.cluster"] != params["ffn2.cluster"]
+        narrowed_to = p["ffn2.cluster"] > 0 and p["ffn2.block_n"] == 64 != params["ffn2.block_n"]
+        if not (moved_in or narrowed_to) or p["ffn2.block_n"] not in (64, 128):
+            continue  # (256 columns: not a cluster tile, repair's to settle)
+        assert split_error(p["ffn2.split_k"], p["ffn2.block_n"]) is None, p
+        # 8 kept where it runs, else the smallest split (the step itself may also have moved the split off 8)
+        assert p["ffn2.split_k"] in ((8, 2) if p["ffn2.block_n"] == 128 else (2,)), p
+        kept += p["ffn2.split_k"] == 8
+        narrowed += narrowed_to
+    if block_n == 128:
+        assert kept > 0  # (into a cluster on 128-column tiles, split 8 stays)
+    if cluster:
+        assert narrowed > 0  # (a clustered split 8 narrowed to 64 columns takes 2)
 
 
 def test_neighbour_pairs_cross_a_worse_midpoint():

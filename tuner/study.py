@@ -427,12 +427,12 @@ def neighbour(params: dict, space: SearchSpace, pdl: bool, rng, idle=frozenset()
             moved.append(second)
     cluster, split = gemm + ".cluster", gemm + ".split_k"
     bn = out.get(gemm + ".block_n", 64)
-    if (cluster in moved and out[cluster] != 0 and split in dims
+    if ((cluster in moved or gemm + ".block_n" in moved) and out.get(cluster, 0) != 0 and split in dims
             and cluster_gemm.split_error(out[split], bn) is not None):
-        # Into a cluster from a split the cluster kernel lacks (unsplit, say, or 8 on 64-column tiles): with the
-        # fewest splits it has, or repair would switch the cluster off again and the step would measure the same
-        # configuration. (bert-large's out-projection in clusters of 2, -0.5 us a layer, lay two such steps from every
-        # top-1 of sessions 16-23.)
+        # Into a cluster from a split the cluster kernel lacks (unsplit, say, or 8 on 64-column tiles), or a clustered
+        # split 8 onto 64-column tiles: with the fewest splits the kernel runs there, or repair would switch the
+        # cluster off and the step would measure the same configuration or leave the cluster kernel. (bert-large's
+        # out-projection in clusters of 2, -0.5 us a layer, lay two such steps from every top-1 of sessions 16-23.)
         fits = sorted(s for s in cluster_gemm.SPLITS
                       if s in dims[split].choices and cluster_gemm.split_error(s, bn) is None)
         if fits:
