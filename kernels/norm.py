@@ -111,7 +111,7 @@ def _norm_kernel(
 
     if RACY_READ_BEFORE_WAIT:
         # Test-only defect: reads x before gdc_wait. The correctness gate must catch it.
-        x0 = tl.load(x_ptr + row0 * stride_xm + cols, mask=cmask & (row0 < M), other=0.0)
+        x0 = tl.load(x_ptr + row0 * stride_xm + cols, mask=cmask & (cols * 0 + row0 < M), other=0.0)
     pdl_trigger(0, trigger_row, USE_PDL)
     pdl_wait(USE_PDL)
 
@@ -120,7 +120,9 @@ def _norm_kernel(
         b = tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     for r in range(0, ROWS):
         row = row0 + r
-        mask = cmask & (row < M)
+        # (the row test broadcast over the columns: triton 3.9's interpreter refuses a mask that combines a
+        # tensor with a scalar condition, 'mask has unsupported dtype'; compiled, it is the same compare)
+        mask = cmask & (cols * 0 + row < M)
         x = tl.load(x_ptr + row * stride_xm + cols, mask=mask, other=0.0)
         if RACY_READ_BEFORE_WAIT:
             if r == 0:
