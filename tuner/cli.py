@@ -164,13 +164,13 @@ def cmd_verify(args) -> int:
         res = verify.run_verify(shape, hp, dtype=dtype, race_trials=args.trials)
         clustered = bench.hand_picked_cluster(shape, norms=0)
         dev = DeviceInfo.from_torch()
-        if clustered != hp and not check_config(clustered, shape, torch.tensor([], dtype=dtype).element_size(), dev):
+        esize = torch.tensor([], dtype=dtype).element_size()
+        if clustered != hp and not check_config(clustered, shape, esize, dev):
             res["clustered"] = verify.run_verify(shape, clustered, dtype=dtype, race_trials=args.trials,
                                                  racy_kernels=("out", "ffn2"))
             # and FFN2 in 128x128 tiles split 8 (clusters of 8) where the studies seed it (bert-large)
             square = bench.square_split_ffn2(clustered, shape)
-            if square is not None and not check_config(square, shape, torch.tensor([], dtype=dtype).element_size(),
-                                                       dev):
+            if square is not None and not check_config(square, shape, esize, dev):
                 res["ffn2_split8"] = verify.run_verify(shape, square, dtype=dtype, race_trials=args.trials,
                                                        racy_kernels=("ffn2",))
         # And the feed-forward block as one kernel (ffn2.fuse 1, kernels/mlp_cluster.cu) where it runs.

@@ -205,11 +205,10 @@ class ReplayEvaluator:
 
     def __init__(self, path: str | Path, shape: DecoderShape | None = None):
         import hashlib
-        import io
 
         import pandas as pd
 
-        from tuner.manifest import read_json, read_table, why
+        from tuner.manifest import read_json, read_table
 
         p = Path(path)
         folder = p if p.is_dir() else p.parent
@@ -219,8 +218,8 @@ class ReplayEvaluator:
             raise FileNotFoundError(f"replay recording {path}: needs trials.csv and manifest.json")
         self.source = str(path)
 
-        def bad(what: str, why: str) -> ValueError:
-            return ValueError(f"replay recording {path}: {what} {why}")
+        def bad(what: str, reason: str) -> ValueError:
+            return ValueError(f"replay recording {path}: {what} {reason}")
 
         def read(f: Path):
             try:
@@ -230,10 +229,7 @@ class ReplayEvaluator:
 
         self.manifest = read(man)
         try:
-            table = csv.read_bytes()  # read once: parsed here, hashed below
-            df = read_table(io.BytesIO(table))
-        except OSError as e:
-            raise bad(csv.name, f"cannot be read as a table of trials ({why(e)})") from None
+            df, table = read_table(csv, with_bytes=True)  # (read once: parsed, and hashed below)
         except ValueError as e:
             raise bad(csv.name, str(e)) from None
         # what was recorded, not where: a study's identity (another recording must not join its study)

@@ -29,16 +29,20 @@ def read_json(path: Path):
         raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def read_table(path):
-    """A run's trials.csv (a path, or its bytes in a buffer) as a pandas DataFrame, or ValueError with one line of why
-    (the caller names the file)."""
+def read_table(path: Path, with_bytes: bool = False):
+    """A run's trials.csv as a pandas DataFrame (with ``with_bytes``, and the file's bytes, read once), or ValueError
+    with one line of why (the caller names the file)."""
+    import io
+
     import pandas as pd
 
     try:
-        return pd.read_csv(path)
+        data = Path(path).read_bytes()
+        df = pd.read_csv(io.BytesIO(data))
     except (OSError, ValueError) as e:  # (pandas' parser and empty-file errors and UnicodeDecodeError are ValueErrors)
         detail = getattr(e, "strerror", None) or (str(e).splitlines() or [type(e).__name__])[0]
         raise ValueError(f"cannot be read as a table of trials ({detail})") from None
+    return (df, data) if with_bytes else df
 
 
 def git_revision() -> str:
