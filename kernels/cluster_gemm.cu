@@ -94,7 +94,7 @@ struct Params {
 
 template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 1 || SC == 2 || SC == 4 || SC == 8, "the K splits of a tile: 1 (unsplit), 2, 4 or 8 CTAs a cluster");
+  static_assert(SC == 2 || SC == 4 || SC == 8, "the K splits of a tile: 2, 4 or 8 CTAs a cluster");
   static_assert(BN >= 16 * SC, "8 splits need 128-column tiles (a thread's columns: 16-byte stores)");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
   using TL = Tile<BM, BN>;

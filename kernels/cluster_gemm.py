@@ -21,7 +21,7 @@ import torch
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
-SPLITS = (1, 2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
+SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
 # A traced launch's int64 stamps a program: entry, wait returned, K loop done, end (scripts/trace_gemms.py).
 TRACE_SLOTS = 4
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
