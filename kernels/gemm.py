@@ -17,6 +17,7 @@ same ratio) sums them and applies the epilogue.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import torch
@@ -40,6 +41,8 @@ _FAST_GELU = True
 # The LayerNorm row sums read from the producer summed in the K loop's first iteration (under its MMAs)
 # instead of the epilogue.
 _EARLY_STATS = True
+# The installed Triton's (major, minor): stats_scratch is counted after 3.6.
+_TRITON = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
 # TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only). Not in one-stage builds: with
 # one stage and split-K, the prefetch made every launch fail with an illegal instruction on the H200 (triton 3.6;
 # every tile size tried, 64x64x64 to 64x256x256; one stage without split-K, or two stages, ran correctly), the
@@ -116,6 +119,9 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
     other layout conversions and mma.sync's split-K one, which exceed the loop only where it holds one buffer or
     block_k <= 32, by at most 16 KB in the search space's tiles (56 KB with 16 warps), in kernels of at most 64 KB: far
     below any limit. Without a device (``fit``) and on the interpreter it counts as on Hopper.
+
+    After Triton 3.6, plus :func:`stats_scratch` (checked on 3.9: the test's cases, and by hand over 552 compiles of
+    ln_stats parts 1-16, tiles, depths, warps 1-16, TMA and epilogues: never below ``metadata.shared``).
     """
     bufs, wgmma = pipeline_buffers(c.num_stages, c.block_m, c.num_warps, device)
     a = c.block_m * c.block_k * dtype_bytes
@@ -125,7 +131,20 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
     else:
         loop = bufs * (a + b + 8 * c.tma)
     partial = min(c.block_m, 16 * c.num_warps) * c.block_n * 4 if wgmma and c.split_k > 1 else 0
-    return max(loop, partial)
+    return max(loop, partial) + stats_scratch(c)
+
+
+def stats_scratch(c: GemmConfig) -> int:
+    """The shared memory that Triton after 3.6 adds to :func:`smem_bytes`'s for a launch with ``ln_stats``: the
+    producer's parts ([LN_PARTS, block_m] fp32, summed in the K loop's first iteration, EARLY_STATS) are laid out 32
+    rows a warp, the other warps across the parts, and the sum across those warps takes 4 B a lane of scratch, live
+    beside a pipelined loop's buffers (split_k 1, num_stages > 1). Exact for 9-16 parts and 32 or more rows, more
+    otherwise (Triton 3.9); smem_bytes does not see ln_stats, so other launches are over-counted by this (at most
+    1 KB at 8 warps). Triton 3.6 keeps 12 or 16 parts inside each warp: none (it too takes up to 1 KB for 2-4
+    parts, or 16 rows at 16 warps, uncounted)."""
+    if _TRITON <= (3, 6) or c.split_k > 1 or c.num_stages == 1 or c.block_m >= 32 * c.num_warps:
+        return 0
+    return 128 * c.num_warps
 
 
 def field_error(c: GemmConfig) -> str | None:
