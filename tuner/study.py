@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -693,7 +694,11 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     importance = None
     try:
         if (df["status"] == "ok").sum() >= 8:
-            importance = {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
+            with warnings.catch_warnings(record=True) as caught:  # (Optuna's caveats go to the run's log, one line)
+                warnings.simplefilter("always")
+                importance = {k: float(v) for k, v in optuna.importance.get_param_importances(study).items()}
+            for w in caught:
+                log(f"parameter importance: {w.message}")
     except Exception as e:  # noqa: BLE001
         log(f"parameter importance failed: {type(e).__name__}: {e}")
 
