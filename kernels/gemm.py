@@ -49,11 +49,6 @@ TRITON_VERSION = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2
 # every tile size tried, 64x64x64 to 64x256x256; one stage without split-K, or two stages, ran correctly), the
 # crashed trials of sessions 6-7 (scripts/crash_probe.py, docs/perf-notes.md section 16).
 _DESC_PREFETCH = True
-# A/B only (scripts/timeline.py switch lookahead=N): FFN1's programs also pull FFN2's weight into L2, each a share of
-# its lines (linear's _lookahead), so that FFN2's weights stream from DRAM while FFN1 runs, not only once FFN2's CTAs
-# find SMs. 1: before their wait (perf notes 40.5: the kernels it overlaps lose more than FFN2 gains); 2: after their
-# K loop, when their own loads are done (perf notes 42); 0: off.
-LOOKAHEAD = 0
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
@@ -414,15 +409,6 @@ def _prefetch_tma_descriptors(x):
 
 
 @triton.jit
-def _lookahead_l2(look_ptr, look_lines, LOOK_LINES, me):
-    """Program ``me``'s share (LOOK_LINES 128-byte lines) of another 16-bit tensor into L2 (gemm.LOOKAHEAD)."""
-    ln = tl.arange(0, 128)
-    for j in range(0, LOOK_LINES, 128):
-        line = tl.minimum(me * LOOK_LINES + j + ln, look_lines - 1)
-        prefetch_l2(look_ptr + line * 64)  # (a line is 64 16-bit elements)
-
-
-@triton.jit
 def _gemm_kernel(
     # pointers
     x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, ln_u_ptr, stats_ptr, ln_stats_ptr, stats_out_ptr, trace_ptr,
@@ -434,8 +420,6 @@ def _gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_rm, stride_rn, stride_om, stride_on,
     # PDL / prefetch points, in K tiles of this program
     trigger_k, n_prefetch,
-    # LOOKAHEAD: another tensor whose 128-byte lines the programs pull into L2, LOOK_LINES a program
-    look_ptr, look_lines, LOOK_LINES,
     # LayerNorm prologue: eps, and the number of parts of ln_stats (LN_STATS_IN)
     ln_eps, ln_parts,
     # meta-parameters
@@ -446,7 +430,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False, LOOKAHEAD: tl.constexpr = 0,
+    DESC_PREFETCH: tl.constexpr = False,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -479,9 +463,6 @@ def _gemm_kernel(
         for i in range(0, tl.minimum(n_prefetch, n_iters)):
             k_idx = tl.minimum((k_first + i) * BLOCK_K + lines, K - 1)
             prefetch_l2(w_ptr + n_idx[:, None] * stride_wn + k_idx[None, :] * stride_wk)
-
-    if LOOKAHEAD == 1:
-        _lookahead_l2(look_ptr, look_lines, LOOK_LINES, pid + tl.num_programs(0) * pid_k)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if RACY_READ_BEFORE_WAIT:
@@ -551,8 +532,6 @@ def _gemm_kernel(
                 ln_rstd, ln_mr = _ln_rows(s1, s2, K, ln_eps)
         pdl_trigger(i + 1, trigger_k, USE_PDL)
     stamp(trace_ptr, 2, TRACE)
-    if LOOKAHEAD == 2:  # (after the loop: this program's own loads are done)
-        _lookahead_l2(look_ptr, look_lines, LOOK_LINES, pid + tl.num_programs(0) * pid_k)
 
     if OOB_WRITE:
         # Test-only defect: a store 2 TB past the output, an illegal address the worker must survive.
@@ -654,8 +633,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None,
-           _lookahead: torch.Tensor | None = None) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -752,15 +730,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps,  # (ln_colsum here comes with ln_stats)
             xchg16=c.cluster == 2, hints=l2_hints(c))
         return out
-    # _lookahead (A/B only, GPU): a contiguous 16-bit tensor whose lines the programs prefetch into L2, spread evenly
-    look = _lookahead if (_lookahead is not None and mode.prefetch and c.prefetch_ratio >= 0) else None
-    look_lines = look_per = 0
-    if look is not None:
-        if not look.is_contiguous() or look.element_size() != 2:
-            raise ValueError("linear: _lookahead must be a contiguous 16-bit tensor")
-        look_lines = -(-look.numel() // 64)
-        per_program = -(-look_lines // (tiles * splits))
-        look_per = -(-per_program // 128) * 128  # (a program's lines: whole 128-line steps)
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
@@ -777,7 +746,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         out.stride(0), out.stride(1),
         trigger_index(per_split, c.overlap_ratio), n_pref,
-        look if look is not None else dummy, look_lines, look_per,
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
@@ -785,9 +753,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1,
-        LOOKAHEAD=LOOKAHEAD if look is not None else 0,
-        num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

@@ -289,27 +289,6 @@ def test_linear_tma_on_gpu(split_k, overlap):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("where", [1, 2])
-def test_linear_lookahead_prefetch_leaves_the_output_unchanged(where, monkeypatch):
-    # gemm.LOOKAHEAD's paths (A/B only; before the wait, after the K loop): the programs also prefetch another tensor's
-    # lines into L2 (here 1 MB over 96 programs, odd in lines), which must not change what the GEMM computes; a tensor
-    # that is not 16-bit is refused.
-    import tuner.kernels.gemm as gemm_k
-
-    monkeypatch.setattr(gemm_k, "LOOKAHEAD", where)
-    m, k, n = 128, 768, 3072
-    x, w, b, _ = _inputs(m, n, k, torch.float16, "cuda", seed=93)
-    nxt = torch.randn(768, 683, dtype=torch.float16, device="cuda")
-    cfg = GemmConfig(block_m=64, block_n=64, block_k=256, num_stages=3, tma=1, overlap_ratio=0.0, prefetch_ratio=1.0)
-    plain = linear(x, w, b, config=cfg, activation="gelu")
-    ahead = linear(x, w, b, config=cfg, activation="gelu", _lookahead=nxt)
-    torch.cuda.synchronize()
-    assert torch.equal(plain, ahead)
-    with pytest.raises(ValueError, match="_lookahead must be a contiguous 16-bit tensor"):
-        linear(x, w, b, config=cfg, _lookahead=nxt.float())
-
-
-@pytest.mark.gpu
 def test_linear_trace_stamps_are_ordered():
     # scripts/trace_gemms.py's stamps: every program writes entry <= after wait <= after loop <= end.
     m, k, n = 128, 768, 768

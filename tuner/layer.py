@@ -357,8 +357,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
-                                       _racy_read_before_wait=r("ffn1"),
-                                       _lookahead=w.w_ffn2 if gemm_k.LOOKAHEAD else None, **ln2)),
+                                       _racy_read_before_wait=r("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
     ]
