@@ -41,7 +41,7 @@ _FAST_GELU = True
 # The LayerNorm row sums read from the producer summed in the K loop's first iteration (under its MMAs)
 # instead of the epilogue.
 _EARLY_STATS = True
-# The installed Triton's (major, minor): stats_scratch is counted after 3.6 (tests/test_gemm.py checks the count on
+# The installed Triton's (major, minor): stats_scratch's layout of the row sums (tests/test_gemm.py checks the count on
 # 3.6 and 3.9).
 TRITON_VERSION = tuple(int(v) for v in re.findall(r"\d+", triton.__version__)[:2])
 # TMA descriptors prefetched at kernel entry, before gdc_wait (inline asm: GPU only). Not in one-stage builds: with
@@ -100,11 +100,14 @@ class GemmProblem:
     n: int
     k: int
     dtype_bytes: int = 2
+    # The producer's row-sum parts that the launch reads (linear's ln_stats.shape[0]; 0: no ln_stats): they take
+    # shared memory in the K loop (stats_scratch).
+    ln_parts: int = 0
 
 
 
 
-def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None) -> int:
+def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None, ln_parts: int = 0) -> int:
     """Triton's shared memory for :func:`_gemm_kernel` (Triton 3.6): the K loop's A+B buffers or, with split-K, the fp32
     partial tile where it is larger (the epilogue stages it for the workspace store after the loop, in the same memory).
 
@@ -121,8 +124,8 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
     block_k <= 32, by at most 16 KB in the search space's tiles (56 KB with 16 warps), in kernels of at most 64 KB: far
     below any limit. Without a device (``fit``) and on the interpreter it counts as on Hopper.
 
-    After Triton 3.6, plus :func:`stats_scratch` (checked on 3.9: the test's cases, and by hand over 552 compiles of
-    ln_stats parts 1-16, tiles, depths, warps 1-16, TMA and epilogues: never below ``metadata.shared``).
+    Plus :func:`stats_scratch` for a launch that reads ``ln_parts`` row-sum parts of its producer (``ln_stats``,
+    GemmProblem.ln_parts; 0: none), on Triton 3.6 and 3.9 alike (the buffers are the same on both).
     """
     bufs, wgmma = pipeline_buffers(c.num_stages, c.block_m, c.num_warps, device)
     a = c.block_m * c.block_k * dtype_bytes
@@ -132,20 +135,57 @@ def smem_bytes(c: GemmConfig, dtype_bytes: int, device: DeviceInfo | None = None
     else:
         loop = bufs * (a + b + 8 * c.tma)
     partial = min(c.block_m, 16 * c.num_warps) * c.block_n * 4 if wgmma and c.split_k > 1 else 0
-    return max(loop, partial) + stats_scratch(c)
+    return max(loop, partial) + stats_scratch(c, ln_parts, dtype_bytes)
 
 
-def stats_scratch(c: GemmConfig) -> int:
-    """The shared memory that Triton after 3.6 adds to :func:`smem_bytes`'s for a launch with ``ln_stats``: the
-    producer's parts ([LN_PARTS, block_m] fp32, summed in the K loop's first iteration, EARLY_STATS) are laid out 32
-    rows a warp, the other warps across the parts, and the sum across those warps takes 4 B a lane of scratch, live
-    beside a pipelined loop's buffers (split_k 1, num_stages > 1). Exact for 9-16 parts and 32 or more rows, more
-    otherwise (Triton 3.9); smem_bytes does not see ln_stats, so other launches are over-counted by this (at most
-    1 KB at 8 warps). Triton 3.6 keeps 12 or 16 parts inside each warp: none (it too takes up to 1 KB for 2-4
-    parts, or 16 rows at 16 warps, uncounted)."""
-    if TRITON_VERSION <= (3, 6) or c.split_k > 1 or c.num_stages == 1 or c.block_m >= 32 * c.num_warps:
+def stats_scratch(c: GemmConfig, ln_parts: int, dtype_bytes: int = 2) -> int:
+    """The shared memory that a launch reading ``ln_parts`` row-sum parts of its producer (``ln_stats``; 0: none) adds
+    to :func:`smem_bytes`'s: the parts, a [LN_PARTS, block_m] fp32 tile (LN_PARTS = next_power_of_2(ln_parts)), are
+    summed in the K loop's first iteration (EARLY_STATS), and where warps hold different parts of a row that sum takes
+    4 B of scratch a row and such warp, beside a pipelined loop's buffers (split_k 1, num_stages > 1).
+
+    Triton 3.9 lays the tile's rows across the lanes (32 a warp) and the other warps across the parts; 3.6 does so only
+    where the CTA has more threads than the tile elements, else the parts across the lanes, and so across warps only
+    past 32 parts. Where the tile has the shape and order of a tile that the kernel loads or stores through pointers
+    (the output's or A's under 3.9: LN_PARTS = block_m = block_n or block_k; B's under 3.6), a thread takes that tile's
+    16-byte vectors of it (at most its share of the elements), and 3.9 needs half the scratch for 8 rows a thread. Other
+    Triton versions: the larger of the two layouts'.
+
+    Checked against ``metadata.shared`` for sm_90 and sm_80 (tests/test_gemm.py; by hand over 4,386 compiles under
+    each of 3.6 and 3.9, 16-bit, every launch with ln_stats beside the same one without, parts 1-256, tiles 16-256,
+    warps 1-16, depths, splits, TMA, epilogues): on sm_90, of the 2,829 launches whose buffers smem_bytes counts
+    exactly, the count is exact in 2,796 (3.6) and 2,821 (3.9). Over by 512 B: 16x16 A tiles (block_k 16) at 8-16
+    warps, which take none. Under: 3.6 with more than 64 parts and a loop smaller than the fp32 accumulator tile (one
+    buffer or block_k 32) converts that tile (2 warps: the 16-bit output's) through shared memory, the kernel's whole
+    allocation (29 launches, up to the 128 KB of 128x256: below any limit; not counted, as smem_bytes's other
+    conversions). sm_80's emulated TMA loops, not pipelined, take none (over-counted, as their buffers)."""
+    if not ln_parts or c.split_k > 1 or c.num_stages == 1:
         return 0
-    return 128 * c.num_warps
+    parts = triton.next_power_of_2(ln_parts)
+    if TRITON_VERSION == (3, 9):
+        layouts = (True,)
+    elif TRITON_VERSION == (3, 6):
+        layouts = (32 * c.num_warps > parts * c.block_m,)
+    else:
+        layouts = (True, False)
+    return max(_stats_scratch(c, parts, rows_first, dtype_bytes) for rows_first in layouts)
+
+
+def _stats_scratch(c: GemmConfig, parts: int, rows_first: bool, dtype_bytes: int) -> int:
+    """:func:`stats_scratch` for one layout of the tile (Triton's default blocked layout of its order: the rows first
+    across the lanes, or the parts)."""
+    rows, warps = c.block_m, c.num_warps
+    if rows_first:
+        same = parts == rows and (c.block_n == rows or (c.block_k == rows and not c.tma))
+    else:
+        same = (parts, rows) == (c.block_k, c.block_n) and not c.tma
+    vec = min(16 // dtype_bytes if same else 1, max(parts * rows // (32 * warps), 1))  # a thread's rows or parts
+    if rows_first:
+        lanes = min(32, rows // vec)  # along the rows (32 // lanes along the parts)
+        split = min(warps // min(warps, max(1, rows // (32 * vec))), max(1, parts * lanes // 32))
+        return 4 * rows * split * min(vec, 4) // vec if split > 1 else 0
+    split = min(warps, max(1, parts // (32 * vec)))
+    return 4 * rows * split if split > 1 else 0
 
 
 def field_error(c: GemmConfig) -> str | None:
@@ -194,7 +234,7 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     if c.tma and (p.k * p.dtype_bytes) % 16:
         return f"tma=1 needs rows of 16-byte multiples (K={p.k} x {p.dtype_bytes} B)"
     limit = smem_limit(device)
-    need = smem_bytes(c, p.dtype_bytes, device)
+    need = smem_bytes(c, p.dtype_bytes, device, p.ln_parts)
     if need > limit:
         return f"shared memory {need} B > {limit} B (smem_bytes: the K loop's A+B buffers, the split-K partial tile)"
     why = _cluster_error(c, p, device)
@@ -257,7 +297,7 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
     while c.num_warps > 1 and c.block_m * c.block_n < 16 * 16 * c.num_warps // 2:
         c = replace(c, num_warps=c.num_warps // 2)
     limit = smem_limit(device)  # (after the warps: they decide between wgmma and mma.sync, and so the buffers)
-    while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes, device) > limit:
+    while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes, device, problem.ln_parts) > limit:
         c = replace(c, num_stages=c.num_stages - 1)
     if c.cluster and _cluster_error(c, problem, device):  # the tiles or the GPU do not fit the CUDA kernel
         c = replace(c, cluster=0)
@@ -654,7 +694,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError(f"linear: x is {x.dtype} but weight is {weight.dtype}")
     M, K = x.shape
     N = weight.shape[0]
-    why = None if _unchecked else check(config, GemmProblem(M, N, K, x.element_size()),
+    ln_parts = ln_stats.shape[0] if ln_stats is not None and ln_stats.dim() == 3 else 0
+    why = None if _unchecked else check(config, GemmProblem(M, N, K, x.element_size(), ln_parts),
                                         DeviceInfo.from_torch(x.device) if x.is_cuda else None)
     if why:  # _unchecked (test-only): launch anyway, so that a config beyond the GPU's limits fails for real
         raise ValueError(f"linear: invalid GemmConfig for M={M} N={N} K={K}: {why}")
@@ -703,7 +744,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # The fused LayerNorm's per-split row sums live after the partials in the same workspace.
     stats = workspace[c.split_k * M * N:] if (c.split_k > 1 and ln_colsum is not None and not on_cluster) else None
     dummy = out  # never read when the matching HAS_* / LN_* / STATS_* flag is off
-    ln_parts = ln_stats.shape[0] if ln_stats is not None else 0
     stats_kw = dict(LN_STATS_IN=ln_parts > 0, STATS_OUT=stats_out is not None,
                     LN_PARTS=triton.next_power_of_2(max(ln_parts, 1)))
     lines = max(1, c.block_k * x.element_size() // 128)

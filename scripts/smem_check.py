@@ -86,13 +86,13 @@ def gemm_main() -> None:
                   residual=r(p.m, p.n) if launch.get("residual") else None)
         if launch.get("ln"):
             kw["ln_colsum"] = w.float().sum(1)
-            if launch["ln"] == 2:  # a producer's row sums of x over 64-column parts
-                xp = x.float().view(p.m, -1, 64)
+            if launch["ln"] == 2:  # a producer's row sums of x over p.ln_parts column parts
+                xp = x.float().view(p.m, p.ln_parts, -1)
                 kw["ln_stats"] = torch.stack((xp.sum(2), (xp * xp).sum(2)), -1).transpose(0, 1).contiguous()
         stats = lambda cfg: (dict(stats_out=torch.zeros(gemm.stats_parts(cfg, p.n), p.m, 2, device=on))  # noqa: E731
                              if launch.get("stats_out") else {})
         why = gemm.check(c, p, dev)
-        count = gemm.smem_bytes(c, p.dtype_bytes, dev)
+        count = gemm.smem_bytes(c, p.dtype_bytes, dev, p.ln_parts)
         if why:
             print(f"{name} ({which}): count {count} B, check() refuses: {why}")
             continue

@@ -13,7 +13,8 @@ the list of byte counts. A case is a dict with ``arch`` (compute capability as a
 
 * ``kind: "gemm"``, ``config`` (GemmConfig fields), ``problem`` ``[m, n, k]`` and ``launch``, linear's epilogue:
   ``bias``, ``residual``, ``stats_out`` (bools), ``activation``, ``ln`` (0: none; 1: LayerNorm folded, row sums
-  gathered in the K loop; 2: row sums read from a producer's ``ln_stats``: NormConfig.fuse's values); fp16; or
+  gathered in the K loop; 2: row sums read from a producer's ``ln_stats``: NormConfig.fuse's values) and with ln 2
+  ``ln_parts``, the producer's row-sum parts (``ln_stats.shape[0]``, GemmProblem.ln_parts); fp16; or
 * ``kind: "layer"``, ``config`` (FusedLayerConfig fields) and ``problem`` ``[tokens, seq, d_model, heads, ffn]``.
 """
 
@@ -37,7 +38,6 @@ from tuner.layer import LayerWeights
 from tuner.shapes import DecoderShape
 
 H100_SMS = 132
-LN_PARTS = 12  # row-sum parts of a producer's stats_out (ln 2): a 768-wide output in 64-column tiles
 
 
 def compiled_shared(cases: list[dict]) -> list[int]:
@@ -96,7 +96,7 @@ def _gemm_launch(case: dict):
     if launch.get("ln"):
         kw["ln_colsum"] = e(n, dtype=torch.float32)
         if launch["ln"] == 2:
-            kw["ln_stats"] = e(LN_PARTS, m, 2, dtype=torch.float32)
+            kw["ln_stats"] = e(launch["ln_parts"], m, 2, dtype=torch.float32)
     if launch.get("stats_out"):
         kw["stats_out"] = e(gemm.stats_parts(c, n), m, 2, dtype=torch.float32)
     # _unchecked: a config over the default device's shared memory is compiled too.

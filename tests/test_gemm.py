@@ -160,13 +160,17 @@ def test_layernorm_prologue_on_gpu_tiles(block_k, stages, warps):
 
 
 # bert-base's GEMMs, each launched with the epilogue the layer gives it (a fused LayerNorm's row sums gathered in the
-# K loop, ln 1, or read from the producer's stats_out, ln 2), and a config for each way the count can come out: wgmma
-# buffers (block_m >= 64, 4 or 8 warps), mma.sync's one fewer (block_m 32, or 2 warps), TMA's mbarriers, one stage, the
-# split-K partial tile over a small loop (128x256, 8 warps: 131072 B against 49152 of buffers), and over the limit.
+# K loop, ln 1, or read from the producer's stats_out, ln 2: the problem's ln_parts, 12 from 64-column tiles, 2 or 3
+# from wider ones), and a config for each way the count can come out: wgmma buffers (block_m >= 64, 4 or 8 warps),
+# mma.sync's one fewer (block_m 32, or 2 warps), TMA's mbarriers, one stage, the split-K partial tile over a small loop
+# (128x256, 8 warps: 131072 B against 49152 of buffers), over the limit, and the row sums' scratch (stats_scratch:
+# warps across a few parts, 16 rows at 16 warps).
 BERT_GEMMS = {"qkv": (GemmProblem(128, 2304, 768), dict(bias=True, ln=1)),
-              "qkv-stats": (GemmProblem(128, 2304, 768), dict(bias=True, ln=2)),
+              "qkv-stats": (GemmProblem(128, 2304, 768, ln_parts=12), dict(bias=True, ln=2)),
               "out": (GemmProblem(128, 768, 768), dict(bias=True, residual=True, stats_out=True)),
-              "ffn1": (GemmProblem(128, 3072, 768), dict(bias=True, activation="gelu", ln=2)),
+              "ffn1": (GemmProblem(128, 3072, 768, ln_parts=12), dict(bias=True, activation="gelu", ln=2)),
+              "ffn1-2": (GemmProblem(128, 3072, 768, ln_parts=2), dict(bias=True, activation="gelu", ln=2)),
+              "ffn1-3": (GemmProblem(128, 3072, 768, ln_parts=3), dict(bias=True, activation="gelu", ln=2)),
               "ffn2": (GemmProblem(128, 768, 3072), dict(bias=True, residual=True))}
 SMEM_CASES = {
     "wgmma": ("ffn1", GemmConfig(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)),
@@ -178,18 +182,21 @@ SMEM_CASES = {
     "split-partial": ("out", GemmConfig(block_m=128, block_n=256, block_k=32, num_warps=8, num_stages=2, split_k=2)),
     "split-tma": ("qkv-stats", GemmConfig(block_m=128, block_n=64, block_k=64, num_stages=6, split_k=3, tma=1)),
     "over-limit": ("ffn2", GemmConfig(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=4)),
+    "2parts": ("ffn1-2", GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=4)),
+    "3parts": ("ffn1-3", GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=8, num_stages=3)),
+    "16rows-16warps": ("ffn1", GemmConfig(block_m=16, block_n=128, block_k=64, num_warps=16, num_stages=3)),
 }
 
 
 def test_smem_bytes_is_what_triton_allocates():
     """The count against triton.compile's allocation for sm_90 (every case) and sm_80 (mma.sync everywhere: the wgmma
-    case one buffer fewer, and over the A100's limit), as linear() launches the kernel there; and check() refuses
-    exactly the cases over the GPU's limit. No GPU needed (tests/compile_smem.py)."""
+    case one buffer fewer, and over the A100's limit), as linear() launches the kernel there, with the problem's
+    row-sum parts; and check() refuses exactly the cases over the GPU's limit. No GPU needed (tests/compile_smem.py)."""
     from dataclasses import asdict
 
     import triton
 
-    from tuner.kernels.gemm import TRITON_VERSION, stats_scratch
+    from tuner.kernels.gemm import TRITON_VERSION
 
     if TRITON_VERSION not in ((3, 6), (3, 9)):
         # The count is calibrated on triton 3.6, the GPU machines' version (CI pins it too), and checked on 3.9.
@@ -197,13 +204,14 @@ def test_smem_bytes_is_what_triton_allocates():
 
     from compile_smem import compiled_shared
 
-    def count(name, dev):  # (stats_scratch: counted for every launch, allocated only by those with ln_stats, ln 2)
+    def count(name, dev):
         gemm, c = SMEM_CASES[name]
-        return smem_bytes(c, 2, dev) - (0 if BERT_GEMMS[gemm][1].get("ln") == 2 else stats_scratch(c))
+        return smem_bytes(c, 2, dev, BERT_GEMMS[gemm][0].ln_parts)
 
     def case(name, arch):
         gemm, c = SMEM_CASES[name]
         p, launch = BERT_GEMMS[gemm]
+        launch = dict(launch, ln_parts=p.ln_parts) if launch.get("ln") == 2 else launch
         return dict(kind="gemm", config=asdict(c), problem=[p.m, p.n, p.k], launch=launch, arch=arch)
 
     cases = {f"{name}/sm_90": (name, H100) for name in SMEM_CASES}

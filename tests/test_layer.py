@@ -56,6 +56,39 @@ def test_stack_with_statistics_from_split_k_producers(device):
     assert err < st.tolerance(), err
 
 
+def test_gemm_checks_count_the_row_sum_parts_they_read():
+    # QKV reads FFN2's row sums (norm1.fuse 2: 768 / 256 = 3 parts), FFN1 the out-projection's (norm2.fuse 2: 6), as
+    # LayerBuffers allocates them; check_config and repair_config count their scratch (gemm.stats_scratch) on a GPU
+    # whose limit is QKV's count without it, and the block kernel's parts where it runs (tiny, as on Hopper).
+    from dataclasses import replace
+
+    from tuner.device import DeviceInfo
+    from tuner.kernels import gemm
+    from tuner.layer import LayerBuffers, fit_config, ln_parts, repair_config
+
+    shape = resolve("bert-base")
+    base = fit_config(DecoderConfig(), shape)
+    qkv = gemm.GemmConfig(block_m=32, block_n=256, block_k=128, num_warps=8, num_stages=4)
+    cfg = replace(base, qkv=qkv, ffn2=replace(base.ffn2, block_n=256), out=replace(base.out, block_n=128),
+                  norm1=replace(base.norm1, fuse=2), norm2=replace(base.norm2, fuse=2))
+    assert ln_parts(shape, cfg) == {"qkv": 3, "ffn1": 6}
+    b = LayerBuffers(shape, cfg, torch.float16, "cpu")
+    assert (b.y_stats.shape[0], b.h_stats.shape[0]) == (3, 6)
+    assert gemm.stats_scratch(qkv, 3) > 0
+    tight = DeviceInfo("tight", (9, 0), 132, 50 << 20, gemm.smem_bytes(qkv, 2))
+    unfused = replace(cfg, norm1=replace(cfg.norm1, fuse=0))
+    assert "shared memory" in check_config(cfg, shape, 2, tight)["qkv"]
+    assert "qkv" not in check_config(unfused, shape, 2, tight)
+    assert repair_config(cfg, shape, 2, tight).qkv.num_stages == 3
+    assert repair_config(unfused, shape, 2, tight).qkv.num_stages == 4
+    tiny = resolve("tiny")
+    block = fit_config(DecoderConfig(), tiny)
+    block = replace(block, norm1=cfg.norm1, norm2=cfg.norm2, ffn2=replace(block.ffn2, fuse=1))
+    assert ln_parts(tiny, block) == {"qkv": 16, "ffn1": 4}  # (one part a CTA of the block kernel)
+    assert ln_parts(tiny, replace(block, out=replace(block.out, fuse=1))) == {"qkv": 16}
+    assert ln_parts(tiny, block, 2, DeviceInfo.interpreter()) == {"qkv": 4, "ffn1": 4}  # (no block kernel there)
+
+
 def test_stack_check_catches_unwritten_output(device):
     st = DecoderStack(ODD, hand_picked(ODD), n_layers=1, dtype=torch.float32, device=device, seed=1)
     st.run = lambda: None  # nothing launched: the poisoned output must fail the check

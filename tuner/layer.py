@@ -93,6 +93,24 @@ def qkv_attn_fused(shape: DecoderShape, cfg: DecoderConfig, device) -> bool:
             and qkv_attn_error(shape, cfg) is None)
 
 
+def ln_parts(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
+             device: DeviceInfo | None = None) -> dict[str, int]:
+    """The producer's row-sum parts that each Triton GEMM reads with ``ln_stats`` (gemm_k.GemmProblem.ln_parts; a
+    GEMM not named reads none), as LayerBuffers allocates them: QKV the previous layer's FFN2's with norm1.fuse 2 (the
+    one-kernel feed-forward block's where it runs: ffn2.fuse 1 or 2 and mlp_error None, ``device`` None as on
+    Hopper), FFN1 the out-projection's with norm2.fuse 2 (none where that block computes the out-projection)."""
+    from tuner.kernels import mlp_cluster
+
+    d = shape.d_model
+    mlp = cfg.ffn2.fuse in (1, 2) and mlp_error(shape, cfg, dtype_bytes, device) is None
+    parts = {}
+    if cfg.norm1.fuse == 2:
+        parts["qkv"] = mlp_cluster.stats_parts(d, shape.ffn, mlp_fs(cfg)) if mlp else gemm_k.stats_parts(cfg.ffn2, d)
+    if cfg.norm2.fuse == 2 and not (mlp and cfg.out.fuse):
+        parts["ffn1"] = gemm_k.stats_parts(cfg.out, d)
+    return parts
+
+
 def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                  device: DeviceInfo | None = None) -> dict[str, str]:
     """Why each kernel's config is invalid for ``shape`` (empty when all are valid). A fused layer
@@ -102,12 +120,14 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
         return {"layer": why} if why else {}
     bad = {}
     m, d = shape.tokens, shape.d_model
+    parts = ln_parts(shape, cfg, dtype_bytes, device)
     for name in ("norm1", "norm2"):
         why = norm_k.check(getattr(cfg, name), norm_k.NormProblem(m, d, dtype_bytes), device)
         if why:
             bad[name] = why
     for name, (gm, gn, gk) in shape.gemms().items():
-        why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes), device)
+        why = gemm_k.check(getattr(cfg, name), gemm_k.GemmProblem(gm, gn, gk, dtype_bytes, parts.get(name, 0)),
+                           device)
         fuse = getattr(cfg, name).fuse
         if why is None and name == "ffn1" and fuse:
             why = "fuse is FFN2's, the out-projection's (computed by FFN1's kernel) and QKV's; it must be 0 here"
@@ -167,16 +187,19 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     from dataclasses import replace
 
     cfg = fit_config(cfg, shape)
-    cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes), device)
-                          for n, (m, nn, k) in shape.gemms().items()})
     if cfg.attn.fuse and (not cfg.ffn2.fuse or not cfg.out.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
         cfg = replace(cfg, attn=replace(cfg.attn, fuse=0))  # the attention kernel runs
-    if cfg.qkv.fuse and (cfg.qkv.fuse != 1 or qkv_attn_error(shape, cfg, device)):
-        cfg = replace(cfg, qkv=replace(cfg.qkv, fuse=0))  # QKV and the attention run their own configs
     if cfg.out.fuse and (not cfg.ffn2.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
         cfg = replace(cfg, out=replace(cfg.out, fuse=0))  # the out-projection runs its own config
     if cfg.ffn2.fuse and mlp_error(shape, cfg, dtype_bytes, device):  # FFN1 and FFN2 run their own configs
         cfg = replace(cfg, ffn2=replace(cfg.ffn2, fuse=0))
+    # (after those: they decide which GEMM's row sums QKV and FFN1 read, ln_parts; the GEMMs' tiles do not decide them)
+    parts = ln_parts(shape, cfg, dtype_bytes, device)
+    cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes, parts.get(n, 0)),
+                                           device)
+                          for n, (m, nn, k) in shape.gemms().items()})
+    if cfg.qkv.fuse and (cfg.qkv.fuse != 1 or qkv_attn_error(shape, cfg, device)):  # (after QKV's stages: its depth)
+        cfg = replace(cfg, qkv=replace(cfg.qkv, fuse=0))  # QKV and the attention run their own configs
     return cfg
 
 
