@@ -94,15 +94,17 @@ def qkv_attn_fused(shape: DecoderShape, cfg: DecoderConfig, device) -> bool:
 
 
 def ln_parts(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
-             device: DeviceInfo | None = None) -> dict[str, int]:
+             device: DeviceInfo | None = None, mlp: bool | None = None) -> dict[str, int]:
     """The producer's row-sum parts that each Triton GEMM reads with ``ln_stats`` (gemm_k.GemmProblem.ln_parts; a
-    GEMM not named reads none), as LayerBuffers allocates them: QKV the previous layer's FFN2's with norm1.fuse 2 (the
-    one-kernel feed-forward block's where it runs: ffn2.fuse 1 or 2 and mlp_error None, ``device`` None as on
-    Hopper), FFN1 the out-projection's with norm2.fuse 2 (none where that block computes the out-projection)."""
+    GEMM not named reads none), the sizes of LayerBuffers' h_stats and y_stats: QKV the previous layer's FFN2's with
+    norm1.fuse 2 (the one-kernel feed-forward block's where it runs: ``mlp``, by default ffn2.fuse 1 or 2 and
+    mlp_error None, ``device`` None as on Hopper), FFN1 the out-projection's with norm2.fuse 2 (none where that block
+    computes the out-projection)."""
     from tuner.kernels import mlp_cluster
 
     d = shape.d_model
-    mlp = cfg.ffn2.fuse in (1, 2) and mlp_error(shape, cfg, dtype_bytes, device) is None
+    if mlp is None:
+        mlp = cfg.ffn2.fuse in (1, 2) and mlp_error(shape, cfg, dtype_bytes, device) is None
     parts = {}
     if cfg.norm1.fuse == 2:
         parts["qkv"] = mlp_cluster.stats_parts(d, shape.ffn, mlp_fs(cfg)) if mlp else gemm_k.stats_parts(cfg.ffn2, d)
@@ -310,15 +312,10 @@ class LayerBuffers:
         self.mlp_attn = self.mlp_out and bool(cfg.attn.fuse)  # the attention in the block too: qkv is its input
         self.qkv_attn = qkv_attn_fused(shape, cfg, device)  # the attention in QKV's kernel (where the layer has its
         # input's row sums for a norm1.fuse of 2: not the stack's first layer): qkv is not written
-        if self.mlp:
-            from tuner.kernels import mlp_cluster
-
-            y_parts = mlp_cluster.stats_parts(d, f, mlp_fs(cfg))
-        else:
-            y_parts = gemm_k.stats_parts(cfg.ffn2, d)
+        parts = ln_parts(shape, cfg, mlp=self.mlp)
         st = lambda parts: torch.empty((parts, m, 2), dtype=torch.float32, device=device)  # noqa: E731
-        self.h_stats = st(gemm_k.stats_parts(cfg.out, d)) if cfg.norm2.fuse == 2 and not self.mlp_out else None
-        self.y_stats = st(y_parts) if cfg.norm1.fuse == 2 else None
+        self.h_stats = st(parts["ffn1"]) if "ffn1" in parts else None
+        self.y_stats = st(parts["qkv"]) if "qkv" in parts else None
         for name, (gm, gn, _) in shape.gemms().items():
             n = gemm_k.workspace_numel(getattr(cfg, name), gm, gn)
             self.ws[name] = torch.empty(n, dtype=torch.float32, device=device) if n else None
