@@ -239,3 +239,95 @@ extern "C" int tma_issue_cost(void* t, int mode, int n, int rows, long long* out
   issue_cost<<<1, 32, smem>>>(m, mode, n, rows, out);
   return cudaDeviceSynchronize() != cudaSuccess ? 2 : 0;
 }
+
+// A GEMM program's loads as one burst (perf notes 43): every CTA takes in `n_shared` + `n_own` boxes of 64 rows x
+// kt 64-wide tiles (8 KB x kt each), all issued at once with no slot reused, as the 64x64 GEMM programs issue their
+// whole K slice (A's rows, then B's). The `n_shared` boxes (A: the activation rows that every column tile reads) are
+// the same in every CTA of a cluster of `csize`; with `mc` 1 the CTA of rank r issues shared boxes r, r + csize, ...
+// once for the whole cluster by TMA multicast (L2 serves each once a cluster), with `mc` 0 every CTA loads them all
+// itself. The own boxes (B: the CTA's weight columns) are its own. Issued by `lanes` lanes of warp 0, box b by lane
+// b % lanes. Per CTA: SM cycles from the burst's start (after the cluster barrier) to its last box landing, and the
+// %globaltimer ns of the start and of the end (for the chip's span).
+namespace {
+__global__ void __launch_bounds__(32, 1) ingest_burst(const __grid_constant__ CUtensorMap m, int kt, int n_shared,
+                                                     int n_own, int csize, int mc, int lanes, long long* out) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t bytes = kt * 8192;
+  const int n = n_shared + n_own;
+  const uint32_t bars = base + n * bytes;
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < n; ++b) {
+      mbar_init(bars + 8 * b, 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    prefetch_tensormap(&m);
+    // armed before the cluster barrier, so that no peer's multicast can complete a box before its bytes are expected
+    for (int b = 0; b < n; ++b) mbar_expect_tx(bars + 8 * b, bytes);
+  }
+  cluster_sync();
+  const long long t0 = clock64();
+  const long long g0 = globaltimer();
+  const int cl = blockIdx.x / csize, ctiles = 48 - kt + 1;
+  const uint16_t mask = static_cast<uint16_t>((1u << csize) - 1);
+  if (threadIdx.x < lanes) {
+    for (int b = threadIdx.x; b < n; b += lanes) {
+      const uint32_t dst = base + b * bytes, bar = bars + 8 * b;
+      if (b < n_shared) {
+        const int row = ((cl * 7 + b) % 32) * 64, ct = ((cl * 5 + b) * kt) % ctiles;
+        if (!mc) {
+          tma_load3(dst, &m, bar, row, ct);
+        } else if (b % csize == static_cast<int>(rank)) {
+          asm volatile(
+              "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+              " [%0], [%1, {%3, %4, %5}], [%2], %6;" ::"r"(dst),
+              "l"(reinterpret_cast<uint64_t>(&m)), "r"(bar), "r"(0), "r"(row), "r"(ct), "h"(mask)
+              : "memory");
+        }
+      } else {
+        const int c = blockIdx.x;
+        tma_load3(dst, &m, bar, ((c * 11 + b) % 32) * 64, ((c * 3 + b) * kt) % ctiles);
+      }
+    }
+  }
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < n; ++b) mbar_wait(bars + 8 * b, 0);
+    out[3 * blockIdx.x] = clock64() - t0;
+    out[3 * blockIdx.x + 1] = g0;
+    out[3 * blockIdx.x + 2] = globaltimer();
+  }
+  cluster_sync();  // no CTA exits while its peers' multicasts may still write into it
+}
+}  // namespace
+
+extern "C" int tma_ingest_burst(void* t, int kt, int n_shared, int n_own, int csize, int mc, int lanes, int ctas,
+                                long long* out, char* err) {
+  CUtensorMap m;
+  if (encode3(&m, false, t, 2048, 3072, 3072, 64, kt, err, 256)) return 1;
+  const int smem = 1024 + (n_shared + n_own) * kt * 8192 + 8 * (n_shared + n_own);
+  if (cudaFuncSetAttribute(ingest_burst, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(ctas / csize * csize, 1, 1);
+  cfg.blockDim = dim3(32, 1, 1);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = csize;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaError_t e = cudaLaunchKernelEx(&cfg, ingest_burst, m, kt, n_shared, n_own, csize, mc, lanes, out);
+  if (e != cudaSuccess) {
+    snprintf(err, 256, "%s", cudaGetErrorString(e));
+    return 4;
+  }
+  e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    snprintf(err, 256, "%s", cudaGetErrorString(e));
+    return 2;
+  }
+  return 0;
+}

@@ -1,9 +1,10 @@
 """How fast one SM takes in data through the TMA unit, by load shape, issuing threads (warps x lanes) and loads an
 mbarrier, alone and with every SM loading (scripts/tma_bench.cu; docs/perf-notes.md, section 19). L2-resident data
 (a 12 MB tensor, read once before). usage: python3 scripts/tma_bench.py; from Python also issue_cost(), scaling(),
-hotspot(), multicast() and l2_to_sm_bytes_per_s()."""
+hotspot(), multicast(), burst() and l2_to_sm_bytes_per_s(); `python3 scripts/tma_bench.py burst` runs burst() alone."""
 
 import ctypes
+import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +19,7 @@ def _setup():
     """The benchmark library (every entry point's argtypes from the source), a [2048, 3072] fp16 tensor (12 MB: it
     stays in L2 once read), an error buffer."""
     lib = _nvcc.build(SOURCE, {"TB": 2}, "tma_bench")
-    for fn in ("tma_ingest", "tma_ingest_mc", "tma_issue_cost"):
+    for fn in ("tma_ingest", "tma_ingest_mc", "tma_issue_cost", "tma_ingest_burst"):
         getattr(lib, fn).argtypes = _nvcc.c_argtypes(SOURCE.read_text(), fn)
     return lib, torch.randn(2048, 3072, device="cuda").half(), ctypes.create_string_buffer(256)
 
@@ -140,9 +141,50 @@ def multicast():
                           f"{recv.min().item():6.1f}), L2 serves {recv.median().item() / csize:6.1f} a SM", flush=True)
 
 
+def burst(ctas_list=(96, 128), kts=(1, 2, 4), runs=5):
+    """A 64x64 GEMM program's K = 768 slice as one burst a CTA: 96 KB of A rows (the same in every CTA of a
+    cluster) and 96 KB of its own B columns, every box issued at once (perf notes 43). Clusters of 1, 2, 4 with A
+    loaded by every CTA (mc 0) or once a cluster by multicast (mc 1), boxes of kt 8 KB tiles, 1 or 4 issuing lanes.
+    Per case (the median of `runs` launches after one that reads the tensor into L2): what an SM takes in (B/cycle,
+    median and slowest CTA), a CTA's burst in us (median, slowest), and over the chip's span (first start to last
+    landing) the TB/s delivered into shared memory and served by L2."""
+    lib, t, err = _setup()
+    kb = 96
+    for ctas in ctas_list:
+        for kt in kts:
+            n = kb // (8 * kt)
+            for csize, mc in ((1, 0), (2, 0), (2, 1), (4, 0), (4, 1)):
+                for lanes in (1, 4):
+                    out = torch.zeros(3 * ctas, dtype=torch.int64, device="cuda")
+                    rows = []
+                    for r in range(runs + 1):
+                        rc = lib.tma_ingest_burst(t.data_ptr(), kt, n, n, csize, mc, lanes, ctas, out.data_ptr(), err)
+                        assert rc == 0, (rc, err.value)
+                        o = out.view(-1, 3).double()
+                        if r:
+                            rows.append(o.clone())
+                    recv = 2 * kb * 1024
+                    served = kb * 1024 * (1 / csize if mc else 1) + kb * 1024
+                    per = []
+                    for o in rows:
+                        cyc, g0, g1 = o[:, 0], o[:, 1], o[:, 2]
+                        span = (g1.max() - g0.min()).item()
+                        per.append(((recv / cyc).median().item(), (recv / cyc).min().item(),
+                                    ((g1 - g0) / 1e3).median().item(), ((g1 - g0) / 1e3).max().item(),
+                                    ctas * recv / span / 1e3, ctas * served / span / 1e3))
+                    med = [sorted(x)[len(x) // 2] for x in zip(*per)]
+                    print(f"burst: {ctas:3d} CTAs, clusters of {csize}, A {'multicast' if mc else 'loaded by each'}"
+                          f"{'' if mc else '   '}, {kt * 8:2d} KB boxes, {lanes} lane(s): {med[0]:6.1f} B/cycle/SM "
+                          f"(slowest {med[1]:6.1f}); a CTA {med[2]:5.2f} us (slowest {med[3]:5.2f}); chip "
+                          f"{med[4]:5.2f} TB/s into shared memory, L2 serves {med[5]:5.2f}", flush=True)
+
+
 if __name__ == "__main__":
     from tuner.device import require_gpu
 
     require_gpu(__file__)
-    main()
-    multicast()
+    if sys.argv[1:] == ["burst"]:
+        burst()
+    else:
+        main()
+        multicast()
