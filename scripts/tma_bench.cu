@@ -245,12 +245,13 @@ extern "C" int tma_issue_cost(void* t, int mode, int n, int rows, long long* out
 // whole K slice (A's rows, then B's). The `n_shared` boxes (A: the activation rows that every column tile reads) are
 // the same in every CTA of a cluster of `csize`; with `mc` 1 the CTA of rank r issues shared boxes r, r + csize, ...
 // once for the whole cluster by TMA multicast (L2 serves each once a cluster), with `mc` 0 every CTA loads them all
-// itself. The own boxes (B: the CTA's weight columns) are its own. Issued by `lanes` lanes of warp 0, box b by lane
+// itself, the same boxes as the other CTAs of its `group` of consecutive CTAs (whatever the cluster size). The own boxes (B: the CTA's weight columns) are its own. Issued by `lanes` lanes of warp 0, box b by lane
 // b % lanes. Per CTA: SM cycles from the burst's start (after the cluster barrier) to its last box landing, and the
 // %globaltimer ns of the start and of the end (for the chip's span).
 namespace {
 __global__ void __launch_bounds__(32, 1) ingest_burst(const __grid_constant__ CUtensorMap m, int kt, int n_shared,
-                                                     int n_own, int csize, int mc, int lanes, long long* out) {
+                                                     int n_own, int csize, int mc, int group, int lanes,
+                                                     long long* out) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const uint32_t bytes = kt * 8192;
@@ -270,7 +271,7 @@ __global__ void __launch_bounds__(32, 1) ingest_burst(const __grid_constant__ CU
   cluster_sync();
   const long long t0 = clock64();
   const long long g0 = globaltimer();
-  const int cl = blockIdx.x / csize, ctiles = 48 - kt + 1;
+  const int cl = blockIdx.x / (mc ? csize : group), ctiles = 48 - kt + 1;
   const uint16_t mask = static_cast<uint16_t>((1u << csize) - 1);
   if (threadIdx.x < lanes) {
     for (int b = threadIdx.x; b < n; b += lanes) {
@@ -302,8 +303,8 @@ __global__ void __launch_bounds__(32, 1) ingest_burst(const __grid_constant__ CU
 }
 }  // namespace
 
-extern "C" int tma_ingest_burst(void* t, int kt, int n_shared, int n_own, int csize, int mc, int lanes, int ctas,
-                                long long* out, char* err) {
+extern "C" int tma_ingest_burst(void* t, int kt, int n_shared, int n_own, int csize, int mc, int group, int lanes,
+                                int ctas, long long* out, char* err) {
   CUtensorMap m;
   if (encode3(&m, false, t, 2048, 3072, 3072, 64, kt, err, 256)) return 1;
   const int smem = 1024 + (n_shared + n_own) * kt * 8192 + 8 * (n_shared + n_own);
@@ -319,7 +320,7 @@ extern "C" int tma_ingest_burst(void* t, int kt, int n_shared, int n_own, int cs
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, ingest_burst, m, kt, n_shared, n_own, csize, mc, lanes, out);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, ingest_burst, m, kt, n_shared, n_own, csize, mc, group, lanes, out);
   if (e != cudaSuccess) {
     snprintf(err, 256, "%s", cudaGetErrorString(e));
     return 4;

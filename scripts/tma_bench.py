@@ -1,7 +1,8 @@
 """How fast one SM takes in data through the TMA unit, by load shape, issuing threads (warps x lanes) and loads an
 mbarrier, alone and with every SM loading (scripts/tma_bench.cu; docs/perf-notes.md, section 19). L2-resident data
 (a 12 MB tensor, read once before). usage: python3 scripts/tma_bench.py; from Python also issue_cost(), scaling(),
-hotspot(), multicast(), burst() and l2_to_sm_bytes_per_s(); `python3 scripts/tma_bench.py burst` runs burst() alone."""
+hotspot(), multicast(), burst() and l2_to_sm_bytes_per_s(); `python3 scripts/tma_bench.py burst` runs burst() alone, `... burst-apart` the launch in clusters apart from
+the sharing of A."""
 
 import ctypes
 import sys
@@ -141,10 +142,15 @@ def multicast():
                           f"{recv.min().item():6.1f}), L2 serves {recv.median().item() / csize:6.1f} a SM", flush=True)
 
 
-def burst(ctas_list=(96, 128), kts=(1, 2, 4), runs=5):
-    """A 64x64 GEMM program's K = 768 slice as one burst a CTA: 96 KB of A rows (the same in every CTA of a
-    cluster) and 96 KB of its own B columns, every box issued at once (perf notes 43). Clusters of 1, 2, 4 with A
-    loaded by every CTA (mc 0) or once a cluster by multicast (mc 1), boxes of kt 8 KB tiles, 1 or 4 issuing lanes.
+CLUSTERS = ((1, 0, 1), (2, 0, 2), (2, 1, 2), (4, 0, 4), (4, 1, 4))  # (cluster size, multicast, CTAs reading one A)
+APART = ((1, 0, 1), (1, 0, 2), (1, 0, 4), (2, 0, 1), (2, 0, 2), (4, 0, 1), (4, 0, 4))  # the cluster and the sharing apart
+
+
+def burst(ctas_list=(96, 128), kts=(1, 2, 4), runs=5, cases=CLUSTERS, lanes_list=(1, 4)):
+    """A 64x64 GEMM program's K = 768 slice as one burst a CTA: 96 KB of A rows (the same in `group` consecutive
+    CTAs) and 96 KB of its own B columns, every box issued at once (perf notes 43). Each case (cluster size,
+    multicast, group): A loaded by every CTA (multicast 0) or once a cluster by multicast (1, group = cluster size);
+    boxes of kt 8 KB tiles, 1 or 4 issuing lanes.
     Per case (the median of `runs` launches after one that reads the tensor into L2): what an SM takes in (B/cycle,
     median and slowest CTA), a CTA's burst in us (median, slowest), and over the chip's span (first start to last
     landing) the TB/s delivered into shared memory and served by L2."""
@@ -153,12 +159,13 @@ def burst(ctas_list=(96, 128), kts=(1, 2, 4), runs=5):
     for ctas in ctas_list:
         for kt in kts:
             n = kb // (8 * kt)
-            for csize, mc in ((1, 0), (2, 0), (2, 1), (4, 0), (4, 1)):
-                for lanes in (1, 4):
+            for csize, mc, group in cases:
+                for lanes in lanes_list:
                     out = torch.zeros(3 * ctas, dtype=torch.int64, device="cuda")
                     rows = []
                     for r in range(runs + 1):
-                        rc = lib.tma_ingest_burst(t.data_ptr(), kt, n, n, csize, mc, lanes, ctas, out.data_ptr(), err)
+                        rc = lib.tma_ingest_burst(t.data_ptr(), kt, n, n, csize, mc, group, lanes, ctas,
+                                                  out.data_ptr(), err)
                         assert rc == 0, (rc, err.value)
                         o = out.view(-1, 3).double()
                         if r:
@@ -173,8 +180,9 @@ def burst(ctas_list=(96, 128), kts=(1, 2, 4), runs=5):
                                     ((g1 - g0) / 1e3).median().item(), ((g1 - g0) / 1e3).max().item(),
                                     ctas * recv / span / 1e3, ctas * served / span / 1e3))
                     med = [sorted(x)[len(x) // 2] for x in zip(*per)]
-                    print(f"burst: {ctas:3d} CTAs, clusters of {csize}, A {'multicast' if mc else 'loaded by each'}"
-                          f"{'' if mc else '   '}, {kt * 8:2d} KB boxes, {lanes} lane(s): {med[0]:6.1f} B/cycle/SM "
+                    who = "multicast" if mc else f"loaded by each, the same in {group}"
+                    print(f"burst: {ctas:3d} CTAs, clusters of {csize}, A {who:28s}, {kt * 8:2d} KB boxes, {lanes} "
+                          f"lane(s): {med[0]:6.1f} B/cycle/SM "
                           f"(slowest {med[1]:6.1f}); a CTA {med[2]:5.2f} us (slowest {med[3]:5.2f}); chip "
                           f"{med[4]:5.2f} TB/s into shared memory, L2 serves {med[5]:5.2f}", flush=True)
 
@@ -185,6 +193,8 @@ if __name__ == "__main__":
     require_gpu(__file__)
     if sys.argv[1:] == ["burst"]:
         burst()
+    elif sys.argv[1:] == ["burst-apart"]:
+        burst(ctas_list=(96, 128), kts=(1, 4), cases=APART, lanes_list=(4,))
     else:
         main()
         multicast()
