@@ -43,9 +43,6 @@ EARLY_TILES: int | None = None
 # Push every row slab of a split tile, also those whose rows all lie past M (which nobody stores). False: skip them
 # (tiny's 32 tokens on 64-row tiles: half of the exchange). True: A/B only (switch cg_all_slabs=1 of timeline.py).
 ALL_SLABS_PUSHED = False
-# Clusters of PAIR adjacent column tiles x split CTAs (cluster_gemm.cu's CG_PAIR), where the column tiles pair up
-# and the cluster stays within 8 CTAs; 1: a cluster a tile. 2: A/B only (switch cg_pair=2 of scripts/timeline.py).
-PAIR = 1
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
@@ -96,16 +93,15 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
-            diag: int = 0, even: int = 0, pair: int = 1) -> ctypes.CDLL:
+            diag: int = 0, even: int = 0) -> ctypes.CDLL:
     """The library of one variant (``diag``: CG_DIAG, _nvcc.diag's bits; ``even``: the tiles divide M and N and the
     output rows are 16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not
     been built for it on this machine (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even, pair)
+    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even,
-                                  **({"CG_PAIR": pair} if pair > 1 else {})},
+                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
@@ -113,7 +109,7 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn) or lib.cluster_gemm_trace_slots() != TRACE_SLOTS
             or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
-                                              | (diag << 24) | (even << 28) | ((pair - 1) << 29))):
+                                              | (diag << 24) | (even << 28))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py "
                            "(shared-memory layout, variant or trace slots)")
     _LIBS[key] = lib
@@ -166,8 +162,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
-    pair = PAIR if PAIR > 1 and (N + bn - 1) // bn % PAIR == 0 and PAIR * split <= 8 else 1
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even, pair)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
