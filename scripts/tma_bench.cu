@@ -145,13 +145,10 @@ __global__ void __launch_bounds__(32, 1) ingest_mc(const __grid_constant__ CUten
   }
   cluster_sync();  // no CTA exits while others may still arrive on its barriers
 }
-}  // namespace
-
-extern "C" int tma_ingest_mc(void* t, int rows, int loads, int slots, int csize, int ctas, long long* out, char* err) {
-  CUtensorMap m;
-  if (encode(&m, false, t, 2048, 3072, 3072, rows / csize, err, 256)) return 1;
-  const int smem = 1024 + slots * rows * 128 + 16 * slots;
-  if (cudaFuncSetAttribute(ingest_mc, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
+// Launches `kernel(args...)` on ctas / csize clusters of `csize` CTAs along x, 32 threads each, with `smem` bytes of
+// dynamic shared memory, and waits for it: 0, or 4 (launch) / 2 (run) with the CUDA error in err.
+template <typename K, typename... A>
+int launch_clusters(K kernel, int ctas, int csize, int smem, char* err, A... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(ctas / csize * csize, 1, 1);
   cfg.blockDim = dim3(32, 1, 1);
@@ -163,7 +160,7 @@ extern "C" int tma_ingest_mc(void* t, int rows, int loads, int slots, int csize,
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, ingest_mc, m, rows, loads, slots, csize, out);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, args...);
   if (e != cudaSuccess) {
     snprintf(err, 256, "%s", cudaGetErrorString(e));
     return 4;
@@ -174,6 +171,15 @@ extern "C" int tma_ingest_mc(void* t, int rows, int loads, int slots, int csize,
     return 2;
   }
   return 0;
+}
+}  // namespace
+
+extern "C" int tma_ingest_mc(void* t, int rows, int loads, int slots, int csize, int ctas, long long* out, char* err) {
+  CUtensorMap m;
+  if (encode(&m, false, t, 2048, 3072, 3072, rows / csize, err, 256)) return 1;
+  const int smem = 1024 + slots * rows * 128 + 16 * slots;
+  if (cudaFuncSetAttribute(ingest_mc, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
+  return launch_clusters(ingest_mc, ctas, csize, smem, err, m, rows, loads, slots, csize, out);
 }
 
 // The issue cost of the primitives a producer loop is made of, one thread, nothing to wait for: `n` (<= 16) of
@@ -309,26 +315,5 @@ extern "C" int tma_ingest_burst(void* t, int kt, int n_shared, int n_own, int cs
   if (encode3(&m, false, t, 2048, 3072, 3072, 64, kt, err, 256)) return 1;
   const int smem = 1024 + (n_shared + n_own) * kt * 8192 + 8 * (n_shared + n_own);
   if (cudaFuncSetAttribute(ingest_burst, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) return 3;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(ctas / csize * csize, 1, 1);
-  cfg.blockDim = dim3(32, 1, 1);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = csize;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, ingest_burst, m, kt, n_shared, n_own, csize, mc, group, lanes, out);
-  if (e != cudaSuccess) {
-    snprintf(err, 256, "%s", cudaGetErrorString(e));
-    return 4;
-  }
-  e = cudaDeviceSynchronize();
-  if (e != cudaSuccess) {
-    snprintf(err, 256, "%s", cudaGetErrorString(e));
-    return 2;
-  }
-  return 0;
+  return launch_clusters(ingest_burst, ctas, csize, smem, err, m, kt, n_shared, n_own, csize, mc, group, lanes, out);
 }
