@@ -17,6 +17,8 @@ __device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
   return v;
 }
 
+constexpr int MAX_VEC = 8;  // 16-byte vectors a thread: 128 threads read at most 16 KB
+
 __global__ void __launch_bounds__(128, 1) flag_chain(float* a, float* b, unsigned* flags, int hops, int words,
                                                     int group) {
   const int p = blockIdx.x, P = gridDim.x, g = p / group;
@@ -30,8 +32,20 @@ __global__ void __launch_bounds__(128, 1) flag_chain(float* a, float* b, unsigne
       }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < words; i += blockDim.x)
-      dst[static_cast<long long>(p) * words + i] = __ldcg(src + static_cast<long long>(q) * words + i) + 1.f;
+    // every load issued before any store (16-byte vectors, up to 8 a thread), as a kernel's first stage would be
+    const float4* s4 = reinterpret_cast<const float4*>(src + static_cast<long long>(q) * words);
+    float4* d4 = reinterpret_cast<float4*>(dst + static_cast<long long>(p) * words);
+    float4 v[MAX_VEC];
+#pragma unroll
+    for (int k = 0; k < MAX_VEC; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < words / 4) v[k] = __ldcg(s4 + i);
+    }
+#pragma unroll
+    for (int k = 0; k < MAX_VEC; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < words / 4) d4[i] = make_float4(v[k].x + 1.f, v[k].y + 1.f, v[k].z + 1.f, v[k].w + 1.f);
+    }
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();
@@ -46,8 +60,9 @@ __global__ void __launch_bounds__(128, 1) flag_chain(float* a, float* b, unsigne
 // the flags are zeroed; *us: the launch's time. 0, or 1 (bad arguments) / 2 (CUDA error, in err).
 extern "C" int flag_chain_run(float* a, float* b, unsigned* flags, int programs, int hops, int words, int group,
                               int smem, float* us, char* err) {
-  if (group < 1 || programs % group != 0) {
-    snprintf(err, 256, "group %d must divide programs %d", group, programs);
+  if (group < 1 || programs % group != 0 || words % 4 != 0 || words / 4 > 128 * MAX_VEC) {
+    snprintf(err, 256, "group %d must divide programs %d; words %d: a multiple of 4, at most %d", group, programs,
+             words, 128 * MAX_VEC * 4);
     return 1;
   }
   if (cudaFuncSetAttribute(flag_chain, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
