@@ -5,8 +5,9 @@ A persistent layer (sections 6 and 18) replaces each kernel boundary by flags: a
 it reads, reads it, and releases its own. Here P co-resident CTAs run a chain of phases that do nothing else: wait,
 read a block another CTA wrote (256 B or 16 KB of fp32, through L2), add one, write, release. Per-tile flags (one
 producer a CTA), a join over a group of 12 CTAs (a bert-base row's 768 columns in 64-column tiles) and over all P (a
-grid barrier); beside them, in the same process, boundary_bench's chain of kernels under PDL (the same reads). A
-phase's cost is the slope over the hops (72 against 8 in one launch), so the launch itself cancels.
+grid barrier), and NCCL's low-latency protocol (LL: no flags, each 8-byte word carries its data and its phase);
+beside them, in the same process, boundary_bench's chain of kernels under PDL (the same reads). A phase's cost is
+the slope over the hops (72 against 8 in one launch), so the launch itself cancels.
 
 usage: python3 scripts/flag_bench.py [--reps 15]
 """
@@ -34,14 +35,17 @@ def _lib():
 
 def per_phase(lib, programs: int, words: int, group: int, reps: int) -> tuple[float, float, bool]:
     """us a phase (median of `reps` slopes), their spread (IQR / 2), and whether the checked run's every element
-    holds its hop count."""
-    a, b = (torch.zeros(programs * words, device="cuda") for _ in range(2))
+    holds its hop count. group 0: the LL chain (8-byte words of data and phase)."""
+    slots = torch.zeros((HOPS[1] + 1) * programs * words, dtype=torch.int64 if group == 0 else torch.float32,
+                        device="cuda")
     flags = torch.zeros((HOPS[1] + 1) * programs, dtype=torch.int32, device="cuda")
     us, err = ctypes.c_float(), ctypes.create_string_buffer(256)
     smem = 120 * 1024  # one CTA an SM: every CTA resident at once, as the spin waits need
 
     def run(hops):
-        rc = lib.flag_chain_run(a.data_ptr(), b.data_ptr(), flags.data_ptr(), programs, hops, words, group, smem,
+        if group == 0:
+            slots.zero_()  # (the LL words carry their phase: a slot must not hold an earlier run's)
+        rc = lib.flag_chain_run(slots.data_ptr(), flags.data_ptr(), programs, hops, words, group, smem,
                                 ctypes.byref(us), err)
         assert rc == 0, (rc, err.value)
         return us.value
@@ -51,12 +55,13 @@ def per_phase(lib, programs: int, words: int, group: int, reps: int) -> tuple[fl
         t0, t1 = run(HOPS[0]), run(HOPS[1])
         slopes.append((t1 - t0) / (HOPS[1] - HOPS[0]))
     slopes = sorted(slopes[1:])  # (the first builds and warms)
-    a.zero_()
-    b.zero_()
-    run(HOPS[1])
     torch.cuda.synchronize()
-    last = (b if HOPS[1] % 2 else a)
-    ok = bool((last == HOPS[1]).all())
+    last = slots.view(HOPS[1] + 1, -1)[HOPS[1]]
+    if group == 0:
+        data = (last & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+        ok = bool((data == HOPS[1]).all()) and bool(((last >> 32) == HOPS[1]).all())
+    else:
+        ok = bool((last == HOPS[1]).all())
     q = len(slopes) // 4
     return statistics.median(slopes), (slopes[-1 - q] - slopes[q]) / 2, ok
 
@@ -72,12 +77,13 @@ def main() -> None:
     lib = _lib()
     print(f"## {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}; us a phase (flags) or a hop "
           f"(kernels, 64 a graph), medians")
-    print("| programs | bytes read | per-tile flag | join of 12 | join of all | kernel, PDL at entry | PDL at exit |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| programs | bytes read | per-tile flag | join of 12 | join of all | LL words | kernel, PDL at entry | "
+          "PDL at exit |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for programs in (72, 96, 132):
         for words in (64, 4096):
             cells = []
-            for group in (1, 12, programs):
+            for group in (1, 12, programs, 0):
                 t, spread, ok = per_phase(lib, programs, words, group, a.reps)
                 cells.append(f"{t:.3f} ± {spread:.3f}" + ("" if ok else " (CHECK FAILED)"))
             bufs = tuple(torch.zeros(programs * words, device="cuda") for _ in range(2))
