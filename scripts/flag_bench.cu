@@ -93,22 +93,13 @@ __global__ void __launch_bounds__(THREADS, 1) ll_chain(ulonglong2* slots, int ho
       const int i = threadIdx.x + k * THREADS;
       if (i < n) v[k] = ld_volatile2(src + i);
     }
-    // poll in passes: every pair not yet of phase h - 1 loaded again, all of a pass's loads in flight together
-    for (bool done = false; !done;) {
-      done = true;
-#pragma unroll
-      for (int k = 0; k < PAIRS; ++k) {
-        const int i = threadIdx.x + k * THREADS;
-        if (i < n && !ll_ready(v[k], h - 1)) {
-          v[k] = ld_volatile2(src + i);
-          done = false;
-        }
-      }
-    }
 #pragma unroll
     for (int k = 0; k < PAIRS; ++k) {
       const int i = threadIdx.x + k * THREADS;
-      if (i < n) st_volatile2(dst + i, make_ulonglong2(ll_next(v[k].x, h), ll_next(v[k].y, h)));
+      if (i < n) {
+        while (!ll_ready(v[k], h - 1)) v[k] = ld_volatile2(src + i);
+        st_volatile2(dst + i, make_ulonglong2(ll_next(v[k].x, h), ll_next(v[k].y, h)));
+      }
     }
   }
 }
