@@ -1,7 +1,7 @@
 """What a hand-off between the CTAs of one persistent kernel costs by itself, beside a kernel boundary
 (scripts/flag_bench.cu; docs/perf-notes.md section 43.5).
 
-A persistent layer (sections 6 and 18) replaces each kernel boundary by flags: a CTA waits for the CTAs whose output
+A persistent layer (perf notes sections 6 and 18) replaces each kernel boundary by flags: a CTA waits for the CTAs whose output
 it reads, reads it, and releases its own. Here P co-resident CTAs run a chain of phases that do nothing else: wait,
 read a block another CTA wrote (256 B or 16 KB of fp32, through L2), add one, write, release. Per-tile flags (one
 producer a CTA), a join over a group of 12 CTAs (a bert-base row's 768 columns in 64-column tiles) and over all P (a
