@@ -166,7 +166,9 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
-    chunk = CHUNK if CHUNK > 1 and per_split % CHUNK == 0 and stages % CHUNK == 0 and stages // CHUNK >= 2 else 1
+    # (a 3-D box cannot zero-fill a partial last K tile: its 64-wide inner extent would read the next row's elements)
+    chunk = (CHUNK if CHUNK > 1 and K % BLOCK == 0 and per_split % CHUNK == 0 and stages % CHUNK == 0
+             and stages // CHUNK >= 2 else 1)
     stages //= chunk
     lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even, chunk)
     rc = lib.cluster_gemm_launch(
