@@ -35,7 +35,7 @@ CLUSTER_POLICY: int | None = None
 # (scripts/timeline.py's sync_domain=N): whether a kernel's end waits on its early-launched successor's traffic.
 MEM_SYNC_DOMAIN: int | None = None
 # The two switches' defines, tagged in a build's file name (one value under either define is another build).
-AB_TAGS = {"HOPPER_CLUSTER_POLICY": "cp", "HOPPER_MEM_SYNC_DOMAIN": "sd", "CG_CHUNK": "ch"}
+AB_TAGS = {"HOPPER_CLUSTER_POLICY": "cp", "HOPPER_MEM_SYNC_DOMAIN": "sd"}
 
 
 def build_key() -> tuple:

@@ -57,13 +57,6 @@ constexpr int TRACE_SLOTS = 4;  // a program's stamps (cluster_gemm.py's TRACE_S
 #define CG_EVEN 0
 #endif
 constexpr bool EVEN = CG_EVEN != 0;
-// CG_CHUNK c > 1 (an A/B build: cluster_gemm.CHUNK): a stage is c consecutive 64-wide K tiles, each operand loaded as
-// one 3-D TMA box of c tiles (8c KB at 64 rows), laid out as c 2-D boxes one after another: one box an operand a
-// stage instead of c (perf notes 43: a thread issuing 8 KB boxes takes in ~23 B/cycle, 32 KB boxes 35-48).
-#ifndef CG_CHUNK
-#define CG_CHUNK 1
-#endif
-constexpr int CH = CG_CHUNK;
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -77,8 +70,6 @@ enum Flags {
 struct Params {
   CUtensorMap a_map;  // x [M, K]: box {BK, BM}
   CUtensorMap b_map;  // w [N, K]: box {BK, BN}
-  CUtensorMap a_map3;  // CH > 1: x as [K / BK][M][BK], box {BK, BM, CH}
-  CUtensorMap b_map3;  // CH > 1: w as [K / BK][N][BK], box {BK, BN, CH}
   const void* bias;
   const void* res;
   void* out;
@@ -103,7 +94,7 @@ struct Params {
 
 template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 1 || SC == 2 || SC == 4 || SC == 8, "the K splits of a tile: 1 (unsplit), 2, 4 or 8 CTAs a cluster");
+  static_assert(SC == 2 || SC == 4 || SC == 8, "the K splits of a tile: 2, 4 or 8 CTAs a cluster");
   static_assert(BN >= 16 * SC, "8 splits need 128-column tiles (a thread's columns: 16-byte stores)");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
   using TL = Tile<BM, BN>;
@@ -127,11 +118,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;  // swizzle atoms are 1024-byte aligned
-  const int S = p.stages;  // (stages of CH K tiles)
-  constexpr int A_ST = CH * TL::A_BYTES, B_ST = CH * TL::B_BYTES, ST_BYTES = A_ST + B_ST;
+  const int S = p.stages;
   const uint32_t a_smem = base;
-  const uint32_t b_smem = base + S * A_ST;
-  const uint32_t recv = b_smem + S * B_ST;  // SC row slabs pushed here by the cluster (slot = source rank)
+  const uint32_t b_smem = base + S * TL::A_BYTES;
+  const uint32_t recv = b_smem + S * TL::B_BYTES;  // SC row slabs pushed here by the cluster (slot = source rank)
   const uint32_t full = recv + TL::PART_BYTES;     // S mbarriers: the stage's bytes have landed
   const uint32_t empty = full + 8 * S;             // S mbarriers: the consumers are done with the stage
   const uint32_t red = empty + 8 * S;              // 1 mbarrier: the other CTAs' slabs have landed
@@ -149,17 +139,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   const int rank = blockIdx.z;  // the cluster spans the SC splits of this tile: rank = split
   const int m0 = m_tile * BM, n0 = n_tile * BN;
   const int k_first = rank * p.per_split;
-  const int n_tiles_k = max(0, min(p.per_split, p.k_tiles - k_first));
-  const int n_iters = (n_tiles_k + CH - 1) / CH;  // stages of CH K tiles (a split's tiles are a multiple of CH)
-  // stage i's operands: K tiles k_first + CH i .. (2-D boxes, or with CH > 1 one 3-D box an operand)
-  auto load_a = [&](uint32_t dst, uint32_t bar, int i) {
-    if constexpr (CH == 1) tma_load<HINT_ACT>(dst, &p.a_map, bar, (k_first + i) * BK, m0);
-    else tma_load3<HINT_ACT>(dst, &p.a_map3, bar, m0, k_first + CH * i);
-  };
-  auto load_b = [&](uint32_t dst, uint32_t bar, int i) {
-    if constexpr (CH == 1) tma_load<HINT_WEIGHT>(dst, &p.b_map, bar, (k_first + i) * BK, n0);
-    else tma_load3<HINT_WEIGHT>(dst, &p.b_map3, bar, n0, k_first + CH * i);
-  };
+  const int n_iters = max(0, min(p.per_split, p.k_tiles - k_first));
   const bool pdl = (p.flags & USE_PDL) != 0;
   // Whether row slab q of the tile is exchanged: not when all its rows lie past M (nobody stores them).
   auto pushed = [&](int q) { return EVEN || m0 + q * R < p.M || (p.flags & ALL_SLABS) != 0; };
@@ -193,12 +173,13 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       // every early stage's, not only the first: each comes from another of the predecessor's column tiles, and
       // one that is still being written is enough to catch)
       if (RACY)
-        for (int i = 0; i < early; ++i) load_a(a_smem + i * A_ST, full + 8 * i, i);
+        for (int i = 0; i < early; ++i)
+          tma_load<HINT_ACT>(a_smem + i * TL::A_BYTES, &p.a_map, full + 8 * i, (k_first + i) * BK, m0);
       for (int i = 0; i < early; ++i) {
-        mbar_expect_tx(full + 8 * i, ST_BYTES);
-        load_b(b_smem + i * B_ST, full + 8 * i, i);
+        mbar_expect_tx(full + 8 * i, TL::STAGE_BYTES);
+        tma_load<HINT_WEIGHT>(b_smem + i * TL::B_BYTES, &p.b_map, full + 8 * i, (k_first + i) * BK, n0);
       }
-      for (int t = early * CH; t < min(p.n_pref, n_tiles_k); ++t) tma_prefetch_l2(&p.b_map, (k_first + t) * BK, n0);
+      for (int i = early; i < min(p.n_pref, n_iters); ++i) tma_prefetch_l2(&p.b_map, (k_first + i) * BK, n0);
       gdc_wait();
       if (p.trigger_k == 0) gdc_launch();
       int s = 0;
@@ -207,10 +188,10 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
         const uint32_t bar = full + 8 * s;
         if (i >= S) mbar_wait(empty + 8 * s, phase);
         if (i >= early) {
-          mbar_expect_tx(bar, ST_BYTES);
-          load_b(b_smem + s * B_ST, bar, i);
+          mbar_expect_tx(bar, TL::STAGE_BYTES);
+          tma_load<HINT_WEIGHT>(b_smem + s * TL::B_BYTES, &p.b_map, bar, (k_first + i) * BK, n0);
         }
-        if (!(RACY && i < early)) load_a(a_smem + s * A_ST, bar, i);
+        if (!(RACY && i < early)) tma_load<HINT_ACT>(a_smem + s * TL::A_BYTES, &p.a_map, bar, (k_first + i) * BK, m0);
         if (++s == S) {
           s = 0;
           if (i >= S) phase ^= 1;
@@ -261,15 +242,12 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
   uint32_t phase = 0;
   for (int i = 0; i < n_iters; ++i) {
     mbar_wait(full + 8 * s, phase);
+    const uint64_t da = smem_desc(a_smem + s * TL::A_BYTES + wg * (64 * BK * 2));
+    const uint64_t db = smem_desc(b_smem + s * TL::B_BYTES);
     fence_acc<NACC>(acc);
     wgmma_fence();
 #pragma unroll
-    for (int t = 0; t < CH; ++t) {
-      const uint64_t da = smem_desc(a_smem + s * A_ST + t * TL::A_BYTES + wg * (64 * BK * 2));
-      const uint64_t db = smem_desc(b_smem + s * B_ST + t * TL::B_BYTES);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
-    }
+    for (int kk = 0; kk < BK / 16; ++kk) wgmma_64xNx16<BF16, BN>(acc, da + 2 * kk, db + 2 * kk);
     wgmma_commit();
     fence_acc<NACC>(acc);
     // Keep this tile's MMAs in flight while the next tile is awaited, and hand the previous tile's stage back
@@ -279,7 +257,7 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
       __syncwarp();
       if (lane == 0) mbar_arrive(empty + 8 * prev);
     }
-    if (pdl && p.trigger_k > 0 && i + 1 == (p.trigger_k + CH - 1) / CH) gdc_launch();
+    if (pdl && p.trigger_k > 0 && i + 1 == p.trigger_k) gdc_launch();
     prev = s;
     if (++s == S) {
       s = 0;
@@ -453,13 +431,13 @@ using TV = Tile<CG_BM, CG_BN>;
 
 extern "C" int cluster_gemm_variant() {
   return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24) |
-         (CG_EVEN << 28) | ((CG_CHUNK / 2) << 29);
+         (CG_EVEN << 28);
 }
 
 extern "C" int cluster_gemm_trace_slots() { return TRACE_SLOTS; }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {
-  return 1024 + stages * CG_CHUNK * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;
+  return 1024 + stages * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;
 }
 
 extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const void* res, void* out, float* stats_out,
@@ -469,14 +447,10 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
                                    void* stream, char* err, int errlen) {
   constexpr int SC = CG_SC, BM = CG_BM, BN = CG_BN;
   const int n_tiles = (N + BN - 1) / BN, m_tiles = (M + BM - 1) / BM;
-  if (stages < 2 || stages > MAX_STAGES || stages * CG_CHUNK * TV::STAGE_BYTES < TV::PART_BYTES) {
+  if (stages < 2 || stages > MAX_STAGES || stages * TV::STAGE_BYTES < TV::PART_BYTES) {
     // (the stages hold the fp32 partial after the loop)
     snprintf(err, errlen, "stages=%d must be in 2..%d and hold the %d B partial tile (%d B a stage)", stages,
-             MAX_STAGES, TV::PART_BYTES, CG_CHUNK * TV::STAGE_BYTES);
-    return 1;
-  }
-  if (per_split % CG_CHUNK != 0) {
-    snprintf(err, errlen, "per_split=%d K tiles must be a multiple of the chunk, %d", per_split, CG_CHUNK);
+             MAX_STAGES, TV::PART_BYTES, TV::STAGE_BYTES);
     return 1;
   }
   if ((CG_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
@@ -487,9 +461,6 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   memset(&p, 0, sizeof(p));
   if (encode(&p.a_map, CG_BF16, x, M, K, x_stride, BM, err, errlen) ||
       encode(&p.b_map, CG_BF16, w, N, K, w_stride, BN, err, errlen))
-    return 1;
-  if (CG_CHUNK > 1 && (encode3(&p.a_map3, CG_BF16, x, M, K, x_stride, BM, CG_CHUNK, err, errlen) ||
-                       encode3(&p.b_map3, CG_BF16, w, N, K, w_stride, BN, CG_CHUNK, err, errlen)))
     return 1;
   p.bias = bias;
   p.res = res;

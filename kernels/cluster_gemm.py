@@ -21,7 +21,7 @@ import torch
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
-SPLITS = (1, 2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
+SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
 # A traced launch's int64 stamps a program: entry, wait returned, K loop done, end (scripts/trace_gemms.py).
 TRACE_SLOTS = 4
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
@@ -43,9 +43,6 @@ EARLY_TILES: int | None = None
 # Push every row slab of a split tile, also those whose rows all lie past M (which nobody stores). False: skip them
 # (tiny's 32 tokens on 64-row tiles: half of the exchange). True: A/B only (switch cg_all_slabs=1 of timeline.py).
 ALL_SLABS_PUSHED = False
-# A stage of CHUNK consecutive 64-wide K tiles, each operand one 3-D TMA box (cluster_gemm.cu's CG_CHUNK), where a
-# split's K tiles and the stages divide by it; 1: a 2-D box a K tile. >1: A/B only (switch cg_chunk=N of timeline.py).
-CHUNK = 1
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
@@ -61,10 +58,10 @@ def part_bytes(bm: int = 64, bn: int = 64) -> int:
     return bm * (bn + 4) * 4
 
 
-def smem_bytes(stages: int, bm: int = 64, bn: int = 64, chunk: int = 1) -> int:
+def smem_bytes(stages: int, bm: int = 64, bn: int = 64) -> int:
     """Dynamic shared memory of a launch (cluster_gemm.cu's cluster_gemm_smem_bytes): 1 KB for the swizzle
-    alignment, the stages (of ``chunk`` K tiles), the slabs pushed by the other CTAs (one partial tile), mbarriers."""
-    return 1024 + stages * chunk * stage_bytes(bm, bn) + part_bytes(bm, bn) + 16 * stages + 8
+    alignment, the stages, the slabs pushed by the other CTAs (one partial tile), mbarriers."""
+    return 1024 + stages * stage_bytes(bm, bn) + part_bytes(bm, bn) + 16 * stages + 8
 
 
 def split_error(split: int, bn: int = 64) -> str | None:
@@ -96,24 +93,23 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
-            diag: int = 0, even: int = 0, chunk: int = 1) -> ctypes.CDLL:
+            diag: int = 0, even: int = 0) -> ctypes.CDLL:
     """The library of one variant (``diag``: CG_DIAG, _nvcc.diag's bits; ``even``: the tiles divide M and N and the
     output rows are 16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not
     been built for it on this machine (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even, chunk)
+    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even,
-                                  **({"CG_CHUNK": chunk} if chunk > 1 else {})},
+                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
     lib.cluster_gemm_smem_bytes.argtypes = [ctypes.c_int]
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
-    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn, chunk) or lib.cluster_gemm_trace_slots() != TRACE_SLOTS
+    if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn) or lib.cluster_gemm_trace_slots() != TRACE_SLOTS
             or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
-                                              | (diag << 24) | (even << 28) | (chunk // 2 << 29))):
+                                              | (diag << 24) | (even << 28))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py "
                            "(shared-memory layout, variant or trace slots)")
     _LIBS[key] = lib
@@ -166,11 +162,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
-    # (a 3-D box cannot zero-fill a partial last K tile: its 64-wide inner extent would read the next row's elements)
-    chunk = (CHUNK if CHUNK > 1 and K % BLOCK == 0 and per_split % CHUNK == 0 and stages % CHUNK == 0
-             and stages // CHUNK >= 2 else 1)
-    stages //= chunk
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even, chunk)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

@@ -6,8 +6,7 @@ variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, BASE:kernel.f
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
 desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu, cluster_policy=N (0 default, 1 spread,
 2 load balancing: the clustered launches' scheduling policy preference), sync_domain=N (0 default, 1 remote: the
-clustered launches' memory synchronization domain), cg_chunk=N (the cluster GEMM's stages of N K tiles, one 3-D box
-an operand).
+clustered launches' memory synchronization domain).
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
 torch.profiler (CUPTI records each kernel of a graph); per kernel of a middle layer (of two layers, the
 second), median over layers and replays, in us: the start relative to the previous kernel's end (negative:
@@ -55,7 +54,7 @@ def _switches():
             "cg_even": (cluster_gemm, "EVEN_BUILDS"),
             "qa_chunk": (qkv_attn, "CHUNK"), "qa_push": (qkv_attn, "PUSH"),
             "mufu": (_nvcc, "MUFU_MATH"), "cluster_policy": (_nvcc, "CLUSTER_POLICY"),
-            "sync_domain": (_nvcc, "MEM_SYNC_DOMAIN"), "cg_chunk": (cluster_gemm, "CHUNK")}
+            "sync_domain": (_nvcc, "MEM_SYNC_DOMAIN")}
 
 
 _DEFAULTS = {}
@@ -72,7 +71,7 @@ def apply_switches(name: str) -> str:
     if "@" in name:
         for e in name.split("@", 1)[1].split(","):
             key, v = e.split("=")
-            ints = ("cg_early", "qa_chunk", "qa_push", "cluster_policy", "sync_domain", "cg_chunk")
+            ints = ("cg_early", "qa_chunk", "qa_push", "cluster_policy", "sync_domain")
             setattr(*switches[key], int(v) if key in ints else bool(int(v)))
     return name.split("@", 1)[0]
 
