@@ -16,12 +16,6 @@
 
 namespace {
 
-__device__ __forceinline__ unsigned ld_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
 __device__ __forceinline__ ulonglong2 ld_volatile2(const ulonglong2* p) {
   ulonglong2 v;
   asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
@@ -35,15 +29,14 @@ __device__ __forceinline__ void st_volatile2(ulonglong2* p, ulonglong2 v) {
 constexpr int THREADS = 128;
 constexpr int MAX_VEC = 8;  // 16-byte vectors a thread: 128 threads read at most 16 KB of data
 
-__global__ void __launch_bounds__(THREADS, 1) flag_chain(float* slots, unsigned* flags, int hops, int words,
-                                                        int group) {
+__global__ void __launch_bounds__(THREADS, 1) flag_chain(float* slots, int* flags, int hops, int words, int group) {
   const int p = blockIdx.x, P = gridDim.x, g = p / group;
   const int q = g * group + (p % group + 1) % group;  // whose block this CTA reads
   const long long slot = static_cast<long long>(P) * words;
   for (int h = 1; h <= hops; ++h) {
     if (h > 1 && threadIdx.x == 0) {
-      const unsigned* f = flags + static_cast<long long>(h - 1) * P + (group == 1 ? q : g);
-      while (ld_acquire(f) < static_cast<unsigned>(group)) {
+      const int* f = flags + static_cast<long long>(h - 1) * P + (group == 1 ? q : g);
+      while (ld_acquire(f) < group) {  // (hopper.cuh's gpu-scope acquire)
       }
     }
     __syncthreads();
@@ -64,7 +57,7 @@ __global__ void __launch_bounds__(THREADS, 1) flag_chain(float* slots, unsigned*
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();
-      atomicAdd(flags + static_cast<long long>(h) * P + (group == 1 ? p : g), 1u);
+      atomicAdd(flags + static_cast<long long>(h) * P + (group == 1 ? p : g), 1);
     }
   }
 }
@@ -109,7 +102,7 @@ __global__ void __launch_bounds__(THREADS, 1) ll_chain(ulonglong2* slots, int ho
 // One launch of `programs` CTAs (each asks for `smem` bytes, so that one runs on an SM), timed by CUDA events;
 // `slots`: (hops + 1) x programs x words fp32 (group >= 1) or 8-byte LL words (group 0), slot 0 zero (the caller
 // zeroes the rest too). *us: the launch's time. 0, or 1 (bad arguments) / 2 (CUDA error, in err).
-extern "C" int flag_chain_run(void* slots, unsigned* flags, int programs, int hops, int words, int group, int smem,
+extern "C" int flag_chain_run(void* slots, int* flags, int programs, int hops, int words, int group, int smem,
                               float* us, char* err) {
   const int max_words = group == 0 ? THREADS * 2 * MAX_VEC * 2 : THREADS * MAX_VEC * 4;
   if (group < 0 || (group > 0 && programs % group != 0) || words % 4 != 0 || words > max_words) {
@@ -125,7 +118,7 @@ extern "C" int flag_chain_run(void* slots, unsigned* flags, int programs, int ho
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  if (group > 0) cudaMemset(flags, 0, sizeof(unsigned) * static_cast<size_t>(hops + 1) * programs);
+  if (group > 0) cudaMemset(flags, 0, sizeof(int) * static_cast<size_t>(hops + 1) * programs);
   cudaEventRecord(e0);
   if (group == 0)
     ll_chain<<<programs, THREADS, smem>>>(static_cast<ulonglong2*>(slots), hops, words);
