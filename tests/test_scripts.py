@@ -29,7 +29,7 @@ def gpu_script_runs(request):
     torch import, ~0.3 GB): each run spends ~3 s importing torch, so running them side by side saves about half the
     module's time on CI's two cores."""
     selected = [item.callspec.params["name"] for item in request.session.items
-                if getattr(item, "originalname", None) == "test_gpu_script_without_a_gpu_says_so_in_one_line"]
+                if getattr(item, "function", None) is test_gpu_script_without_a_gpu_says_so_in_one_line]
     with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 2, 4)) as pool:
         yield {name: pool.submit(run, str(SCRIPTS / name), "bert-base") for name in selected}
 
