@@ -233,7 +233,9 @@ def test_layer_rules():
 
     kernels = cfg.to_dict()["kernels"]
     tiles = format_tiles(kernels)
-    assert tiles.endswith("; ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")
+    assert tiles.endswith("; ffn1 (mlp); ffn2 in ffn1 (mlp)") and tiles.startswith("qkv ")  # (no FFN1 tile: unread)
+    hinted = replace(cfg, ffn1=replace(cfg.ffn1, hints=1)).to_dict()["kernels"]
+    assert "; ffn1 (mlp)/l2hints; " in format_tiles(hinted)
     assert gemm_op(kernels, "ffn2") == "-" and gemm_op(kernels, "ffn1") == "(0.0,0.4)"  # FFN2's pair is unused
     kernels = out.to_dict()["kernels"]
     assert "; out in ffn1 (mlp); " in format_tiles(kernels) and gemm_op(kernels, "out") == "-"

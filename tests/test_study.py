@@ -480,6 +480,75 @@ def test_idle_kernels_are_those_the_layer_does_not_launch():
     assert idle_kernels(hand_picked_fused(BERT_BASE)) == set()  # the one-kernel layer's parameters are apart
 
 
+def test_launched_config_leaves_out_only_what_no_launch_reads():
+    from devices import A100, H200
+
+    from tuner.layer import repair_config
+    from tuner.study import config_hash
+
+    tiny = PRESETS["tiny"]
+
+    def same(shape, a, b, device=H200):
+        shape = PRESETS[shape]
+        return config_hash(repair_config(a, shape, 2, device)) == config_hash(repair_config(b, shape, 2, device))
+
+    def edit(cfg, **kernels):
+        return replace(cfg, **{k: replace(getattr(cfg, k), **f) for k, f in kernels.items()})
+
+    # tiny's seed: FFN1's launch is the one-kernel feed-forward block, which reads FFN1's prefetch ratio and L2
+    # hints, and of its overlap ratio only whether it is on
+    block = hand_picked_cluster(tiny)
+    assert same("tiny", block, edit(block, ffn1=dict(block_n=128, num_stages=5, split_k=2, group_m=1)))
+    assert same("tiny", block, edit(block, ffn1=dict(overlap_ratio=0.6)))
+    assert not same("tiny", block, edit(block, ffn1=dict(overlap_ratio=-1.0)))
+    assert not same("tiny", block, edit(block, ffn1=dict(prefetch_ratio=0.6)))
+    assert not same("tiny", block, edit(block, ffn1=dict(hints=1 - block.ffn1.hints)))
+    assert same("tiny", block, edit(block, ffn2=dict(block_n=128), out=dict(num_stages=2), attn=dict(block_n=32)))
+    assert not same("tiny", block, edit(block, qkv=dict(num_stages=block.qkv.num_stages + 1)))
+    # off Hopper the block does not run (repair): FFN1 runs its own tiles
+    assert not same("tiny", block, edit(block, ffn1=dict(block_n=128)), A100)
+    # bert-base's seed: the norms folded in (their kernels idle); the attention in QKV's kernel, but the stack's
+    # first layer (no row sums of its input) runs QKV and the attention apart, on their own configs
+    seed = hand_picked_cluster(BERT_BASE)
+    assert seed.qkv.fuse == 1 and seed.norm1.fuse == 2
+    assert same("bert-base", seed, edit(seed, norm1=dict(num_warps=8), norm2=dict(rows_per_program=4)))
+    assert not same("bert-base", seed, edit(seed, attn=dict(block_n=32)))
+    assert not same("bert-base", seed, edit(seed, qkv=dict(block_n=128)))
+    # the one-kernel layer's fields where it is off; the seven kernels' where it is on
+    base = default_config(BERT_BASE)
+    assert same("bert-base", base, edit(base, layer=dict(num_warps=4, block_k=128)))
+    assert not same("bert-base", base, edit(base, ffn1=dict(num_stages=4)))
+    fused = hand_picked_fused(BERT_BASE)
+    assert same("bert-base", fused, edit(fused, qkv=dict(block_n=128), attn=dict(block_n=32)))
+    assert not same("bert-base", fused, edit(fused, layer=dict(num_stages=fused.layer.num_stages + 1)))
+
+
+def test_local_step_moves_what_the_launches_read():
+    # tiny's studies of sessions 29 and 35 spent 7-8 of their ~48 measurements on local steps that moved only FFN1's
+    # tiles under the one-kernel feed-forward block, which reads none of them
+    import numpy as np
+    from devices import H200
+
+    from tuner.layer import repair_config
+    from tuner.study import config_hash, local_step, neighbour
+
+    tiny = PRESETS["tiny"]
+    sp = space.load()
+    params = space.from_config(hand_picked_cluster(tiny))
+
+    def repaired(p):
+        return repair_config(space.to_config(p), tiny, 2, H200)
+
+    here = config_hash(repaired(params))
+    plain = [neighbour(params, sp, True, np.random.default_rng(seed)) for seed in range(200)]
+    tile = {f"ffn1.{f}" for f in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k")}
+    ffn1_tiles = [p for p in plain if set() < {k for k in p if p[k] != params[k]} <= tile]
+    assert ffn1_tiles and all(config_hash(repaired(p)) == here for p in ffn1_tiles)  # what the retry is for
+    for seed in range(200):
+        p = local_step(params, sp, True, np.random.default_rng(seed), repaired)
+        assert p is not None and config_hash(repaired(p)) != here, seed
+
+
 def test_neighbour_leaves_the_kernels_not_launched_alone_but_their_switch():
     import numpy as np
 
@@ -591,6 +660,27 @@ def test_wide_layers_get_wide_tiles_where_they_fill_one_wave():
     for name in ("tiny", "bert-base", "bert-large"):  # too narrow for wide tiles in one wave
         assert hand_picked_wide(PRESETS[name], H200.num_sms) is None
     assert hand_picked_wide(resolve("4x512x768x12x3072"), H200.num_sms) is None  # many tokens: hand_picked_many
+
+
+def test_configurations_that_launch_the_same_are_measured_once(tmp_path, replay):
+    # The one-kernel layer's fields are read only where it is on: with it off, trials that differ in them alone
+    # launch the same kernels, and only the first is measured.
+    data = copy.deepcopy(default_data())
+    data["ratios"] = {"overlap": [0.0], "prefetch": [1.0]}
+    for fam in ("gemm", "norm", "attn", "layer"):
+        data[fam] = {f: [v[0]] for f, v in data[fam].items()}
+    data["kernels"] = {"layer": {"num_warps": [4, 8], "block_k": [64, 128]}}  # four points, one set of launches
+    data["layer"]["fuse"] = [0]
+    sp = space.parse(data, "one set of launches")
+    folder = run(tmp_path, replay, sp, trials=8, sampler="random")
+    trials = pd.read_csv(folder / "trials.csv")
+    assert "crashed" not in set(trials["status"])
+    measured = trials[trials["duplicate_of"].isna() & ~trials["is_baseline"]]
+    assert len(measured) <= 2, measured  # the space's one set of launches (and the knobs-off twin of the best)
+    assert len(trials[trials["duplicate_of"].notna()]) >= 4
+    topk = pd.read_csv(folder / "topk.csv")
+    assert len(topk) == len(trials[trials["duplicate_of"].isna()].drop_duplicates(
+        subset=[c for c in trials.columns if "." in c])), topk  # one row a set of launches
 
 
 def test_a_duplicate_of_this_process_reuses_its_measurement(tmp_path, replay):

@@ -10,7 +10,7 @@ preallocated buffers with no torch op between them, so that a CUDA graph capture
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +221,38 @@ def idle_kernels(cfg: DecoderConfig) -> set[str]:
     if cfg.attn.fuse or cfg.qkv.fuse == 1:
         idle.add("attn")
     return idle
+
+
+# FFN1's fields that the one-kernel feed-forward block does not read: it reads FFN1's prefetch ratio, its L2 hints,
+# and of its overlap ratio only whether it is on (the block triggers its dependents right after its wait).
+_BLOCK_UNREAD = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma", "cluster")
+
+
+def launched_config(cfg: DecoderConfig) -> DecoderConfig:
+    """``cfg`` (as :func:`repair_config` leaves it) with every field that no launch of any layer of the stack reads
+    set to its default: two configurations that launch the same kernels with the same arguments become equal, so
+    the study measures such a pair once (tuner.study.config_hash). Reset:
+
+    * the one-kernel layer's fields where it is off (but its switch), the seven kernels' where it is on;
+    * an idle kernel's (:func:`idle_kernels`) but its ``fuse`` switch; not the attention behind QKV's kernel
+      (``qkv.fuse`` 1) with ``norm1.fuse`` 2, which the stack's first layer runs with its own config;
+    * under the one-kernel feed-forward block, FFN1's tile fields, and its overlap ratio to 0 where it is on.
+
+    Fields a launch reads in a coarser form (a ratio rounded to a K tile) are kept as they are."""
+    default = DecoderConfig()
+    if cfg.fused:
+        return replace(default, layer=cfg.layer)
+    out = {"layer": replace(default.layer, fuse=cfg.layer.fuse)}
+    idle = idle_kernels(cfg)
+    if cfg.qkv.fuse == 1 and cfg.norm1.fuse == 2 and not cfg.attn.fuse:
+        idle.discard("attn")  # (the first layer has no row sums of its input: QKV and the attention run apart)
+    for name in idle:
+        out[name] = replace(getattr(default, name), fuse=getattr(cfg, name).fuse)
+    if cfg.ffn2.fuse:  # FFN1's launch is the one-kernel feed-forward block
+        f = cfg.ffn1
+        out["ffn1"] = replace(f, **{k: getattr(default.ffn1, k) for k in _BLOCK_UNREAD},
+                              overlap_ratio=0.0 if f.overlap_ratio >= 0 else -1.0)
+    return replace(cfg, **out)
 
 
 def default_config(shape: DecoderShape) -> DecoderConfig:

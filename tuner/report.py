@@ -291,7 +291,8 @@ def gemm_op(kernels: dict, g: str) -> str:
 
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
-    '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel, and
+    '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel (then
+    'ffn1 (mlp)': that kernel, the one-kernel feed-forward block, reads none of FFN1's tile fields), and
     'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too,
     'attn in qkv' where QKV's kernel computes it);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
@@ -318,6 +319,9 @@ def format_tiles(kernels: dict) -> str:
             continue
         if g == "ffn2" and _num(c.get("fuse")) in (1, 2):  # computed by FFN1's kernel where it fits
             parts.append("ffn2 in ffn1 (mlp" + (", 64 a CTA)" if _num(c.get("fuse")) == 2 else ")"))
+            continue
+        if g == "ffn1" and _num((kernels.get("ffn2") or {}).get("fuse")) in (1, 2):  # the block reads no FFN1 tile
+            parts.append("ffn1 (mlp)" + ("/l2hints" if _num(c.get("hints")) == 1 else ""))
             continue
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"

@@ -29,7 +29,7 @@ from tuner import manifest
 from tuner.config import GEMMS, DecoderConfig
 from tuner.evaluate import TrialResult
 from tuner.kernels import cluster_gemm
-from tuner.layer import default_config, idle_kernels, qkv_attn_error
+from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
 from tuner.storage import OWNER_ATTR, default_url, open_storage, recover_orphans, redact, this_owner
@@ -85,7 +85,9 @@ def study_name(shape: DecoderShape, dtype: str, device_name: str, l2: str, repla
 
 
 def config_hash(cfg: DecoderConfig) -> str:
-    return hashlib.sha1(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    """What a measured configuration launches (tuner.layer.launched_config: fields no launch reads left out), hashed:
+    the study measures once each set of launches, and a trial that repeats one reuses its measurement."""
+    return hashlib.sha1(json.dumps(launched_config(cfg).to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 @dataclass
@@ -372,6 +374,10 @@ PAIRED = ("block_m", "block_n", "split_k", "cluster")
 # all at 0.2 is -15% (H200, 177.1 -> 150.9 us a layer; perf notes 37), six one-kernel steps away.
 RATIOS = ("overlap_ratio", "prefetch_ratio")
 KNOB_SWEEP = 0.15
+# Draws of a local step before the study gives up on it for this trial: a step can land on a configuration that launches
+# what the best trial does (FFN1's tiles under the one-kernel feed-forward block, which reads none of them; tiny's
+# studies spent 7-8 of their ~48 measurements on such steps in sessions 29 and 35).
+NEIGHBOUR_TRIES = 8
 
 
 def _sweep(params: dict, dims: dict, names: list, rng) -> dict | None:
@@ -452,8 +458,8 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
     """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
     leaves room for it and the sampler's own next proposal (nothing is left waiting at the end).
     ``trials``: the study's trials as just read; ``repaired``: params -> the config measured for them
-    (_repairer), whose kernels not launched the step leaves alone; ``budget``: the search's (default the study's).
-    Returns whether a trial was queued."""
+    (_repairer), whose kernels not launched the step leaves alone and whose launches it changes (local_step);
+    ``budget``: the search's (default the study's). Returns whether a trial was queued."""
     if opts.sampler != "tpe" or opts.local_every <= 0 or number % opts.local_every != opts.local_every - 1:
         return False
     budget = opts.trials if budget is None else budget
@@ -465,12 +471,25 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
     import numpy as np
 
     # (the best trial's params went through ``repaired`` when it was evaluated: this cannot fail where that did not)
-    idle = idle_kernels(repaired(best.params)) if repaired is not None else frozenset()
-    p = neighbour(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number), idle)
+    p = local_step(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number),
+                   repaired)
     if p is None:
         return False
     study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
     return True
+
+
+def local_step(params: dict, space: SearchSpace, pdl: bool, rng, repaired=None) -> dict | None:
+    """A :func:`neighbour` of ``params`` that launches something else: ``repaired`` (params -> the config measured
+    for them, _repairer) names the kernels that are not launched, and a draw whose config launches what ``params``
+    do (:func:`config_hash`) is drawn again, :data:`NEIGHBOUR_TRIES` times at most. None where no draw moves."""
+    here = repaired(params) if repaired is not None else None
+    idle = idle_kernels(here) if here is not None else frozenset()
+    for _ in range(NEIGHBOUR_TRIES):
+        p = neighbour(params, space, pdl, rng, idle)
+        if p is None or here is None or config_hash(repaired(p)) != config_hash(here):
+            return p
+    return None
 
 
 def _twin_ratios(space: SearchSpace, pdl: bool) -> list[str] | None:
@@ -648,13 +667,17 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     import optuna.importance
 
     df = trials_frame(study)
-    ok = df[(df["status"] == "ok")].drop_duplicates(subset=[c for c in df.columns if "." in c])
+    trial_cfg = {t.number: DecoderConfig.from_dict(t.user_attrs["config"]) for t in study.trials
+                 if "config" in t.user_attrs}
+    ok = df[(df["status"] == "ok")]
+    # one row for each set of launches (config_hash), the first trial that measured it (a study continued from before
+    # config_hash left out what no launch reads may hold two trials of one)
+    launches = ok["number"].map(lambda n: config_hash(trial_cfg[n]) if n in trial_cfg else f"trial {n}")
+    ok = ok[~launches.duplicated()]
     ok = ok.sort_values("latency_us")
     if ok.empty:
         raise StudyError(f"{shape.label}: no trial passed (statuses: {df['status'].value_counts().to_dict()})")
     top = ok.head(opts.top_k)
-    trial_cfg = {t.number: DecoderConfig.from_dict(t.user_attrs["config"]) for t in study.trials
-                 if "config" in t.user_attrs}
     top_cfgs = [trial_cfg[int(n)] for n in top["number"]]
     log(f"{shape.label}: re-measuring top-{len(top_cfgs)} and the baseline, interleaved")
     meas = evaluator.remeasure(top_cfgs + [base_cfg], rounds=opts.remeasure_rounds)
