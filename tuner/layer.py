@@ -233,7 +233,7 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
     set to its default: two configurations that launch the same kernels with the same arguments become equal, so
     the study measures such a pair once (tuner.study.config_hash). Reset:
 
-    * the one-kernel layer's fields where it is off (but its switch), the seven kernels' where it is on;
+    * the one-kernel layer's fields where it is off, the seven kernels' where it is on;
     * an idle kernel's (:func:`idle_kernels`) but its ``fuse`` switch; not the attention behind QKV's kernel
       (``qkv.fuse`` 1) with ``norm1.fuse`` 2, which the stack's first layer runs with its own config;
     * under the one-kernel feed-forward block, FFN1's tile fields, and its overlap ratio to 0 where it is on.
@@ -242,7 +242,7 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
     default = DecoderConfig()
     if cfg.fused:
         return replace(default, layer=cfg.layer)
-    out = {"layer": replace(default.layer, fuse=cfg.layer.fuse)}
+    out = {"layer": default.layer}  # (off: its switch is the default's too)
     idle = idle_kernels(cfg)
     if cfg.qkv.fuse == 1 and cfg.norm1.fuse == 2 and not cfg.attn.fuse:
         idle.discard("attn")  # (the first layer has no row sums of its input: QKV and the attention run apart)

@@ -485,9 +485,10 @@ def local_step(params: dict, space: SearchSpace, pdl: bool, rng, repaired=None) 
     do (:func:`config_hash`) is drawn again, :data:`NEIGHBOUR_TRIES` times at most. None where no draw moves."""
     here = repaired(params) if repaired is not None else None
     idle = idle_kernels(here) if here is not None else frozenset()
+    launches = config_hash(here) if here is not None else None
     for _ in range(NEIGHBOUR_TRIES):
         p = neighbour(params, space, pdl, rng, idle)
-        if p is None or here is None or config_hash(repaired(p)) != config_hash(here):
+        if p is None or here is None or config_hash(repaired(p)) != launches:
             return p
     return None
 
