@@ -186,6 +186,16 @@ def globaltimer(x):
 
 
 @triton.jit
+def spin_ns(ns, x):
+    """Test-only (``tune verify``): busy-wait ``ns`` nanoseconds on %globaltimer; ``x`` as for :func:`globaltimer`.
+    GPU only."""
+    t0 = globaltimer(x)
+    t = t0
+    while t - t0 < ns:
+        t = globaltimer(x)
+
+
+@triton.jit
 def stamp(trace_ptr, slot, TRACE: tl.constexpr):
     """Diagnostics only (TRACE): this program's %globaltimer (ns) into ``trace_ptr[program, slot]`` of an
     int64 ``[programs, 4]`` tensor (scripts/trace_gemms.py; cluster_gemm.TRACE_SLOTS, the same for either kernel)."""

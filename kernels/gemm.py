@@ -30,7 +30,7 @@ from tuner.device import DeviceInfo
 from . import cluster_gemm
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting,
                       launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper,
-                      prefetch_count, prefetch_l2, ratio_error, smem_limit, stamp, tile_cap, trigger_index)
+                      prefetch_count, prefetch_l2, ratio_error, smem_limit, spin_ns, stamp, tile_cap, trigger_index)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -52,6 +52,10 @@ _DESC_PREFETCH = True
 # The split-K reduction's tile: 16x64 gives 96 programs for a 128x768 output (H200, bert-base: 22.41 us/layer
 # against 22.77 with 32x64, 22.57 with 16x128, 22.97 with 64x64; docs/perf-data/attn-red-variants-session4.log).
 _RED_BLOCK_M, _RED_BLOCK_N = 16, 64
+
+
+class NotSlowable(ValueError):
+    """A test-only slowed launch (``_slow_ns``) asked of a kernel that has no such variant."""
 
 
 @dataclass(frozen=True)
@@ -470,7 +474,7 @@ def _gemm_kernel(
     RACY_READ_BEFORE_WAIT: tl.constexpr, HAS_LN: tl.constexpr, LN_RELOAD: tl.constexpr,
     OOB_WRITE: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, USE_TMA: tl.constexpr,
     LN_PARTS: tl.constexpr = 1, TRACE: tl.constexpr = False, EARLY_STATS: tl.constexpr = False,
-    DESC_PREFETCH: tl.constexpr = False,
+    DESC_PREFETCH: tl.constexpr = False, SLOW_NS: tl.constexpr = 0,
 ):
     stamp(trace_ptr, 0, TRACE)
     if USE_TMA and DESC_PREFETCH:
@@ -572,6 +576,12 @@ def _gemm_kernel(
                 ln_rstd, ln_mr = _ln_rows(s1, s2, K, ln_eps)
         pdl_trigger(i + 1, trigger_k, USE_PDL)
     stamp(trace_ptr, 2, TRACE)
+    if SLOW_NS > 0:
+        # Test-only (tune verify): the odd column tiles hold their stores back. Their trigger has fired and the
+        # other programs' SMs come free, so a dependent launched early by PDL that reads before its wait finds
+        # half of this output still poisoned, however late its own CTAs get an SM.
+        if pid_n % 2 == 1:
+            spin_ns(SLOW_NS, pid)
 
     if OOB_WRITE:
         # Test-only defect: a store 2 TB past the output, an illegal address the worker must survive.
@@ -673,7 +683,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_bias: torch.Tensor | None = None, ln_eps: float = 1e-5, ln_colsum: torch.Tensor | None = None,
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
-           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None) -> torch.Tensor:
+           _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None,
+           _slow_ns: int = 0) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -685,6 +696,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``stats_out`` (``[stats_parts(config, N), M, 2]`` fp32): each column tile also writes its share of the
     output rows' sums of y and y^2, the statistics of a LayerNorm fused into the next GEMM.
+
+    ``_slow_ns`` (test-only, ``tune verify``; the Triton kernel on the GPU): the programs of odd column tiles wait
+    this long after their K loop before storing, so that a racy dependent meets unwritten output. In the
+    interpreter (no PDL) it is ignored; on the cluster kernel it raises :class:`NotSlowable`.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -759,6 +774,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
                                  f"(strides {tuple(t.stride())})")
     if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
+        if _slow_ns:
+            raise NotSlowable("linear: _slow_ns holds back the Triton kernel's stores only (cluster=0)")
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
         per64 = per_split * c.block_k // cluster_gemm.BLOCK
@@ -793,7 +810,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         LINES=lines, LINE_ELEMS=128 // x.element_size(), RACY_READ_BEFORE_WAIT=_racy_read_before_wait,
         HAS_LN=ln_colsum is not None, LN_RELOAD=_ln_reload, OOB_WRITE=_oob_write, **stats_kw,
         USE_TMA=bool(c.tma), TRACE=_trace is not None, EARLY_STATS=_EARLY_STATS,
-        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, num_warps=c.num_warps,
+        DESC_PREFETCH=_DESC_PREFETCH and mode.pdl and c.num_stages > 1, SLOW_NS=_slow_ns if mode.pdl else 0,
+        num_warps=c.num_warps,
         num_stages=c.num_stages, launch_pdl=use_pdl,
     )
     if c.split_k > 1:

@@ -340,3 +340,48 @@ def test_cluster_racy_read_is_caught(d, n, tiles):
             wrong[racy] += rel_error(out, ref) > 1e-2
         del graph
     assert wrong[False] == 0 and wrong[True] > 0, wrong
+
+@gpu
+def test_slowed_triton_gemm_holds_its_stores_and_stays_exact():
+    # tune verify's held-back predecessor (gemm.linear's _slow_ns): the same output bit for bit, and a launch at
+    # least the hold longer; the cluster kernel has no such variant and says so.
+    from tuner.kernels.gemm import NotSlowable
+
+    x, w, b, r = _inputs(128, 1024, 768, torch.float16, "cuda", seed=3)
+    cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, tma=1, overlap_ratio=0.0,
+                     prefetch_ratio=1.0)
+    plain = linear(x, w, b, config=cfg, residual=r)
+    slowed = linear(x, w, b, config=cfg, residual=r, _slow_ns=20_000)
+    assert torch.equal(plain, slowed)
+    times = {}
+    for ns in (0, 20_000):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        linear(x, w, b, config=cfg, residual=r, out=plain, _slow_ns=ns)
+        end.record()
+        torch.cuda.synchronize()
+        times[ns] = start.elapsed_time(end) * 1e3
+    assert times[20_000] > times[0] + 15, times
+    with pytest.raises(NotSlowable):
+        linear(x, w, b, config=replace(CL, overlap_ratio=0.0), residual=r, _slow_ns=20_000)
+
+
+@gpu
+@pytest.mark.parametrize("square", [False, True], ids=["64x128-split4", "128x128-split8"])
+def test_verify_catches_the_clustered_ffn2_behind_a_slowed_ffn1(square):
+    # bert-large's clustered FFN2 gets SMs only as FFN1's programs retire together, so its racy variant read
+    # FFN1's finished output in about half of tune verify's checks (session 35: 23 and 22 of 40). With FFN1's odd
+    # column tiles holding back their stores, a read before the wait finds poison: every check catches it, and the
+    # shipped kernel, which waits, never fails.
+    from tuner import bench
+    from tuner.layer import DecoderStack
+    from tuner.shapes import resolve
+    from tuner.verify import race_detection
+
+    shape = resolve("bert-large")
+    cfg = bench.hand_picked_cluster(shape, norms=0)
+    if square:
+        cfg = bench.square_split_ffn2(cfg, shape)
+    st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=11)
+    r = race_detection(st, "ffn2", layer=1, trials=10)
+    assert r["slowed"] == "ffn1 (layer 1)" and r["caught"] == 10 and r["false_alarms"] == 0, r

@@ -144,3 +144,42 @@ def test_interleaved_timing_matches_back_to_back():
     back = time_replay(st.replay, n, reps=30).median_us
     [inter] = time_interleaved([st.replay], [n], rounds=30)
     assert abs(inter.median_us - back) < 0.02 * back, (inter.median_us, back)
+
+
+def test_slowed_predecessor_only_where_a_triton_gemm_runs(device):
+    # tune verify holds back the stores of the racy kernel's predecessor (DecoderStack.slow) where that is a Triton
+    # GEMM. The predecessor is the launch right before, across layers; any other launch refuses to be slowed, and a
+    # slowed stack still computes the layer (the interpreter has no PDL: the hold is off there).
+    from dataclasses import replace
+
+    from tuner.kernels.gemm import NotSlowable
+
+    cfg = hand_picked(ODD)
+    cfg = replace(cfg, norm1=replace(cfg.norm1, fuse=1))
+    st = DecoderStack(ODD, cfg, n_layers=2, dtype=torch.float32, device=device, seed=3)
+    assert st.predecessor(0, "qkv") is None
+    assert st.predecessor(1, "qkv") == (0, "ffn2")
+    assert st.predecessor(1, "out") == (1, "attn") and st.predecessor(1, "ffn2") == (1, "ffn1")
+    with pytest.raises(ValueError):
+        st.predecessor(1, "norm1")  # (fused: not launched)
+    for slow in ((1, "attn"), (1, "norm2"), (1, "norm1")):
+        st.slow = slow
+        with pytest.raises(NotSlowable):
+            st.run()
+    st.slow = (1, "ffn1")
+    err = st.check(seed=4)
+    assert err < st.tolerance(), err
+
+
+def test_slowed_layer_kernel_refuses():
+    from dataclasses import replace
+
+    from tuner.kernels.gemm import NotSlowable
+    from tuner.layer import layer_launches
+
+    cfg = DecoderConfig()
+    cfg = replace(cfg, layer=replace(cfg.layer, fuse=1))
+    assert cfg.fused
+    st = DecoderStack(ODD, cfg, n_layers=1, dtype=torch.float32, device="cpu", seed=1)
+    with pytest.raises(NotSlowable):
+        layer_launches(ODD, cfg, st.weights[0], st.x, st.bufs[0], slow="qkv")

@@ -26,6 +26,9 @@ from tuner.kernels._common import (REL_TOLERANCE, hopper_error, prefetch_count, 
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
+# tune verify's race checks: how long the predecessor's odd column tiles hold back their stores (ns; gemm.linear's
+# _slow_ns), far longer than a dependent's launch behind it.
+SLOW_NS = 20_000
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -362,7 +365,7 @@ class LayerBuffers:
 
 def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: torch.Tensor, b: LayerBuffers,
                    racy: str | None = None, oob: bool = False, unchecked: bool = False,
-                   x_stats: torch.Tensor | None = None) -> list[tuple[str, callable]]:
+                   x_stats: torch.Tensor | None = None, slow: str | None = None) -> list[tuple[str, callable]]:
     """The layer's kernel launches in order, as (kernel name, launch) pairs.
 
     ``x_stats``: the row sums of ``x`` written by the previous layer's FFN2 (``LayerBuffers.y_stats``),
@@ -371,9 +374,14 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
     ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
-    shared memory then fails in Triton's launcher, as a real out-of-resources fault).
+    shared memory then fails in Triton's launcher, as a real out-of-resources fault);
+    ``slow`` names a GEMM whose Triton kernel holds back half of its stores (test-only, ``tune verify``:
+    ``gemm.linear``'s ``_slow_ns``); any other launch raises ``NotSlowable``.
     """
     r = lambda k: racy == k  # noqa: E731
+    sl = lambda k: SLOW_NS if slow == k else 0  # noqa: E731
+    if slow is not None and cfg.fused:
+        raise gemm_k.NotSlowable("the one-kernel layer has no slowed variant")
     if cfg.fused:  # racy: a phase of the CUDA layer kernel (fuse 2 on Hopper) that skips its flags
         return [("layer", lambda: fused_k.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads,
                                                         config=cfg.layer, scratch=b.fused, out=b.y, eps=LN_EPS,
@@ -398,22 +406,23 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         ("norm1", lambda: norm_k.layer_norm(x, w.ln1_w, w.ln1_b, eps=LN_EPS, config=cfg.norm1, out=b.ln1,
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
-                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _oob_write=oob,
+                                      workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _slow_ns=sl("qkv"), _oob_write=oob,
                                       _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
         ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
-                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"), **out_kw)),
+                                      workspace=b.ws["out"], _racy_read_before_wait=r("out"), _slow_ns=sl("out"), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
-                                       _racy_read_before_wait=r("ffn1"), **ln2)),
+                                       _racy_read_before_wait=r("ffn1"), _slow_ns=sl("ffn1"), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
-                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), **ffn2_kw)),
+                                       workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), _slow_ns=sl("ffn2"), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
+    replaced = set()  # GEMMs launched as another kernel
     if b.mlp:  # FFN1 + GELU + FFN2 in one kernel, launched in FFN1's place
         from tuner.kernels import mlp_cluster
 
@@ -421,6 +430,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         h_in, res, o = (b.attn, x, dict(wo=w.w_out, bo=w.b_out)) if b.mlp_out else (b.h if ln2 else b.ln2, b.h, {})
         if b.mlp_attn:  # and with attn.fuse 1 the attention from qkv in front of that
             o["qkv"] = b.qkv
+        replaced.add("ffn1")
         launches[5] = ("ffn1", lambda: mlp_cluster.launch(
             h_in, w_ffn1, b_ffn1, w.w_ffn2, w.b_ffn2, res, b.y, act=gemm_k.act_code("gelu", b.h),
             stats_out=ffn2_kw.get("stats_out"), ln_stats=ln2.get("ln_stats"),  # (None with out.fuse: no h_stats)
@@ -442,6 +452,9 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             n_pref=prefetch_count(k_tiles, cfg.qkv.prefetch_ratio), ln_stats=ln1.get("ln_stats"),
             ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv"), hints=gemm_k.l2_hints(cfg.qkv)))
         skip.add("attn")
+        replaced.add("qkv")
+    if slow is not None and (slow not in GEMMS or slow in skip | replaced):
+        raise gemm_k.NotSlowable(f"{slow}: no slowed variant of this launch (only the Triton GEMM has one)")
     return [(n, f) for n, f in launches if n not in skip]
 
 
@@ -500,6 +513,7 @@ class DecoderStack:
             if cfg.norm2.fuse or cfg.fused:
                 w.folded("ffn1")
         self.racy: tuple[int, str] | None = None  # (layer, kernel) for the race-detection demonstration
+        self.slow: tuple[int, str] | None = None  # (layer, GEMM) whose stores are held back (layer_launches' slow)
         self.oob_layer: int | None = None  # layer whose QKV GEMM writes out of bounds (test-only)
         self.unchecked = False  # every QKV GEMM skips its config check (test-only)
         self.graph = None
@@ -515,11 +529,12 @@ class DecoderStack:
     def _layer_launches(self, faults: bool = True):
         """(layer index, kernel name, launch) of every layer in order: each layer reads the previous one's output
         and, for a norm with fuse 2, the row sums its FFN2 wrote. ``faults``: with the test-only variants set on
-        the stack (racy, oob_layer, unchecked)."""
+        the stack (racy, oob_layer, unchecked, slow)."""
         x, x_stats = self.x, None
         for i, (w, b) in enumerate(zip(self.weights, self.bufs)):
             kw = dict(racy=self.racy[1] if self.racy and self.racy[0] == i else None, oob=self.oob_layer == i,
-                      unchecked=self.unchecked) if faults else {}
+                      unchecked=self.unchecked, slow=self.slow[1] if self.slow and self.slow[0] == i else None
+                      ) if faults else {}
             for name, fn in layer_launches(self.shape, self.cfg, w, x, b, x_stats=x_stats, **kw):
                 yield i, name, fn
             x, x_stats = b.y, b.y_stats
@@ -538,6 +553,13 @@ class DecoderStack:
         layer's."""
         return [fn for i, name, fn in self._layer_launches(faults=False)
                 if name == kernel and not (skip_first and i == 0)]
+
+    def predecessor(self, layer: int, kernel: str) -> tuple[int, str] | None:
+        """The (layer, kernel) launched right before ``kernel`` of ``layer`` in the stack (the one it waits for under
+        PDL); None for the stack's first launch."""
+        order = [(i, name) for i, name, _ in self._layer_launches(faults=False)]
+        at = order.index((layer, kernel))  # (ValueError where that layer launches no such kernel)
+        return order[at - 1] if at else None
 
     def first_layer_differs(self) -> bool:
         """Whether the first layer runs other kernels than the rest: with norm1.fuse 2 no producer wrote the row sums

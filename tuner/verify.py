@@ -5,7 +5,10 @@
    cuLaunchKernelEx as CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION).
 2. Race detection: a test-only variant of one kernel reads its input before gdc_wait; the check (fresh
    inputs, buffers poisoned with NaN) runs N times and we count how often it catches the race. The
-   same config without the defect must pass every time.
+   same config without the defect must pass every time. Where the kernel's predecessor is a Triton GEMM, that
+   GEMM's odd column tiles hold their stores back (``DecoderStack.slow``) in both runs: a racy read then finds
+   poisoned input even where the dependent's CTAs only get SMs as the predecessor's programs retire (clustered
+   launches), and the correct kernel must still wait for all of it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import triton
 
 from tuner.config import DecoderConfig
+from tuner.kernels.gemm import NotSlowable
 from tuner.layer import DecoderStack
 
 _KERNEL_MODULES = ("tuner.kernels.gemm", "tuner.kernels.norm", "tuner.kernels.attention")
@@ -66,14 +70,26 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
             "by_kernel": {f"{name} pdl={p}": n for (name, p), n in sorted(census.items())}}
 
 
-def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, seed0: int = 1000) -> dict:
+def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, seed0: int = 1000,
+                   slow: bool = True) -> dict:
+    """How often the check catches ``kernel``'s racy variant in ``layer`` (``caught`` of ``trials``), and how often
+    it fails the same stack without the defect (``false_alarms``). ``slow``: with the predecessor's stores held
+    back where it is a Triton GEMM; ``slowed`` names the predecessor held back, or is None."""
+    pred = stack.predecessor(layer, kernel) if slow else None
+    stack.slow = pred
     stack.racy = (layer, kernel)
-    stack.capture()
+    try:
+        stack.capture()  # (its eager warm-up raises NotSlowable before the graph capture starts)
+    except NotSlowable:
+        stack.slow = pred = None
+        stack.capture()
     caught = sum(stack.check(seed0 + t, layers=[layer]) > stack.tolerance() for t in range(trials))
     stack.racy = None
     stack.capture()
     false_alarms = sum(stack.check(seed0 + t, layers=[layer]) > stack.tolerance() for t in range(trials))
-    return {"kernel": kernel, "layer": layer, "trials": trials, "caught": caught, "false_alarms": false_alarms}
+    stack.slow = None
+    return {"kernel": kernel, "layer": layer, "trials": trials, "caught": caught, "false_alarms": false_alarms,
+            "slowed": f"{pred[1]} (layer {pred[0]})" if pred else None}
 
 
 def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int = 4, race_trials: int = 20,
