@@ -662,17 +662,20 @@ def test_wide_layers_get_wide_tiles_where_they_fill_one_wave():
     assert hand_picked_wide(resolve("4x512x768x12x3072"), H200.num_sms) is None  # many tokens: hand_picked_many
 
 
-def test_configurations_that_launch_the_same_are_measured_once(tmp_path, replay):
-    # The one-kernel layer's fields are read only where it is on: with it off, trials that differ in them alone
-    # launch the same kernels, and only the first is measured.
+def _one_set_of_launches() -> space.SearchSpace:
     data = copy.deepcopy(default_data())
     data["ratios"] = {"overlap": [0.0], "prefetch": [1.0]}
     for fam in ("gemm", "norm", "attn", "layer"):
         data[fam] = {f: [v[0]] for f, v in data[fam].items()}
     data["kernels"] = {"layer": {"num_warps": [4, 8], "block_k": [64, 128]}}  # four points, one set of launches
     data["layer"]["fuse"] = [0]
-    sp = space.parse(data, "one set of launches")
-    folder = run(tmp_path, replay, sp, trials=8, sampler="random")
+    return space.parse(data, "one set of launches")
+
+
+def test_configurations_that_launch_the_same_are_measured_once(tmp_path, replay):
+    # The one-kernel layer's fields are read only where it is on: with it off, trials that differ in them alone
+    # launch the same kernels, and only the first is measured.
+    folder = run(tmp_path, replay, _one_set_of_launches(), trials=8, sampler="random")
     trials = pd.read_csv(folder / "trials.csv")
     assert "crashed" not in set(trials["status"])
     measured = trials[trials["duplicate_of"].isna() & ~trials["is_baseline"]]
@@ -681,6 +684,28 @@ def test_configurations_that_launch_the_same_are_measured_once(tmp_path, replay)
     topk = pd.read_csv(folder / "topk.csv")
     assert len(topk) == len(trials[trials["duplicate_of"].isna()].drop_duplicates(
         subset=[c for c in trials.columns if "." in c])), topk  # one row a set of launches
+
+
+def test_a_study_continued_from_an_older_hash_merges_what_launches_the_same(tmp_path, replay, monkeypatch):
+    # A study begun before 1fc3600 stored hashes of the whole configuration, fields no launch reads included. The
+    # continued study recomputes them from the stored configurations: it measures none of the four points again.
+    import hashlib
+
+    from tuner import study as study_mod
+
+    real = study_mod.config_hash
+    monkeypatch.setattr(study_mod, "config_hash", lambda cfg: hashlib.sha1(
+        json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12])
+    run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=8, sampler="random", seed=3)
+    before = load_study(tmp_path, "old").trials
+    measured = [t for t in before if "duplicate_of" not in t.user_attrs and not t.user_attrs.get("is_baseline")
+                and t.user_attrs.get("knobs_off_of") is None]
+    monkeypatch.setattr(study_mod, "config_hash", real)
+    assert len({study_mod.stored_hash(t) for t in measured}) < len(measured)  # the old hash measured one set twice
+    assert all(study_mod.stored_hash(t) == real(DecoderConfig.from_dict(t.user_attrs["config"])) for t in before)
+    run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=14, sampler="random", seed=4)
+    new = [t for t in load_study(tmp_path, "old").trials if t.number >= len(before)]
+    assert new and all("duplicate_of" in t.user_attrs for t in new), [(t.number, t.user_attrs) for t in new]
 
 
 def test_a_duplicate_of_this_process_reuses_its_measurement(tmp_path, replay):

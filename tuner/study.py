@@ -26,7 +26,7 @@ import optuna
 from optuna.trial import TrialState
 
 from tuner import manifest
-from tuner.config import GEMMS, DecoderConfig
+from tuner.config import GEMMS, ConfigError, DecoderConfig
 from tuner.evaluate import TrialResult
 from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error
@@ -88,6 +88,19 @@ def config_hash(cfg: DecoderConfig) -> str:
     """What a measured configuration launches (tuner.layer.launched_config: fields no launch reads left out), hashed:
     the study measures once each set of launches, and a trial that repeats one reuses its measurement."""
     return hashlib.sha1(json.dumps(launched_config(cfg).to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def stored_hash(trial) -> str | None:
+    """:func:`config_hash` of the configuration a stored trial measured (its ``config`` attribute), recomputed: a study
+    continued from an older tuner, whose hash kept fields no launch reads, then merges what launches the same. The
+    stored ``config_hash`` where the configuration does not load."""
+    attrs = trial.user_attrs
+    if "config" in attrs:
+        try:
+            return config_hash(DecoderConfig.from_dict(attrs["config"]))
+        except (ConfigError, KeyError, TypeError, ValueError):
+            pass
+    return attrs.get("config_hash")
 
 
 @dataclass
@@ -315,8 +328,11 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
     # config hash -> (trial number, value, user attrs) of a measured config: the stored trials', then
     # this process's (a live optuna.Trial has no .value, so the cache keeps plain values).
-    cache = {t.user_attrs["config_hash"]: (t.number, t.value, dict(t.user_attrs))
-             for t in done if "config_hash" in t.user_attrs}
+    cache = {}
+    for t in done:  # (where several launch the same, the first that did not fail)
+        h = stored_hash(t)
+        if h is not None and (h not in cache or cache[h][2].get("status") in (None, "crashed", "timeout")):
+            cache[h] = (t.number, t.value, dict(t.user_attrs))
 
     repaired = _repairer(shape, evaluator)
 
@@ -563,7 +579,7 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
         return False
     params = {**best.params, **{n: -1.0 for n in ratios}}
     cfg = _repairer(shape, evaluator)(params)
-    if any(t.user_attrs.get("config_hash") == config_hash(cfg) for t in trials):
+    if any(stored_hash(t) == config_hash(cfg) for t in trials):
         return False
 
     class Attrs(dict):
