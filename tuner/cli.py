@@ -141,7 +141,6 @@ def _bench_config(path: str, **expect):
 
 
 def cmd_verify(args) -> int:
-    import json
     from dataclasses import replace
 
     import torch
@@ -197,7 +196,9 @@ def cmd_verify(args) -> int:
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))
         manifest.write_json_atomic(out / "verify.json", res)
-        print(json.dumps(res, indent=1))
+        report = verify.format_report(res, f"tune verify: {shape.label} ({dev.name}, {args.dtype})")
+        manifest.write_text_atomic(out / "verify.md", report)
+        print(report)
         print(f"written to {out}")
     return 0
 

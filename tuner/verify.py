@@ -20,7 +20,7 @@ import triton
 
 from tuner.config import DecoderConfig
 from tuner.kernels.gemm import NotSlowable
-from tuner.layer import DecoderStack
+from tuner.layer import SLOW_NS, DecoderStack
 
 _KERNEL_MODULES = ("tuner.kernels.gemm", "tuner.kernels.norm", "tuner.kernels.attention")
 
@@ -108,3 +108,38 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
     out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
     out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
     return out
+
+
+# What each checked configuration of `tune verify` is (cmd_verify's keys; "races": the hand-picked one).
+CHECKED = {"races": "hand-picked, norm kernels kept", "clustered": "split-K reduced in clusters (CUDA)",
+           "ffn2_split8": "FFN2 in 128x128 tiles split 8 (clusters of 8)", "mlp": "feed-forward block as one kernel",
+           "mlp_out": "block with the out-projection", "mlp_attn": "block with the out-projection and the attention",
+           "qkv_attn": "QKV and the attention in one kernel"}
+
+
+def format_report(res: dict, title: str) -> str:
+    """verify.json's result as markdown: each checked stack's PDL census and its race checks, one row a racy kernel."""
+    lines = [f"# {title}", "", "| configuration | launches with PDL | racy kernel (layer) | caught | false alarms | "
+             "predecessor held |", "|---|---:|---|---:|---:|---|"]
+    missed = []
+    for key, label in CHECKED.items():
+        part = res if key == "races" else res.get(key)
+        if not part:
+            continue
+        c = part["census"]
+        pdl = f"{c['with_pdl']} of {c['launches']}"
+        for i, r in enumerate(part["races"]):
+            first = (label, pdl) if i == 0 else ("", "")
+            lines.append(f"| {first[0]} | {first[1]} | {r['kernel']} ({r['layer']}) | {r['caught']} of {r['trials']} | "
+                         f"{r['false_alarms']} | {r.get('slowed') or '-'} |")
+            if r["caught"] < r["trials"] or r["false_alarms"]:
+                missed.append(f"{label}: {r['kernel']}")
+    held = any(r.get("slowed") for key in CHECKED for r in ((res if key == "races" else res.get(key)) or {}).get(
+        "races", []))
+    lines += ["", "A racy kernel reads its input before `griddepcontrol.wait`; the check runs the stack on fresh inputs "
+              "with every buffer poisoned. The same stack without the defect must never fail (false alarms)."
+              + (f" A held predecessor (a Triton GEMM) kept its odd column tiles' stores back {SLOW_NS // 1000} us in "
+                 "both runs." if held else ""),
+              "", "Every check caught its race, with no false alarm." if not missed else
+              "Not caught every time, or a false alarm: " + "; ".join(missed) + "."]
+    return "\n".join(lines) + "\n"

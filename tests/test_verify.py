@@ -1,0 +1,35 @@
+"""`tune verify`'s report (verify.md) from recorded verify.json files of H200 runs (the checks themselves need the GPU:
+tests/test_cluster_gemm.py, test_mlp_cluster.py, test_qkv_attn.py)."""
+
+import json
+from pathlib import Path
+
+from tuner.verify import format_report
+
+RESULTS = Path(__file__).resolve().parent.parent / "results" / "verify" / "bert-large"
+
+
+def _rows(report: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in report.splitlines()
+            if line.startswith("| ") and not line.startswith("| configuration")]
+
+
+def test_report_has_a_row_for_every_check_and_names_the_held_predecessor():
+    res = json.loads((RESULTS / "20261127-071259" / "verify.json").read_text())  # session 36: 30 trials, held
+    report = format_report(res, "tune verify: bert-large")
+    rows = _rows(report)
+    checks = sum(len((res if k == "races" else res[k])["races"]) for k in res if k not in ("config", "census"))
+    assert len(rows) == checks == 10
+    assert rows[0][:3] == ["hand-picked, norm kernels kept", "32 of 32", "qkv (1)"]
+    held = [r for r in rows if r[2] == "ffn2 (1)"]
+    assert len(held) == 3 and all(r[3] == "30 of 30" and r[4] == "0" and r[5] == "ffn1 (layer 1)" for r in held)
+    assert "Every check caught its race, with no false alarm." in report and "held predecessor" in report
+
+
+def test_report_names_what_was_not_caught_every_time():
+    res = json.loads((RESULTS / "20261127-042050" / "verify.json").read_text())  # session 35: no hold, 16 and 19 of 30
+    report = format_report(res, "tune verify: bert-large")
+    assert "| ffn2 (1) | 16 of 30 | 0 | - |" in report and "| ffn2 (1) | 19 of 30 | 0 | - |" in report
+    assert report.rstrip().endswith("Not caught every time, or a false alarm: split-K reduced in clusters (CUDA): ffn2; "
+                                    "FFN2 in 128x128 tiles split 8 (clusters of 8): ffn2.")
+    assert "held predecessor" not in report
