@@ -45,16 +45,16 @@ def build_key() -> tuple:
 
 # The diagnostics define of every CUDA kernel (qkv_attn.cu's QA_DIAG, cluster_gemm.cu's CG_DIAG, mlp_cluster.cu's
 # MLP_DIAG): bit 0 the trace's %globaltimer stamps, bit 1 those stamps in SM cycles (qkv_attn only), bit 2 the
-# test-only racy variant. Each value is a library of its own, so that the production build (0) carries none of their
+# test-only racy variant, bit 3 the test-only held stores (cluster_gemm only: tune verify). Each value is a library of its own, so that the production build (0) carries none of their
 # branches (perf notes 33-34).
-DIAG_TRACE, DIAG_CYCLES, DIAG_RACY = 1, 2, 4
+DIAG_TRACE, DIAG_CYCLES, DIAG_RACY, DIAG_HELD = 1, 2, 4, 8
 
 
-def diag(trace, racy: bool, cycles: bool = False) -> int:
+def diag(trace, racy: bool, cycles: bool = False, held: bool = False) -> int:
     """The diagnostics define of a launch: the trace's stamps where it has a trace buffer (in SM cycles with
-    ``cycles``), the racy variant where asked."""
+    ``cycles``), the racy variant and the held stores where asked."""
     stamps = (DIAG_TRACE | (DIAG_CYCLES if cycles else 0)) if trace is not None else 0
-    return stamps | (DIAG_RACY if racy else 0)
+    return stamps | (DIAG_RACY if racy else 0) | (DIAG_HELD if held else 0)
 
 
 def nvcc() -> str | None:

@@ -45,11 +45,13 @@ struct Tile {
 enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, XCHG16 = 32 };
 // The trace's stamps and the test-only defect are build variants (CG_DIAG, as qkv_attn.cu's QA_DIAG: no branch of
 // theirs in the production build): bit 0 the trace (%globaltimer, 4 a program), bit 2 racy (the activation tiles
-// of the stages whose weights go before griddepcontrol.wait, loaded before it too).
+// of the stages whose weights go before griddepcontrol.wait, loaded before it too), bit 3 held (tune verify: the CTAs
+// of odd column tiles hold their stores back SLOW_NS after the exchange, so that a racy dependent meets poison).
 #ifndef CG_DIAG
 #define CG_DIAG 0
 #endif
-constexpr bool TRACED = (CG_DIAG & 1) != 0, RACY = (CG_DIAG & 4) != 0;
+constexpr bool TRACED = (CG_DIAG & 1) != 0, RACY = (CG_DIAG & 4) != 0, HELD = (CG_DIAG & 8) != 0;
+constexpr long long SLOW_NS = 20000;  // cluster_gemm.py's SLOW_NS
 constexpr int TRACE_SLOTS = 4;  // a program's stamps (cluster_gemm.py's TRACE_SLOTS, checked at load)
 // CG_EVEN 1: M and N are multiples of the tile and the output's rows 16-byte aligned (the launcher checks), so the
 // epilogue has no bounds checks and one store path (perf notes 34)
@@ -298,6 +300,13 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
   mbar_wait(red, 0);
+  if constexpr (HELD) {  // (the exchange has landed: holding one cluster's CTAs keeps nobody else waiting)
+    if (n_tile & 1) {
+      const long long t0 = globaltimer();
+      while (globaltimer() - t0 < SLOW_NS) {
+      }
+    }
+  }
 
   // This CTA's slab: its own partial's rows plus the SC-1 pushed ones.
   float y[CPT];

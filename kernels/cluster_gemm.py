@@ -24,6 +24,7 @@ SOURCE = Path(__file__).with_name("cluster_gemm.cu")
 SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
 # A traced launch's int64 stamps a program: entry, wait returned, K loop done, end (scripts/trace_gemms.py).
 TRACE_SLOTS = 4
+SLOW_NS = 20_000  # cluster_gemm.cu's SLOW_NS: how long a held build's odd column tiles hold their stores (tune verify)
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
@@ -131,13 +132,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=None, split=4, per_split=0, stages=4,
            trigger_k=-1, n_pref=0, act=0, racy=False, bm=64, bn=64, ln_stats=None, ln_colsum=None,
-           ln_eps=1e-5, xchg16=False, hints=0) -> None:
+           ln_eps=1e-5, xchg16=False, hints=0, held=False) -> None:
     """One launch on the current stream. ``per_split``, ``trigger_k`` and ``n_pref`` count 64-wide K tiles; the
     output tile is ``bm`` x ``bn``. With ``ln_stats`` ([parts, M, 2] fp32, the row sums of x from its producer) and
     ``ln_colsum``, the weights are LayerNorm-folded (gemm.fold_layernorm) and the epilogue applies the norm.
     ``xchg16``: the split-K partials are exchanged in x's 16-bit type, not fp32 (half the bytes). ``hints``: L2
     eviction hints on the TMA loads (hopper.cuh's HOPPER_CACHE_HINTS): bit 0 the weights evict-first, bit 1 the
-    activations evict-last (GemmConfig.hints 1 is 3)."""
+    activations evict-last (GemmConfig.hints 1 is 3). ``held`` (test-only, tune verify): the build whose CTAs of odd
+    column tiles hold their stores back :data:`SLOW_NS` after the exchange."""
     M, K = x.shape
     N = weight.shape[0]
     if (ln_stats is None) != (ln_colsum is None):
@@ -162,7 +164,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy), even)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy, held=held), even)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

@@ -699,7 +699,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     ``_slow_ns`` (test-only, ``tune verify``; the Triton kernel on the GPU): the programs of odd column tiles wait
     this long after their K loop before storing, so that a racy dependent meets unwritten output. In the
-    interpreter (no PDL) it is ignored; on the cluster kernel it raises :class:`NotSlowable`.
+    interpreter (no PDL) it is ignored; the cluster kernel holds for ``cluster_gemm.SLOW_NS`` only (a build variant)
+    and raises :class:`NotSlowable` for any other value.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -774,8 +775,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
                                  f"(strides {tuple(t.stride())})")
     if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
-        if _slow_ns:
-            raise NotSlowable("linear: _slow_ns holds back the Triton kernel's stores only (cluster=0)")
+        if _slow_ns not in (0, cluster_gemm.SLOW_NS):
+            raise NotSlowable(f"linear: the cluster kernel's held build holds {cluster_gemm.SLOW_NS} ns, not {_slow_ns}")
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
         per64 = per_split * c.block_k // cluster_gemm.BLOCK
@@ -785,7 +786,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
             n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
             ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps,  # (ln_colsum here comes with ln_stats)
-            xchg16=c.cluster == 2, hints=l2_hints(c))
+            xchg16=c.cluster == 2, hints=l2_hints(c), held=_slow_ns > 0)
         return out
     if c.tma:
         x_desc = TensorDescriptor(x, [M, K], list(x.stride()), [c.block_m, c.block_k])

@@ -342,14 +342,19 @@ def test_cluster_racy_read_is_caught(d, n, tiles):
     assert wrong[False] == 0 and wrong[True] > 0, wrong
 
 @gpu
-def test_slowed_triton_gemm_holds_its_stores_and_stays_exact():
+@pytest.mark.parametrize("kernel", ["triton", "cluster"])
+def test_held_gemm_holds_its_stores_and_stays_exact(kernel):
     # tune verify's held-back predecessor (gemm.linear's _slow_ns): the same output bit for bit, and a launch at
-    # least the hold longer; the cluster kernel has no such variant and says so.
+    # least the hold longer; the cluster kernel's held build holds cluster_gemm.SLOW_NS only, and says so.
     from tuner.kernels.gemm import NotSlowable
 
     x, w, b, r = _inputs(128, 1024, 768, torch.float16, "cuda", seed=3)
     cfg = GemmConfig(block_m=64, block_n=64, block_k=128, num_stages=4, tma=1, overlap_ratio=0.0,
                      prefetch_ratio=1.0)
+    if kernel == "cluster":
+        cfg = replace(CL, overlap_ratio=0.0, prefetch_ratio=1.0)
+        with pytest.raises(NotSlowable):
+            linear(x, w, b, config=cfg, residual=r, _slow_ns=10_000)
     plain = linear(x, w, b, config=cfg, residual=r)
     slowed = linear(x, w, b, config=cfg, residual=r, _slow_ns=20_000)
     assert torch.equal(plain, slowed)
@@ -367,8 +372,6 @@ def test_slowed_triton_gemm_holds_its_stores_and_stays_exact():
         torch.cuda.synchronize()
         times[ns] = start.elapsed_time(end) * 1e3 / 10
     assert times[20_000] > times[0] + 15, times
-    with pytest.raises(NotSlowable):
-        linear(x, w, b, config=replace(CL, overlap_ratio=0.0), residual=r, _slow_ns=20_000)
 
 
 @gpu

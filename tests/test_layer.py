@@ -146,7 +146,7 @@ def test_interleaved_timing_matches_back_to_back():
     assert abs(inter.median_us - back) < 0.02 * back, (inter.median_us, back)
 
 
-def test_slowed_predecessor_only_where_a_triton_gemm_runs(device):
+def test_held_predecessor_only_where_a_gemm_runs(device):
     # tune verify holds back the stores of the racy kernel's predecessor (DecoderStack.slow) where that is a Triton
     # GEMM. The predecessor is the launch right before, across layers; any other launch refuses to be slowed, and a
     # slowed stack still computes the layer (the interpreter has no PDL: the hold is off there).

@@ -349,7 +349,11 @@ def test_racy_fused_block_with_out_projection_is_caught(attn_in):
     st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=6)
     assert st.bufs[0].mlp_out and not st.launches("out")
     assert st.bufs[0].mlp_attn == attn_in and bool(st.launches("attn")) != attn_in
-    # A race is sampled, not forced: with attn.fuse 1 the check catches 7-10 of 10 (H200, perf notes 34.2), and one
-    # run of the whole GPU suite caught fewer than 5 of 10; 20 trials keep the bar at a quarter.
+    # A race is sampled, not forced: with attn.fuse 1 the check caught 7-10 of 10 (H200, perf notes 34.2), one run of
+    # the whole GPU suite fewer than 5 of 10, and session 36's verify 6 of 10. Since then the QKV GEMM in front of it
+    # (the cluster kernel) holds back its odd column tiles' stores in the check, and every check must catch it.
     r = race_detection(st, "ffn1", layer=1, trials=20)
-    assert r["caught"] >= 5 and r["false_alarms"] == 0, r
+    if attn_in:
+        assert r["slowed"] == "qkv (layer 1)" and r["caught"] == 20 and r["false_alarms"] == 0, r
+    else:  # (behind the attention kernel: nothing held; 20 trials keep the bar at a quarter)
+        assert r["slowed"] is None and r["caught"] >= 5 and r["false_alarms"] == 0, r

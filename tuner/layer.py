@@ -27,8 +27,8 @@ from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
 # tune verify's race checks: how long the predecessor's odd column tiles hold back their stores (ns; gemm.linear's
-# _slow_ns), far longer than a dependent's launch behind it.
-SLOW_NS = 20_000
+# _slow_ns, the cluster kernel's held build), far longer than a dependent's launch behind it.
+SLOW_NS = gemm_k.cluster_gemm.SLOW_NS
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -375,8 +375,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
     ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
     shared memory then fails in Triton's launcher, as a real out-of-resources fault);
-    ``slow`` names a GEMM whose Triton kernel holds back half of its stores (test-only, ``tune verify``:
-    ``gemm.linear``'s ``_slow_ns``); any other launch raises ``NotSlowable``.
+    ``slow`` names a GEMM whose odd column tiles hold back their stores (test-only, ``tune verify``:
+    ``gemm.linear``'s ``_slow_ns``, on the Triton or the cluster kernel); any other launch raises ``NotSlowable``.
     """
     r = lambda k: racy == k  # noqa: E731
     sl = lambda k: SLOW_NS if slow == k else 0  # noqa: E731
@@ -454,7 +454,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         skip.add("attn")
         replaced.add("qkv")
     if slow is not None and (slow not in GEMMS or slow in skip | replaced):
-        raise gemm_k.NotSlowable(f"{slow}: no slowed variant of this launch (only the Triton GEMM has one)")
+        raise gemm_k.NotSlowable(f"{slow}: no held variant of this launch (only gemm.linear's kernels have one)")
     return [(n, f) for n, f in launches if n not in skip]
 
 

@@ -5,8 +5,8 @@
    cuLaunchKernelEx as CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION).
 2. Race detection: a test-only variant of one kernel reads its input before gdc_wait; the check (fresh
    inputs, buffers poisoned with NaN) runs N times and we count how often it catches the race. The
-   same config without the defect must pass every time. Where the kernel's predecessor is a Triton GEMM, that
-   GEMM's odd column tiles hold their stores back (``DecoderStack.slow``) in both runs: a racy read then finds
+   same config without the defect must pass every time. Where the kernel's predecessor is a GEMM (the Triton or
+   the cluster kernel), its odd column tiles hold their stores back (``DecoderStack.slow``) in both runs: a racy read then finds
    poisoned input even where the dependent's CTAs only get SMs as the predecessor's programs retire (clustered
    launches), and the correct kernel must still wait for all of it.
 """
@@ -74,7 +74,8 @@ def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, se
                    slow: bool = True) -> dict:
     """How often the check catches ``kernel``'s racy variant in ``layer`` (``caught`` of ``trials``), and how often
     it fails the same stack without the defect (``false_alarms``). ``slow``: with the predecessor's stores held
-    back where it is a Triton GEMM; ``slowed`` names the predecessor held back, or is None."""
+    back where it is a GEMM (gemm.linear's Triton or cluster kernel); ``slowed`` names the predecessor held back, or is
+    None."""
     pred = stack.predecessor(layer, kernel) if slow else None
     stack.slow = pred
     stack.racy = (layer, kernel)
@@ -138,7 +139,7 @@ def format_report(res: dict, title: str) -> str:
         "races", []))
     lines += ["", "A racy kernel reads its input before `griddepcontrol.wait`; the check runs the stack on fresh inputs "
               "with every buffer poisoned. The same stack without the defect must never fail (false alarms)."
-              + (f" A held predecessor (a Triton GEMM) kept its odd column tiles' stores back {SLOW_NS // 1000} us in "
+              + (f" A held predecessor (a GEMM) kept its odd column tiles' stores back {SLOW_NS // 1000} us in "
                  "both runs." if held else ""),
               "", "Every check caught its race, with no false alarm." if not missed else
               "Not caught every time, or a false alarm: " + "; ".join(missed) + "."]
