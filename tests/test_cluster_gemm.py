@@ -364,14 +364,16 @@ def test_held_gemm_holds_its_stores_and_stays_exact(kernel):
     times = {}
     for ns in (0, 20_000):
         graph = capture(lambda: linear(x, w, b, config=cfg, residual=r, out=plain, _slow_ns=ns))
+        for _ in range(5):  # (a new graph's first replays run slower: session 36 measured 13.6 us on one, 5 after)
+            graph.replay()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(10):
+        for _ in range(20):
             graph.replay()
         end.record()
         torch.cuda.synchronize()
-        times[ns] = start.elapsed_time(end) * 1e3 / 10
-    assert times[20_000] > times[0] + 15, times
+        times[ns] = start.elapsed_time(end) * 1e3 / 20
+    assert times[20_000] >= 19.5 and times[20_000] > times[0] + 10, times  # (a held launch lasts the hold at least)
 
 
 @gpu
