@@ -45,8 +45,8 @@ def build_key() -> tuple:
 
 # The diagnostics define of every CUDA kernel (qkv_attn.cu's QA_DIAG, cluster_gemm.cu's CG_DIAG, mlp_cluster.cu's
 # MLP_DIAG): bit 0 the trace's %globaltimer stamps, bit 1 those stamps in SM cycles (qkv_attn only), bit 2 the
-# test-only racy variant, bit 3 the test-only held stores (cluster_gemm only: tune verify). Each value is a library of its own, so that the production build (0) carries none of their
-# branches (perf notes 33-34).
+# test-only racy variant, bit 3 the test-only held stores (cluster_gemm only: tune verify). Each value is a library of
+# its own, so that the production build (0) carries none of their branches (perf notes 33-34).
 DIAG_TRACE, DIAG_CYCLES, DIAG_RACY, DIAG_HELD = 1, 2, 4, 8
 
 

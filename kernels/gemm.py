@@ -697,7 +697,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     ``stats_out`` (``[stats_parts(config, N), M, 2]`` fp32): each column tile also writes its share of the
     output rows' sums of y and y^2, the statistics of a LayerNorm fused into the next GEMM.
 
-    ``_slow_ns`` (test-only, ``tune verify``; the Triton kernel on the GPU): the programs of odd column tiles wait
+    ``_slow_ns`` (test-only, ``tune verify``; on the GPU): the programs of odd column tiles wait
     this long after their K loop before storing, so that a racy dependent meets unwritten output. In the
     interpreter (no PDL) it is ignored; the cluster kernel holds for ``cluster_gemm.SLOW_NS`` only (a build variant)
     and raises :class:`NotSlowable` for any other value.
@@ -776,7 +776,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                                  f"(strides {tuple(t.stride())})")
     if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
         if _slow_ns not in (0, cluster_gemm.SLOW_NS):
-            raise NotSlowable(f"linear: the cluster kernel's held build holds {cluster_gemm.SLOW_NS} ns, not {_slow_ns}")
+            raise NotSlowable(f"linear: the cluster kernel's held build holds {cluster_gemm.SLOW_NS} ns, "
+                              f"not {_slow_ns}")
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
         per64 = per_split * c.block_k // cluster_gemm.BLOCK

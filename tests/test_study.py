@@ -696,14 +696,14 @@ def test_a_study_continued_from_an_older_hash_merges_what_launches_the_same(tmp_
     real = study_mod.config_hash
     monkeypatch.setattr(study_mod, "config_hash", lambda cfg: hashlib.sha1(
         json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12])
-    run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=8, sampler="random", seed=3)
+    run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=6, sampler="random", seed=3)
     before = load_study(tmp_path, "old").trials
     measured = [t for t in before if "duplicate_of" not in t.user_attrs and not t.user_attrs.get("is_baseline")
                 and t.user_attrs.get("knobs_off_of") is None]
     monkeypatch.setattr(study_mod, "config_hash", real)
     assert len({study_mod.stored_hash(t) for t in measured}) < len(measured)  # the old hash measured one set twice
     assert all(study_mod.stored_hash(t) == real(DecoderConfig.from_dict(t.user_attrs["config"])) for t in before)
-    run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=14, sampler="random", seed=4)
+    run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=9, sampler="random", seed=4)
     new = [t for t in load_study(tmp_path, "old").trials if t.number >= len(before)]
     assert new and all("duplicate_of" in t.user_attrs for t in new), [(t.number, t.user_attrs) for t in new]
 

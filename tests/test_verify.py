@@ -30,6 +30,6 @@ def test_report_names_what_was_not_caught_every_time():
     res = json.loads((RESULTS / "20261127-042050" / "verify.json").read_text())  # session 35: no hold, 16 and 19 of 30
     report = format_report(res, "tune verify: bert-large")
     assert "| ffn2 (1) | 16 of 30 | 0 | - |" in report and "| ffn2 (1) | 19 of 30 | 0 | - |" in report
-    assert report.rstrip().endswith("Not caught every time, or a false alarm: split-K reduced in clusters (CUDA): ffn2; "
-                                    "FFN2 in 128x128 tiles split 8 (clusters of 8): ffn2.")
+    assert report.rstrip().endswith("Not caught every time, or a false alarm: split-K reduced in clusters (CUDA): "
+                                    "ffn2; FFN2 in 128x128 tiles split 8 (clusters of 8): ffn2.")
     assert "held predecessor" not in report

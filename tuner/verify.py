@@ -6,9 +6,9 @@
 2. Race detection: a test-only variant of one kernel reads its input before gdc_wait; the check (fresh
    inputs, buffers poisoned with NaN) runs N times and we count how often it catches the race. The
    same config without the defect must pass every time. Where the kernel's predecessor is a GEMM (the Triton or
-   the cluster kernel), its odd column tiles hold their stores back (``DecoderStack.slow``) in both runs: a racy read then finds
-   poisoned input even where the dependent's CTAs only get SMs as the predecessor's programs retire (clustered
-   launches), and the correct kernel must still wait for all of it.
+   the cluster kernel), its odd column tiles hold their stores back (``DecoderStack.slow``) in both runs: a racy
+   read then finds poisoned input even where the dependent's CTAs only get SMs as the predecessor's programs retire
+   (clustered launches), and the correct kernel must still wait for all of it.
 """
 
 from __future__ import annotations
@@ -122,11 +122,12 @@ def format_report(res: dict, title: str) -> str:
     """verify.json's result as markdown: each checked stack's PDL census and its race checks, one row a racy kernel."""
     lines = [f"# {title}", "", "| configuration | launches with PDL | racy kernel (layer) | caught | false alarms | "
              "predecessor held |", "|---|---:|---|---:|---:|---|"]
-    missed = []
+    missed, held = [], False
     for key, label in CHECKED.items():
         part = res if key == "races" else res.get(key)
         if not part:
             continue
+        held = held or any(r.get("slowed") for r in part["races"])
         c = part["census"]
         pdl = f"{c['with_pdl']} of {c['launches']}"
         for i, r in enumerate(part["races"]):
@@ -135,10 +136,8 @@ def format_report(res: dict, title: str) -> str:
                          f"{r['false_alarms']} | {r.get('slowed') or '-'} |")
             if r["caught"] < r["trials"] or r["false_alarms"]:
                 missed.append(f"{label}: {r['kernel']}")
-    held = any(r.get("slowed") for key in CHECKED for r in ((res if key == "races" else res.get(key)) or {}).get(
-        "races", []))
-    lines += ["", "A racy kernel reads its input before `griddepcontrol.wait`; the check runs the stack on fresh inputs "
-              "with every buffer poisoned. The same stack without the defect must never fail (false alarms)."
+    lines += ["", "A racy kernel reads its input before `griddepcontrol.wait`; the check runs the stack on fresh "
+              "inputs with every buffer poisoned. The same stack without the defect must never fail (false alarms)."
               + (f" A held predecessor (a GEMM) kept its odd column tiles' stores back {SLOW_NS // 1000} us in "
                  "both runs." if held else ""),
               "", "Every check caught its race, with no false alarm." if not missed else
