@@ -33,3 +33,26 @@ def test_report_names_what_was_not_caught_every_time():
     assert report.rstrip().endswith("Not caught every time, or a false alarm: split-K reduced in clusters (CUDA): "
                                     "ffn2; FFN2 in 128x128 tiles split 8 (clusters of 8): ffn2.")
     assert "held predecessor" not in report
+
+
+def test_held_predecessor_is_the_launch_before_or_none():
+    # The stack's launch order decides what a race check holds: the previous launch, across layers; nothing for a
+    # phase of the one-kernel layer (its racy variants are phases of one launch) or for the stack's first launch.
+    from dataclasses import replace
+
+    import torch
+
+    from tuner.bench import hand_picked
+    from tuner.config import DecoderConfig
+    from tuner.layer import DecoderStack
+    from tuner.shapes import DecoderShape
+    from tuner.verify import held_predecessor
+
+    odd = DecoderShape(1, 17, 32, 1, 90, name="odd")
+    st = DecoderStack(odd, hand_picked(odd), n_layers=2, dtype=torch.float32, device="cpu", seed=1)
+    first = next(st._layer_launches(faults=False))[:2]
+    assert held_predecessor(st, *first) is None
+    assert held_predecessor(st, 1, "ffn2") == (1, "ffn1") and held_predecessor(st, 1, first[1]) == (0, "ffn2")
+    fused = replace(DecoderConfig(), layer=replace(DecoderConfig().layer, fuse=1))
+    st = DecoderStack(odd, fused, n_layers=2, dtype=torch.float32, device="cpu", seed=1)
+    assert held_predecessor(st, 1, "layer") == (0, "layer") and held_predecessor(st, 1, "qkv") is None

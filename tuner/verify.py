@@ -70,13 +70,23 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
             "by_kernel": {f"{name} pdl={p}": n for (name, p), n in sorted(census.items())}}
 
 
+def held_predecessor(stack: DecoderStack, layer: int, kernel: str) -> tuple[int, str] | None:
+    """The launch that ``kernel`` of ``layer`` waits for, to be held in its race checks; None where the racy kernel is
+    no launch of its own (a phase of the one-kernel layer) or is the stack's first. Whether the predecessor has a held
+    variant is found when the stack is captured (``NotSlowable``)."""
+    try:
+        return stack.predecessor(layer, kernel)
+    except ValueError:
+        return None
+
+
 def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, seed0: int = 1000,
                    slow: bool = True) -> dict:
     """How often the check catches ``kernel``'s racy variant in ``layer`` (``caught`` of ``trials``), and how often
     it fails the same stack without the defect (``false_alarms``). ``slow``: with the predecessor's stores held
     back where it is a GEMM (gemm.linear's Triton or cluster kernel); ``slowed`` names the predecessor held back, or is
     None."""
-    pred = stack.predecessor(layer, kernel) if slow else None
+    pred = held_predecessor(stack, layer, kernel) if slow else None
     stack.slow = pred
     stack.racy = (layer, kernel)
     try:
