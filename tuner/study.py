@@ -579,7 +579,8 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
         return False
     params = {**best.params, **{n: -1.0 for n in ratios}}
     cfg = _repairer(shape, evaluator)(params)
-    if any(stored_hash(t) == config_hash(cfg) for t in trials):
+    launches = config_hash(cfg)
+    if any(stored_hash(t) == launches for t in trials):
         return False
 
     class Attrs(dict):
