@@ -51,7 +51,7 @@ enum Epi { HAS_BIAS = 1, BIAS_F32 = 2, HAS_RES = 4, LN_IN = 8, STATS_OUT = 16, X
 #define CG_DIAG 0
 #endif
 constexpr bool TRACED = (CG_DIAG & 1) != 0, RACY = (CG_DIAG & 4) != 0, HELD = (CG_DIAG & 8) != 0;
-constexpr long long SLOW_NS = 20000;  // cluster_gemm.py's SLOW_NS
+constexpr long long SLOW_NS = 20000;  // cluster_gemm.py's SLOW_NS, checked at load
 constexpr int TRACE_SLOTS = 4;  // a program's stamps (cluster_gemm.py's TRACE_SLOTS, checked at load)
 // CG_EVEN 1: M and N are multiples of the tile and the output's rows 16-byte aligned (the launcher checks), so the
 // epilogue has no bounds checks and one store path (perf notes 34)
@@ -444,6 +444,8 @@ extern "C" int cluster_gemm_variant() {
 }
 
 extern "C" int cluster_gemm_trace_slots() { return TRACE_SLOTS; }
+
+extern "C" long long cluster_gemm_slow_ns() { return SLOW_NS; }
 
 extern "C" int cluster_gemm_smem_bytes(int stages) {
   return 1024 + stages * TV::STAGE_BYTES + TV::PART_BYTES + 16 * stages + 8;

@@ -24,7 +24,7 @@ SOURCE = Path(__file__).with_name("cluster_gemm.cu")
 SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
 # A traced launch's int64 stamps a program: entry, wait returned, K loop done, end (scripts/trace_gemms.py).
 TRACE_SLOTS = 4
-SLOW_NS = 20_000  # cluster_gemm.cu's SLOW_NS: how long a held build's odd column tiles hold their stores (tune verify)
+SLOW_NS = 20_000  # cluster_gemm.cu's SLOW_NS (checked at load): how long a held build's odd column tiles hold their stores (tune verify)
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
@@ -108,11 +108,13 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
     lib.cluster_gemm_launch.restype = ctypes.c_int
     lib.cluster_gemm_smem_bytes.argtypes = [ctypes.c_int]
     lib.cluster_gemm_smem_bytes.restype = ctypes.c_int
+    lib.cluster_gemm_slow_ns.restype = ctypes.c_longlong
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn) or lib.cluster_gemm_trace_slots() != TRACE_SLOTS
+            or lib.cluster_gemm_slow_ns() != SLOW_NS
             or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
                                               | (diag << 24) | (even << 28))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py "
-                           "(shared-memory layout, variant or trace slots)")
+                           "(shared-memory layout, variant, trace slots or hold)")
     _LIBS[key] = lib
     return lib
 

@@ -85,3 +85,20 @@ def test_launch_attribute_switches_change_host_code_only(tmp_path, monkeypatch):
     monkeypatch.setattr(_nvcc, "MEM_SYNC_DOMAIN", 1)  # (the same value under another define: another file)
     domain = cluster_gemm.library(0, 4, 0)
     assert domain._name.endswith("-sd1.so") and len({prod._name, policy._name, domain._name}) == 3
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to build the kernels")
+def test_held_cluster_gemm_build_holds_what_python_says(tmp_path, monkeypatch):
+    # tune verify's held build (CG_DIAG's DIAG_HELD bit) keeps its odd column tiles' stores back SLOW_NS: the constant
+    # lives in cluster_gemm.cu and cluster_gemm.py, and library() refuses a build whose hold differs (raises at load)
+    source, _, defines = KERNELS["cluster_gemm"]
+    held = _ptx(source, {**defines, "CG_DIAG": _nvcc.DIAG_HELD}, tmp_path)
+    assert CLOCKS.search(held) and not CLOCKS.search(_ptx(source, defines, tmp_path))
+    monkeypatch.setattr(_nvcc, "cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cluster_gemm, "_LIBS", {})
+    lib = cluster_gemm.library(0, 4, 45, diag=_nvcc.DIAG_HELD)
+    assert lib.cluster_gemm_slow_ns() == cluster_gemm.SLOW_NS
+    monkeypatch.setattr(cluster_gemm, "_LIBS", {})
+    monkeypatch.setattr(cluster_gemm, "SLOW_NS", cluster_gemm.SLOW_NS + 1)
+    with pytest.raises(RuntimeError, match="does not match cluster_gemm.py"):
+        cluster_gemm.library(0, 4, 45, diag=_nvcc.DIAG_HELD)

@@ -163,3 +163,19 @@ def test_layer_kernel_racy_phase_is_caught(phase):
     st.capture()
     assert all(st.check(seed=s, layers=[1]) < st.tolerance() for s in range(3))
     assert caught >= 5, caught
+
+
+@gpu
+@hopper
+def test_verify_checks_every_phase_and_holds_nothing():
+    """`tune verify`'s path for a fuse-2 configuration (verify.run_verify): the racy variants are the one launch's
+    phases, which have no launch before them to hold back (verify.held_predecessor is None, not an error). Each phase's
+    race is still caught, and the kernel without the defect never fails."""
+    from tuner.verify import run_verify
+
+    shape = resolve("bert-base")
+    cfg = fit_config(DecoderConfig(layer=replace(CUDA2, overlap_ratio=0.0, prefetch_ratio=1.0)), shape)
+    res = run_verify(shape, cfg, n_layers=3, race_trials=6)
+    assert [r["kernel"] for r in res["races"]] == list(layer_cuda.PHASES)
+    for r in res["races"]:
+        assert r["slowed"] is None and r["false_alarms"] == 0 and r["caught"] >= 3, r

@@ -35,6 +35,15 @@ def test_report_names_what_was_not_caught_every_time():
     assert "held predecessor" not in report
 
 
+def test_report_keeps_a_check_it_has_no_label_for():
+    # cmd_verify names its checks; a new one that verify.CHECKED has no label for yet is reported under its key, not
+    # dropped from verify.md
+    res = json.loads((RESULTS / "20261127-071259" / "verify.json").read_text())
+    res["new_check"] = res.pop("ffn2_split8")
+    rows = _rows(format_report(res, "tune verify: bert-large"))
+    assert len(rows) == 10 and rows[-1][0] == "new_check" and rows[-1][2] == "ffn2 (1)"
+
+
 def test_held_predecessor_is_the_launch_before_or_none():
     # The stack's launch order decides what a race check holds: the previous launch, across layers; nothing for a
     # phase of the one-kernel layer (its racy variants are phases of one launch) or for the stack's first launch.

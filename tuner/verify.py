@@ -133,10 +133,13 @@ def format_report(res: dict, title: str) -> str:
     lines = [f"# {title}", "", "| configuration | launches with PDL | racy kernel (layer) | caught | false alarms | "
              "predecessor held |", "|---|---:|---|---:|---:|---|"]
     missed, held = [], False
-    for key, label in CHECKED.items():
+    # every checked configuration, in CHECKED's order; one that CHECKED has no label for yet under its key
+    keys = list(CHECKED) + [k for k, v in res.items() if k not in CHECKED and isinstance(v, dict) and "races" in v]
+    for key in keys:
         part = res if key == "races" else res.get(key)
         if not part:
             continue
+        label = CHECKED.get(key, key)
         held = held or any(r.get("slowed") for r in part["races"])
         c = part["census"]
         pdl = f"{c['with_pdl']} of {c['launches']}"
