@@ -24,7 +24,8 @@ SOURCE = Path(__file__).with_name("cluster_gemm.cu")
 SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
 # A traced launch's int64 stamps a program: entry, wait returned, K loop done, end (scripts/trace_gemms.py).
 TRACE_SLOTS = 4
-SLOW_NS = 20_000  # cluster_gemm.cu's SLOW_NS (checked at load): how long a held build's odd column tiles hold their stores (tune verify)
+# How long a held build's odd column tiles hold their stores (tune verify): cluster_gemm.cu's SLOW_NS, checked at load.
+SLOW_NS = 20_000
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES

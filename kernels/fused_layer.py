@@ -396,7 +396,7 @@ def _layer_kernel(
     BN_F1: tl.constexpr, SK_F1: tl.constexpr, BN_F2: tl.constexpr, SK_F2: tl.constexpr,
     ABM: tl.constexpr, ABN: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, UPCAST: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    TIMES: tl.constexpr, GELU: tl.constexpr = 1,
+    TIMES: tl.constexpr, GELU: tl.constexpr = 1, RACY: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     cnt = sync_ptr + 8
@@ -407,11 +407,14 @@ def _layer_kernel(
         _prefetch_weights(pid, w1_ptr, pf_ffn1, NPROG, LINE_ELEMS, 256)
         _prefetch_weights(pid, w2_ptr, pf_ffn2, NPROG, LINE_ELEMS, 256)
     _stamp(times_ptr, pid, 1, TIMES)
-    pdl_wait(USE_PDL)
+    if not RACY:
+        pdl_wait(USE_PDL)
     _stamp(times_ptr, pid, 2, TIMES)
     pdl_trigger(1, trigger_phase, USE_PDL)
     _gemm_phase(pid, x_ptr, wqkv_ptr, bqkv_ptr, uqkv_ptr, x_ptr, qkv_ptr, ws_ptr, cnt, M, 3 * D, D, eps,
                 NPROG, BM, BN_QKV, BK, SK_QKV, STAGES, True, False, 0, UPCAST)
+    if RACY:  # test-only (tune verify): the QKV phase above read x, the previous launch's output, before the wait
+        pdl_wait(USE_PDL)
     _next_phase(sync_ptr, times_ptr, pid, 0, trigger_phase, NPROG, USE_PDL, TIMES)
     _attn_phase(pid, qkv_ptr, attn_ptr, n_batch, seq, heads, head_dim, D, qk_scale, NPROG, ABM, ABN, BLOCK_D,
                 UPCAST)
@@ -489,8 +492,10 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
     """One pre-LN causal decoder layer of ``x`` ``[batch*seq, d_model]`` into ``out``, one launch.
 
     ``_times`` (diagnostics, GPU only): int64 ``[programs, N_STAMPS, 2]`` receiving each program's
-    (%globaltimer, %clock64) at the phase boundaries; for fuse 2 on Hopper ``[programs, layer_cuda.TRACE_ROW]`` (layer_kernel.cu's trace layout). ``_racy`` (fuse 2 on Hopper, test-only): a phase of
-    layer_cuda.PHASES whose tasks read their input without waiting for its flags."""
+    (%globaltimer, %clock64) at the phase boundaries; for fuse 2 on Hopper ``[programs, layer_cuda.TRACE_ROW]``
+    (layer_kernel.cu's trace layout). ``_racy`` (test-only): for fuse 2 on Hopper, a phase of layer_cuda.PHASES whose
+    tasks read their input without waiting for its flags; on the Triton kernel (fuse 1, or fuse 2 off Hopper) only
+    ``"qkv"``, whose phase then reads ``x`` before ``gdc_wait``."""
     M, D = x.shape
     F = w.w_ffn1.shape[0]
     p = LayerProblem(M, seq, D, heads, F, x.element_size())
@@ -509,6 +514,8 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
                               grid=programs_for(c, x), trace=_times, racy=_racy)
             return out
         c = fit(layer_cuda.triton_equivalent(c), p)
+    if _racy not in (None, "qkv"):
+        raise ValueError(f"decoder_layer: the Triton layer kernel's racy variant is its QKV phase, not {_racy!r}")
     use_pdl = c.overlap_ratio >= 0
     line = 128 // x.element_size()
 
@@ -529,7 +536,8 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
         BN_F1=c.ffn1_block_n, SK_F1=c.ffn1_split_k, BN_F2=c.ffn2_block_n, SK_F2=c.ffn2_split_k,
         ABM=c.attn_block_m, ABN=c.attn_block_n, BLOCK_D=block_d(head_dim),
         USE_PDL=use_pdl, PREFETCH=sum(pf) > 0, UPCAST=mode.upcast_bf16 and x.dtype == torch.bfloat16,
-        LINE_ELEMS=line, TIMES=_times is not None, GELU=act_code("gelu", x), num_warps=c.num_warps, num_stages=1,
+        LINE_ELEMS=line, TIMES=_times is not None, GELU=act_code("gelu", x), RACY=_racy == "qkv",
+        num_warps=c.num_warps, num_stages=1,
         launch_pdl=use_pdl,
     )
     return out

@@ -36,7 +36,7 @@ SPLIT = fk.FusedLayerConfig(fuse=1, block_m=64, block_k=16, qkv_block_n=32, qkv_
                             attn_block_n=16, num_warps=8, num_stages=2)
 
 
-def run_layer(shape, cfg, dtype, device, seed=0):
+def run_layer(shape, cfg, dtype, device, seed=0, racy=None):
     g = torch.Generator().manual_seed(seed)
     w = LayerWeights.random(shape, dtype, device, g)
     x = torch.randn(shape.tokens, shape.d_model, generator=g).to(dtype).to(device)
@@ -45,7 +45,8 @@ def run_layer(shape, cfg, dtype, device, seed=0):
     assert fk.check(cfg, p) is None, fk.check(cfg, p)
     scratch = fk.LayerScratch(cfg, p, dtype, device)
     out = torch.full_like(x, float("nan"))
-    fk.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads, config=cfg, scratch=scratch, out=out)
+    fk.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads, config=cfg, scratch=scratch, out=out,
+                     _racy=racy)
     return rel_error(out, layer_ref(shape, w, x)), scratch
 
 
@@ -61,6 +62,15 @@ def test_fused_layer_matches_reference(shape, cfg, device):
 def test_fused_layer_bf16(device):
     err, _ = run_layer(TWO, SMALL, torch.bfloat16, device)
     assert err < 3e-2, err
+
+
+def test_racy_variant_is_the_qkv_phase_only(device):
+    # tune verify's racy variant of the Triton layer kernel: its QKV phase reads x before gdc_wait. Launched alone
+    # without PDL there is nothing to race with, so it computes the same layer; a phase it has no variant for is refused.
+    err, _ = run_layer(TWO, SMALL, torch.float16, device, racy="qkv")
+    assert err < 1e-2, err
+    with pytest.raises(ValueError, match="racy variant is its QKV phase, not 'attn'"):
+        run_layer(TWO, SMALL, torch.float16, device, racy="attn")
 
 
 def test_fused_stack_in_the_runtime(device):
@@ -189,3 +199,16 @@ def test_fused_split_everywhere_on_gpu():
     err, scratch = run_layer(resolve("bert-base"), replace(SPLIT, block_m=64, block_k=64, qkv_split_k=2,
                                                            ffn2_split_k=4), torch.float16, "cuda")
     assert err < 1e-2, err
+
+
+@pytest.mark.gpu
+def test_verify_catches_the_racy_qkv_phase():
+    """`tune verify`'s check of the Triton one-kernel layer, the stack's layers chained by PDL (verify.run_verify): its
+    QKV phase reading x, the previous layer's output, before gdc_wait is caught; without the defect, never a failure.
+    Nothing is held: the previous launch is a whole layer, which has no held variant."""
+    from tuner.verify import run_verify
+
+    shape = resolve("bert-base")
+    res = run_verify(shape, hand_picked_fused(shape), n_layers=3, race_trials=6)
+    (r,) = res["races"]
+    assert r["kernel"] == "qkv" and r["slowed"] is None and r["false_alarms"] == 0 and r["caught"] >= 3, r

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tuner.bench import hand_picked_fused
 from tuner.config import DecoderConfig
 from tuner.kernels import _nvcc, layer_cuda
 from tuner.kernels import fused_layer as fk
@@ -69,6 +70,18 @@ def test_check_fuse2():
     for words, shp in shapes.items():
         why = fk.check(CUDA2, layer_problem(shp), H200)
         assert why and words in why, (words, why)
+
+
+def test_tune_verify_checks_the_layer_kernel_on_every_preset():
+    # tune verify's one-kernel-layer checks (bench.hand_picked_fused): the CUDA kernel's config (this file's CUDA2, PDL
+    # at the start, full prefetch) and the Triton one's fit every preset on an H200, so neither check is skipped there
+    for name in ("tiny", "bert-base", "bert-large"):
+        shape = resolve(name)
+        cuda, triton = hand_picked_fused(shape, cuda=True), hand_picked_fused(shape)
+        assert cuda.layer == fit_config(DecoderConfig(layer=replace(CUDA2, overlap_ratio=0.0, prefetch_ratio=1.0)),
+                                        shape).layer
+        assert (cuda.layer.fuse, triton.layer.fuse) == (2, 1)
+        assert check_config(cuda, shape, 2, H200) == {} and check_config(triton, shape, 2, H200) == {}
 
 
 def test_fit_moves_splits_to_divisors():

@@ -226,15 +226,20 @@ def square_split_ffn2(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig 
     return replace(cfg, ffn2=sq)
 
 
-def hand_picked_fused(shape: DecoderShape) -> DecoderConfig:
+def hand_picked_fused(shape: DecoderShape, cuda: bool = False) -> DecoderConfig:
     """hand_picked's per-kernel tiles plus the one-kernel layer switched on (tuner.kernels.fused_layer):
     8 warps, 64-row tiles, 4-stage K loops, split-K 4 on FFN2, PDL at the start + full weight prefetch
-    (H200 phase timelines: docs/perf-notes.md section 6)."""
+    (H200 phase timelines: docs/perf-notes.md section 6). ``cuda``: the CUDA layer kernel instead (fuse 2, Hopper;
+    kernels/layer_kernel.cu): 8-stage rings, the out-projection and FFN2 split 4."""
     from tuner.kernels.fused_layer import FusedLayerConfig
 
-    layer = FusedLayerConfig(fuse=1, num_warps=8, num_stages=4, block_m=64, block_k=64, qkv_block_n=64,
-                             out_block_n=32, ffn1_block_n=64, ffn2_block_n=64, ffn2_split_k=4, attn_block_m=32,
-                             attn_block_n=128, overlap_ratio=0.0, prefetch_ratio=1.0)
+    if cuda:
+        layer = FusedLayerConfig(fuse=2, num_stages=8, out_split_k=4, ffn2_split_k=4, overlap_ratio=0.0,
+                                 prefetch_ratio=1.0)
+    else:
+        layer = FusedLayerConfig(fuse=1, num_warps=8, num_stages=4, block_m=64, block_k=64, qkv_block_n=64,
+                                 out_block_n=32, ffn1_block_n=64, ffn2_block_n=64, ffn2_split_k=4, attn_block_m=32,
+                                 attn_block_n=128, overlap_ratio=0.0, prefetch_ratio=1.0)
     return fit_config(replace(hand_picked(shape), layer=layer), shape)
 
 

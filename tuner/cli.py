@@ -147,6 +147,7 @@ def cmd_verify(args) -> int:
 
     from tuner import bench, manifest, verify
     from tuner.device import DeviceInfo
+    from tuner.kernels import cluster_gemm
     from tuner.layer import check_config, mlp_fused, mlp_out_fused, qkv_attn_fused
 
     shapes = _shapes(args.shape)
@@ -192,6 +193,12 @@ def cmd_verify(args) -> int:
         if mlp_attn.qkv.fuse and qkv_attn_fused(shape, mlp_attn, "cuda"):
             res["qkv_attn"] = verify.run_verify(shape, mlp_attn, dtype=dtype, race_trials=args.trials,
                                                 racy_kernels=("qkv",))
+        # And the whole layer as one launch a layer, the layers chained by PDL (layer.fuse): the Triton kernel, and the
+        # CUDA one where it runs (fuse 2, Hopper).
+        for key, cuda in (("layer", False), ("layer_cuda", True)):
+            one = bench.hand_picked_fused(shape, cuda=cuda)
+            if (not cuda or cluster_gemm.usable("cuda")) and not check_config(one, shape, esize, dev):
+                res[key] = verify.run_verify(shape, one, dtype=dtype, race_trials=args.trials)
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
                                                                          shape=shape.to_dict()))

@@ -382,7 +382,7 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     sl = lambda k: SLOW_NS if slow == k else 0  # noqa: E731
     if slow is not None and cfg.fused:
         raise gemm_k.NotSlowable("the one-kernel layer has no slowed variant")
-    if cfg.fused:  # racy: a phase of the CUDA layer kernel (fuse 2 on Hopper) that skips its flags
+    if cfg.fused:  # racy: a phase of the CUDA layer kernel (fuse 2, Hopper) that skips its flags, or Triton's QKV
         return [("layer", lambda: fused_k.decoder_layer(x, w.fused(), seq=shape.seq, heads=shape.heads,
                                                         config=cfg.layer, scratch=b.fused, out=b.y, eps=LN_EPS,
                                                         _racy=racy))]

@@ -106,10 +106,11 @@ def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, se
 def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int = 4, race_trials: int = 20,
                racy_kernels=("qkv", "attn", "out", "norm2", "ffn1", "ffn2")) -> dict:
     stack = DecoderStack(shape, cfg, n_layers=n_layers, dtype=dtype)
-    if cfg.layer.fuse == 2:  # the CUDA layer kernel's racy variants are its phases (layer_cuda.PHASES)
+    if cfg.fused:  # the one-kernel layer's racy variants are phases of its one launch: every phase of the CUDA
+        # kernel (fuse 2 on Hopper; layer_cuda.PHASES), the QKV phase of the Triton one (the only read behind gdc_wait)
         from tuner.kernels import layer_cuda
 
-        racy_kernels = tuple(k for k in layer_cuda.PHASES if stack.bufs[0].fused.cuda)
+        racy_kernels = layer_cuda.PHASES if stack.bufs[0].fused.cuda else ("qkv",)
     if stack.bufs[0].mlp:  # the feed-forward block is one kernel, launched as FFN1: FFN2 has no launch of its own,
         # nor the out-projection with out.fuse 1, nor the attention with attn.fuse 1
         gone = ("ffn2",) + (("out",) if stack.bufs[0].mlp_out else ()) + (("attn",) if stack.bufs[0].mlp_attn else ())
@@ -125,7 +126,8 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
 CHECKED = {"races": "hand-picked, norm kernels kept", "clustered": "split-K reduced in clusters (CUDA)",
            "ffn2_split8": "FFN2 in 128x128 tiles split 8 (clusters of 8)", "mlp": "feed-forward block as one kernel",
            "mlp_out": "block with the out-projection", "mlp_attn": "block with the out-projection and the attention",
-           "qkv_attn": "QKV and the attention in one kernel"}
+           "qkv_attn": "QKV and the attention in one kernel", "layer": "the layer as one Triton kernel",
+           "layer_cuda": "the layer as one CUDA kernel"}
 
 
 def format_report(res: dict, title: str) -> str:
