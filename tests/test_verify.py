@@ -1,10 +1,17 @@
-"""`tune verify`'s report (verify.md) from recorded verify.json files of H200 runs (the checks themselves need the GPU:
-tests/test_cluster_gemm.py, test_mlp_cluster.py, test_qkv_attn.py)."""
+"""`tune verify`'s report (verify.md) from recorded verify.json files of H200 runs, and its launch census on the GPU (the
+race checks themselves need the GPU too: tests/test_cluster_gemm.py, test_mlp_cluster.py, test_qkv_attn.py,
+test_fused_layer.py, test_layer_cuda.py)."""
 
 import json
 from pathlib import Path
 
-from tuner.verify import format_report
+import pytest
+import torch
+
+from tuner.bench import hand_picked, hand_picked_fused
+from tuner.layer import DecoderStack
+from tuner.shapes import resolve
+from tuner.verify import format_report, launch_pdl_census
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "verify" / "bert-large"
 
@@ -65,3 +72,19 @@ def test_held_predecessor_is_the_launch_before_or_none():
     fused = replace(DecoderConfig(), layer=replace(DecoderConfig().layer, fuse=1))
     st = DecoderStack(odd, fused, n_layers=2, dtype=torch.float32, device="cpu", seed=1)
     assert held_predecessor(st, 1, "layer") == (0, "layer") and held_predecessor(st, 1, "qkv") is None
+
+
+@pytest.mark.gpu
+def test_census_names_every_launch_and_whether_it_has_pdl():
+    # The census maps each launch to its kernel and its PDL attribute: every launch named (a kernel it cannot find
+    # would count as "unknown", without PDL), all with PDL at the hand-picked knobs and none with the knobs off; the
+    # one-kernel layers as one launch a layer
+    shape = resolve("bert-base")
+    hp = hand_picked(shape, norms=0)
+    for cfg, pdl in ((hp, True), (hp.without_knobs(), False), (hand_picked_fused(shape), True),
+                     (hand_picked_fused(shape, cuda=True), True)):
+        c = launch_pdl_census(DecoderStack(shape, cfg, n_layers=2, dtype=torch.float16))
+        assert c["launches"] >= 2 and c["with_pdl"] == (c["launches"] if pdl else 0), (cfg.layer.fuse, c)
+        assert not any(k.startswith("unknown") for k in c["by_kernel"]), c
+        if cfg.fused:
+            assert c["launches"] == 2

@@ -22,16 +22,15 @@ from tuner.config import DecoderConfig
 from tuner.kernels.gemm import NotSlowable
 from tuner.layer import SLOW_NS, DecoderStack
 
-_KERNEL_MODULES = ("tuner.kernels.gemm", "tuner.kernels.norm", "tuner.kernels.attention")
-
-
 def _jit_functions():
-    import importlib
+    """The Triton kernels of every loaded module of tuner.kernels (a stack can launch no other; a kernel missing here
+    would be counted as an unknown launch without PDL)."""
+    import sys
 
     out = []
-    for m in _KERNEL_MODULES:
-        mod = importlib.import_module(m)
-        out += [v for v in vars(mod).values() if isinstance(v, triton.runtime.jit.JITFunction)]
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("tuner.kernels.") and mod is not None:
+            out += [v for v in vars(mod).values() if isinstance(v, triton.runtime.jit.JITFunction)]
     return out
 
 
