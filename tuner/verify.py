@@ -22,6 +22,7 @@ from tuner.config import DecoderConfig
 from tuner.kernels.gemm import NotSlowable
 from tuner.layer import SLOW_NS, DecoderStack
 
+
 def _jit_functions():
     """The Triton kernels of every loaded module of tuner.kernels (a stack can launch no other; a kernel missing here
     would be counted as an unknown launch without PDL)."""
