@@ -594,14 +594,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=float, default=120.0,
                    help="seconds of search per shape (default 120: about 3 minutes a shape with the final phase)")
     d.add_argument("--sampler", default="tpe", help="tpe|random|grid|cmaes|gp|qmc")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0,
+                   help="seed of the sampler, the local steps and the weights and checks (default 0)")
     d.add_argument("--storage", help="Optuna storage URL: sqlite:///PATH (default <out>/studies.db), journal:PATH "
                                      "(default <out>/studies.journal with --workers), postgresql://... (several hosts)")
     d.add_argument("--study-name", help="join this study (several hosts: the same name and --storage on each)")
-    d.add_argument("--top-k", type=int, default=10)
+    d.add_argument("--top-k", type=int, default=10,
+                   help="configurations re-measured beside the baseline at the end and tabled (default 10)")
     d.add_argument("--dtype", help="float16 (default), bfloat16 or float32; with --replay, the recording's")
     d.add_argument("--l2", choices=["cold", "hot"], help="cold (default) or hot; with --replay, the recording's")
-    d.add_argument("--out", default="results")
+    d.add_argument("--out", default="results", help="folder for the run folders <shape>/<run-id>/ (default results)")
     d.add_argument("--search-space", help="a YAML search space file, or a shipped one by name: fused-layer, "
                                           "layer-kernel (default: the shipped decoder)")
     d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv (no GPU needed)")
@@ -612,7 +614,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--trial-timeout", type=float, default=120.0,
                    help="seconds before an isolated trial is killed as 'timeout' (default 120; the first trial "
                         "of a worker gets 180 s more for compiling)")
-    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--no-progress", action="store_true", help="no progress bar")
     # Internal: how the parent of a --workers run starts its workers.
     d.add_argument("--search-only", action="store_true", help=argparse.SUPPRESS)
     d.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
