@@ -593,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the study's total trial budget, shared by all workers (default {DEFAULT_TRIALS})")
     d.add_argument("--timeout", type=float, default=120.0,
                    help="seconds of search per shape (default 120: about 3 minutes a shape with the final phase)")
-    d.add_argument("--sampler", default="tpe", help="tpe|random|grid|cmaes|gp|qmc")
+    d.add_argument("--sampler", default="tpe", help="tpe|random|grid|cmaes|gp|qmc (default tpe)")
     d.add_argument("--seed", type=int, default=0,
                    help="seed of the sampler, the local steps and the weights and checks (default 0)")
     d.add_argument("--storage", help="Optuna storage URL: sqlite:///PATH (default <out>/studies.db), journal:PATH "
