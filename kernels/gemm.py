@@ -618,7 +618,7 @@ def _splitk_reduce_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, ACT: tl.constexpr, USE_PDL: tl.constexpr,
     HAS_LN: tl.constexpr, LN_STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, LN_PARTS: tl.constexpr,
-    SPLIT_P2: tl.constexpr,
+    SPLIT_P2: tl.constexpr, RACY: tl.constexpr = False,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -626,12 +626,15 @@ def _splitk_reduce_kernel(
     # Like the norm (no weights, short): at 0 the trigger goes before gdc_wait, so that the next GEMM
     # launches and prefetches its weights while the split GEMM is still running.
     pdl_trigger(0, trigger_s, USE_PDL)
-    pdl_wait(USE_PDL)
+    if not RACY:
+        pdl_wait(USE_PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # Unrolled: every split's partial tile is requested before the first is added.
     for s in tl.static_range(SPLIT_K):
         acc += tl.load(ws_ptr + s * M * N + offs_m[:, None] * N + offs_n[None, :], mask=mask, other=0.0)
         pdl_trigger(s + 1, trigger_s, USE_PDL)
+    if RACY:  # test-only (tune verify): the partials above were read before the wait
+        pdl_wait(USE_PDL)
     if HAS_LN:
         if LN_STATS_IN:
             s1, s2 = _row_stats_in(ln_stats_ptr, offs_m, M, ln_parts, LN_PARTS)
@@ -684,7 +687,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ln_stats: torch.Tensor | None = None, stats_out: torch.Tensor | None = None,
            _racy_read_before_wait: bool = False, _ln_reload: bool = True,
            _oob_write: bool = False, _unchecked: bool = False, _trace: torch.Tensor | None = None,
-           _slow_ns: int = 0) -> torch.Tensor:
+           _slow_ns: int = 0, _racy_reduce: bool = False) -> torch.Tensor:
     """``act(LN(x) @ weight.T + bias) + residual`` with fp32 accumulation; x ``[M, K]``, weight ``[N, K]``.
 
     LayerNorm fused away (the norm kernel is not launched): either pass ``ln_weight``/``ln_bias`` (``[K]``;
@@ -701,6 +704,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     this long after their K loop before storing, so that a racy dependent meets unwritten output. In the
     interpreter (no PDL) it is ignored; the cluster kernel holds for ``cluster_gemm.SLOW_NS`` only (a build variant)
     and raises :class:`NotSlowable` for any other value.
+
+    ``_racy_reduce`` (test-only, ``tune verify``): the split-K reduction kernel (split_k > 1 on the Triton kernels)
+    reads the partials before ``gdc_wait``; a ValueError where this launch has no reduction kernel.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -774,6 +780,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
                 raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
                                  f"(strides {tuple(t.stride())})")
+    if _racy_reduce and (on_cluster or c.split_k == 1):
+        raise ValueError("linear: _racy_reduce is a defect of the split-K reduction kernel, which this launch "
+                         "does not run (split_k 1 or the cluster kernel)")
     if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
         if _slow_ns not in (0, cluster_gemm.SLOW_NS):
             raise NotSlowable(f"linear: the cluster kernel's held build holds {cluster_gemm.SLOW_NS} ns, "
@@ -829,7 +838,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,
-            SPLIT_P2=triton.next_power_of_2(c.split_k), num_warps=4, num_stages=1, launch_pdl=use_pdl,
+            SPLIT_P2=triton.next_power_of_2(c.split_k), RACY=_racy_reduce, num_warps=4, num_stages=1,
+            launch_pdl=use_pdl,
         )
     return out
 

@@ -51,6 +51,19 @@ def test_linear_split_k(dtype, split_k, device):
     assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
 
 
+def test_racy_reduction_needs_a_reduction_kernel(device):
+    # tune verify's racy split-K reduction (its partials read before gdc_wait): launched without PDL it has nothing to
+    # race with and reduces as the shipped kernel does; a launch without a reduction kernel refuses it
+    m, k, n = 37, 200, 90
+    x, w, b, r = _inputs(m, n, k, torch.float16, device, seed=11)
+    cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)
+    linear(x, w, b, config=cfg, residual=r, out=out, _racy_reduce=True)
+    assert rel_error(out, linear_ref(x, w, b, residual=r)) < REL_TOLERANCE[torch.float16]
+    with pytest.raises(ValueError, match="_racy_reduce is a defect of the split-K reduction kernel"):
+        linear(x, w, b, config=replace(cfg, split_k=1), out=out, _racy_reduce=True)
+
+
 def test_linear_big_tile_small_problem(device):
     # Tiles larger than the problem in M (masked rows), the biggest tile the check allows for N and K.
     m, k, n = 5, 64, 128

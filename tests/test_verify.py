@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tuner.bench import hand_picked, hand_picked_fused
-from tuner.layer import DecoderStack
-from tuner.shapes import resolve
+from tuner.layer import REDUCE, DecoderStack
+from tuner.shapes import DecoderShape, resolve
 from tuner.verify import format_report, launch_pdl_census
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "verify" / "bert-large"
@@ -69,9 +69,31 @@ def test_held_predecessor_is_the_launch_before_or_none():
     first = next(st._layer_launches(faults=False))[:2]
     assert held_predecessor(st, *first) is None
     assert held_predecessor(st, 1, "ffn2") == (1, "ffn1") and held_predecessor(st, 1, first[1]) == (0, "ffn2")
+    # a split-K reduction kernel waits for its own GEMM's K loops (the same launch of the stack)
+    assert held_predecessor(st, 1, "ffn2" + REDUCE) == (1, "ffn2")
     fused = replace(DecoderConfig(), layer=replace(DecoderConfig().layer, fuse=1))
     st = DecoderStack(odd, fused, n_layers=2, dtype=torch.float32, device="cpu", seed=1)
     assert held_predecessor(st, 1, "layer") == (0, "layer") and held_predecessor(st, 1, "qkv") is None
+
+
+def test_reduction_kernels_are_checked_where_a_gemm_splits_on_triton():
+    # run_verify adds "<gemm>.reduce" after each checked GEMM that launches the Triton split-K reduction kernel: the
+    # hand-picked FFN2 (split 4), a QKV split 2 too; not a GEMM that does not split, nor one of the one-kernel layer
+    from dataclasses import replace
+
+    from tuner.bench import hand_picked, hand_picked_fused
+    from tuner.verify import reduces
+
+    small = DecoderShape(1, 24, 64, 2, 256, name="small")
+    hp = hand_picked(small)
+    hp = replace(hp, ffn2=replace(hp.ffn2, block_k=64, split_k=4))  # (as the presets' hand-picked FFN2)
+    st = DecoderStack(small, hp, n_layers=2, dtype=torch.float32, device="cpu", seed=1)
+    assert [k for k in ("qkv", "attn", "out", "ffn1", "ffn2") if reduces(st, k)] == ["ffn2"]
+    st = DecoderStack(small, replace(hp, qkv=replace(hp.qkv, block_k=32, split_k=2)), n_layers=2,
+                      dtype=torch.float32, device="cpu", seed=1)
+    assert [k for k in ("qkv", "out", "ffn1", "ffn2") if reduces(st, k)] == ["qkv", "ffn2"]
+    st = DecoderStack(small, hand_picked_fused(small), n_layers=2, dtype=torch.float32, device="cpu", seed=1)
+    assert not any(reduces(st, k) for k in ("qkv", "out", "ffn1", "ffn2"))
 
 
 @pytest.mark.gpu
@@ -88,3 +110,15 @@ def test_census_names_every_launch_and_whether_it_has_pdl():
         assert not any(k.startswith("unknown") for k in c["by_kernel"]), c
         if cfg.fused:
             assert c["launches"] == 2
+
+
+@pytest.mark.gpu
+def test_racy_split_k_reduction_is_caught_behind_its_held_gemm():
+    # The hand-picked FFN2 splits K four ways on the Triton kernels: its reduction kernel, reading the partials before
+    # its wait, is caught every time while FFN2's odd column tiles hold back their partials; never without the defect
+    from tuner.verify import race_detection
+
+    shape = resolve("bert-base")
+    st = DecoderStack(shape, hand_picked(shape, norms=0), n_layers=3, dtype=torch.float16)
+    r = race_detection(st, "ffn2" + REDUCE, layer=1, trials=10)
+    assert r["slowed"] == "ffn2 (layer 1)" and r["false_alarms"] == 0 and r["caught"] == 10, r

@@ -29,6 +29,8 @@ LN_EPS = 1e-5
 # tune verify's race checks: how long the predecessor's odd column tiles hold back their stores (ns; gemm.linear's
 # _slow_ns, the cluster kernel's held build), far longer than a dependent's launch behind it.
 SLOW_NS = gemm_k.cluster_gemm.SLOW_NS
+# A racy kernel's name for a GEMM's split-K reduction kernel (the Triton kernels' second launch): "ffn2" + REDUCE.
+REDUCE = ".reduce"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -371,7 +373,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     ``x_stats``: the row sums of ``x`` written by the previous layer's FFN2 (``LayerBuffers.y_stats``),
     for a norm1 with fuse 2; without them (the first layer) QKV gathers them in its K loop (fuse 1).
 
-    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait;
+    ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait (a GEMM's name
+    plus :data:`REDUCE`: its split-K reduction kernel, which then reads the partials before its wait);
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
     ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
     shared memory then fails in Triton's launcher, as a real out-of-resources fault);
@@ -407,21 +410,22 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
                                             _racy_read_before_wait=r("norm1"))),
         ("qkv", lambda: gemm_k.linear(x if ln1 else b.ln1, w_qkv, b_qkv, config=cfg.qkv, out=b.qkv,
                                       workspace=b.ws["qkv"], _racy_read_before_wait=r("qkv"), _slow_ns=sl("qkv"),
-                                      _oob_write=oob, _unchecked=unchecked, **ln1)),
+                                      _racy_reduce=r("qkv" + REDUCE), _oob_write=oob, _unchecked=unchecked, **ln1)),
         ("attn", lambda: attn_k.attention(b.qkv, batch=shape.batch, seq=shape.seq, heads=shape.heads,
                                           head_dim=shape.head_dim, config=cfg.attn, out=b.attn,
                                           _racy_read_before_wait=r("attn"))),
         ("out", lambda: gemm_k.linear(b.attn, w.w_out, w.b_out, config=cfg.out, residual=x, out=b.h,
                                       workspace=b.ws["out"], _racy_read_before_wait=r("out"), _slow_ns=sl("out"),
-                                      **out_kw)),
+                                      _racy_reduce=r("out" + REDUCE), **out_kw)),
         ("norm2", lambda: norm_k.layer_norm(b.h, w.ln2_w, w.ln2_b, eps=LN_EPS, config=cfg.norm2, out=b.ln2,
                                             _racy_read_before_wait=r("norm2"))),
         ("ffn1", lambda: gemm_k.linear(b.h if ln2 else b.ln2, w_ffn1, b_ffn1, config=cfg.ffn1,
                                        activation="gelu", out=b.ffn1, workspace=b.ws["ffn1"],
-                                       _racy_read_before_wait=r("ffn1"), _slow_ns=sl("ffn1"), **ln2)),
+                                       _racy_read_before_wait=r("ffn1"), _slow_ns=sl("ffn1"),
+                                       _racy_reduce=r("ffn1" + REDUCE), **ln2)),
         ("ffn2", lambda: gemm_k.linear(b.ffn1, w.w_ffn2, w.b_ffn2, config=cfg.ffn2, residual=b.h, out=b.y,
                                        workspace=b.ws["ffn2"], _racy_read_before_wait=r("ffn2"), _slow_ns=sl("ffn2"),
-                                       **ffn2_kw)),
+                                       _racy_reduce=r("ffn2" + REDUCE), **ffn2_kw)),
     ]
     skip = {n for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2)) if c.fuse}
     replaced = set()  # GEMMs launched as another kernel

@@ -20,7 +20,7 @@ import triton
 
 from tuner.config import DecoderConfig
 from tuner.kernels.gemm import NotSlowable
-from tuner.layer import SLOW_NS, DecoderStack
+from tuner.layer import REDUCE, SLOW_NS, DecoderStack
 
 
 def _jit_functions():
@@ -74,6 +74,8 @@ def held_predecessor(stack: DecoderStack, layer: int, kernel: str) -> tuple[int,
     """The launch that ``kernel`` of ``layer`` waits for, to be held in its race checks; None where the racy kernel is
     no launch of its own (a phase of the one-kernel layer) or is the stack's first. Whether the predecessor has a held
     variant is found when the stack is captured (``NotSlowable``)."""
+    if kernel.endswith(REDUCE):  # a split-K reduction kernel waits for its own GEMM's K loops, in the same launch
+        return layer, kernel.removesuffix(REDUCE)
     try:
         return stack.predecessor(layer, kernel)
     except ValueError:
@@ -103,6 +105,20 @@ def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, se
             "slowed": f"{pred[1]} (layer {pred[0]})" if pred else None}
 
 
+def reduces(stack: DecoderStack, kernel: str) -> bool:
+    """Whether ``kernel`` is a GEMM that the stack launches through gemm.linear with the Triton split-K reduction
+    kernel after it (split_k > 1, not reduced in clusters, not replaced by a fused kernel). A GEMM it misses is only
+    left unchecked; gemm.linear refuses a racy reduction where it launches none."""
+    from tuner.kernels import cluster_gemm
+
+    b, cfg = stack.bufs[0], stack.cfg
+    replaced = (("ffn1", "ffn2") + (("out",) if b.mlp_out else ()) if b.mlp else ()) + (("qkv",) if b.qkv_attn else ())
+    if cfg.fused or kernel not in ("qkv", "out", "ffn1", "ffn2") or kernel in replaced:
+        return False
+    c = getattr(cfg, kernel)
+    return c.split_k > 1 and not (c.cluster and cluster_gemm.usable(stack.device))
+
+
 def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int = 4, race_trials: int = 20,
                racy_kernels=("qkv", "attn", "out", "norm2", "ffn1", "ffn2")) -> dict:
     stack = DecoderStack(shape, cfg, n_layers=n_layers, dtype=dtype)
@@ -117,6 +133,8 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
         racy_kernels = tuple(k for k in racy_kernels if k not in gone) + (() if "ffn1" in racy_kernels else ("ffn1",))
     if stack.bufs[0].qkv_attn:  # the attention computed by QKV's kernel (qkv.fuse 1; from layer 1 on with norm1.fuse 2)
         racy_kernels = tuple(k for k in racy_kernels if k != "attn")
+    # and the split-K reduction kernel after each checked GEMM that splits on the Triton kernels
+    racy_kernels = tuple(r for k in racy_kernels for r in ((k, k + REDUCE) if reduces(stack, k) else (k,)))
     out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
     out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
     return out
