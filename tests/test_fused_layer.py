@@ -66,7 +66,8 @@ def test_fused_layer_bf16(device):
 
 def test_racy_variant_is_the_qkv_phase_only(device):
     # tune verify's racy variant of the Triton layer kernel: its QKV phase reads x before gdc_wait. Launched alone
-    # without PDL there is nothing to race with, so it computes the same layer; a phase it has no variant for is refused.
+    # without PDL there is nothing to race with, so it computes the same layer; a phase it has no variant for is
+    # refused.
     err, _ = run_layer(TWO, SMALL, torch.float16, device, racy="qkv")
     assert err < 1e-2, err
     with pytest.raises(ValueError, match="racy variant is its QKV phase, not 'attn'"):

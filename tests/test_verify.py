@@ -1,5 +1,5 @@
-"""`tune verify`'s report (verify.md) from recorded verify.json files of H200 runs, and its launch census on the GPU (the
-race checks themselves need the GPU too: tests/test_cluster_gemm.py, test_mlp_cluster.py, test_qkv_attn.py,
+"""`tune verify`'s report (verify.md) from recorded verify.json files of H200 runs, and its launch census on the GPU
+(the race checks themselves need the GPU too: tests/test_cluster_gemm.py, test_mlp_cluster.py, test_qkv_attn.py,
 test_fused_layer.py, test_layer_cuda.py)."""
 
 import json

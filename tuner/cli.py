@@ -578,7 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape-file")
     b.add_argument("--dtype", default="float16", help="float16, bfloat16 or float32 (default float16)")
     b.add_argument("--l2", choices=["cold", "hot"], default="cold",
-                   help="cold: a stack of layers whose weights are >= 3x the L2 (default); hot: the shape's depth of layers")
+                   help="cold: a stack of layers whose weights are >= 3x the L2 (default); hot: the shape's depth "
+                   "of layers")
     b.add_argument("--reps", type=int, default=50, help="timed graph replays a row (default 50)")
     b.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
     b.add_argument("--config", help="a best.json to measure beside the baselines")
@@ -633,8 +634,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="show the PDL chain (which launches carry PDL) and that the gate catches races",
                        description="For hand-picked configurations of each kind of kernel the tuner can launch: "
                        "count the launches that carry the PDL attribute, and run each kernel's test-only racy "
-                       "variant (it reads its input too early: before griddepcontrol.wait, or before the readiness flags of the "
-                       "CUDA layer kernel's phases) through the correctness check, with and without the defect. "
+                       "variant (it reads its input too early: before griddepcontrol.wait, or before the readiness "
+                       "flags of the CUDA layer kernel's phases) through the correctness check, with and without the "
+                       "defect. "
                        "Writes results/verify/<shape>/<stamp>/ (verify.json, verify.md) and prints verify.md.")
     v.add_argument("--shape", action="append", help="preset, BxSxDxHxF or 'all' (repeatable); default bert-base")
     v.add_argument("--dtype", default="float16", help="float16, bfloat16 or float32 (default float16)")
