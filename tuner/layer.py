@@ -562,7 +562,10 @@ class DecoderStack:
 
     def predecessor(self, layer: int, kernel: str) -> tuple[int, str] | None:
         """The (layer, kernel) launched right before ``kernel`` of ``layer`` in the stack (the one it waits for under
-        PDL); None for the stack's first launch."""
+        PDL); None for the stack's first launch. A GEMM's split-K reduction kernel (its name plus :data:`REDUCE`) waits
+        for that GEMM's K loops, in the same launch of the stack."""
+        if kernel.endswith(REDUCE):
+            return layer, kernel.removesuffix(REDUCE)
         order = [(i, name) for i, name, _ in self._layer_launches(faults=False)]
         at = order.index((layer, kernel))  # (ValueError where that layer launches no such kernel)
         return order[at - 1] if at else None

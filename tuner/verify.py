@@ -74,8 +74,6 @@ def held_predecessor(stack: DecoderStack, layer: int, kernel: str) -> tuple[int,
     """The launch that ``kernel`` of ``layer`` waits for, to be held in its race checks; None where the racy kernel is
     no launch of its own (a phase of the one-kernel layer) or is the stack's first. Whether the predecessor has a held
     variant is found when the stack is captured (``NotSlowable``)."""
-    if kernel.endswith(REDUCE):  # a split-K reduction kernel waits for its own GEMM's K loops, in the same launch
-        return layer, kernel.removesuffix(REDUCE)
     try:
         return stack.predecessor(layer, kernel)
     except ValueError:
