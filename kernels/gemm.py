@@ -58,6 +58,10 @@ class NotSlowable(ValueError):
     """A test-only slowed launch (``_slow_ns``) asked of a kernel that has no such variant."""
 
 
+class NoReduction(ValueError):
+    """A test-only racy split-K reduction (``_racy_reduce``) asked of a launch that runs no reduction kernel."""
+
+
 @dataclass(frozen=True)
 class GemmConfig(KnobConfig):
     block_m: int = 64
@@ -706,7 +710,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     and raises :class:`NotSlowable` for any other value.
 
     ``_racy_reduce`` (test-only, ``tune verify``): the split-K reduction kernel (split_k > 1 on the Triton kernels)
-    reads the partials before ``gdc_wait``; a ValueError where this launch has no reduction kernel.
+    reads the partials before ``gdc_wait``; :class:`NoReduction` where this launch has no reduction kernel.
     """
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} must be [M, K] and [N, K]")
@@ -781,7 +785,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 raise ValueError(f"linear: tma=1 needs {name} with contiguous, 16-byte aligned rows "
                                  f"(strides {tuple(t.stride())})")
     if _racy_reduce and (on_cluster or c.split_k == 1):
-        raise ValueError("linear: _racy_reduce is a defect of the split-K reduction kernel, which this launch "
+        raise NoReduction("linear: _racy_reduce is a defect of the split-K reduction kernel, which this launch "
                          "does not run (split_k 1 or the cluster kernel)")
     if on_cluster:  # (its TMA descriptors are built by cluster_gemm.launch)
         if _slow_ns not in (0, cluster_gemm.SLOW_NS):

@@ -76,24 +76,35 @@ def test_held_predecessor_is_the_launch_before_or_none():
     assert held_predecessor(st, 1, "layer") == (0, "layer") and held_predecessor(st, 1, "qkv") is None
 
 
-def test_reduction_kernels_are_checked_where_a_gemm_splits_on_triton():
-    # run_verify adds "<gemm>.reduce" after each checked GEMM that launches the Triton split-K reduction kernel: the
-    # hand-picked FFN2 (split 4), a QKV split 2 too; not a GEMM that does not split, nor one of the one-kernel layer
+def test_reduction_kernels_are_found_at_launch_where_a_gemm_splits_on_triton():
+    # run_verify checks "<gemm>.reduce" after each checked GEMM and leaves it out where the launch raises
+    # NoReduction: the hand-picked FFN2 (split 4) runs the Triton split-K reduction kernel, a QKV split 2 too; not a
+    # GEMM that does not split, nor a phase of the one-kernel layer, nor a name that is no GEMM
     from dataclasses import replace
 
     from tuner.bench import hand_picked, hand_picked_fused
-    from tuner.verify import reduces
+    from tuner.kernels.gemm import NoReduction
+
+    def launches_reduction(st, kernel):
+        st.racy = (1, kernel + REDUCE)
+        try:
+            st.run()
+            return True
+        except NoReduction:
+            return False
+        finally:
+            st.racy = None
 
     small = DecoderShape(1, 24, 64, 2, 256, name="small")
     hp = hand_picked(small)
     hp = replace(hp, ffn2=replace(hp.ffn2, block_k=64, split_k=4))  # (as the presets' hand-picked FFN2)
     st = DecoderStack(small, hp, n_layers=2, dtype=torch.float32, device="cpu", seed=1)
-    assert [k for k in ("qkv", "attn", "out", "ffn1", "ffn2") if reduces(st, k)] == ["ffn2"]
+    assert [k for k in ("qkv", "attn", "out", "ffn1", "ffn2") if launches_reduction(st, k)] == ["ffn2"]
     st = DecoderStack(small, replace(hp, qkv=replace(hp.qkv, block_k=32, split_k=2)), n_layers=2,
                       dtype=torch.float32, device="cpu", seed=1)
-    assert [k for k in ("qkv", "out", "ffn1", "ffn2") if reduces(st, k)] == ["qkv", "ffn2"]
+    assert [k for k in ("qkv", "out", "ffn1", "ffn2") if launches_reduction(st, k)] == ["qkv", "ffn2"]
     st = DecoderStack(small, hand_picked_fused(small), n_layers=2, dtype=torch.float32, device="cpu", seed=1)
-    assert not any(reduces(st, k) for k in ("qkv", "out", "ffn1", "ffn2"))
+    assert not any(launches_reduction(st, k) for k in ("qkv", "out", "ffn1", "ffn2"))
 
 
 @pytest.mark.gpu
@@ -122,3 +133,10 @@ def test_racy_split_k_reduction_is_caught_behind_its_held_gemm():
     st = DecoderStack(shape, hand_picked(shape, norms=0), n_layers=3, dtype=torch.float16)
     r = race_detection(st, "ffn2" + REDUCE, layer=1, trials=10)
     assert r["slowed"] == "ffn2 (layer 1)" and r["false_alarms"] == 0 and r["caught"] == 10, r
+    # the out-projection does not split there: its launch says it runs no reduction kernel, and the stack is left as
+    # it was (run_verify then leaves that check out)
+    from tuner.kernels.gemm import NoReduction
+
+    with pytest.raises(NoReduction):
+        race_detection(st, "out" + REDUCE, layer=1, trials=10)
+    assert st.racy is None and st.slow is None

@@ -374,7 +374,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     for a norm1 with fuse 2; without them (the first layer) QKV gathers them in its K loop (fuse 1).
 
     ``racy`` names a kernel to launch in its test-only variant that reads its input before gdc_wait (a GEMM's name
-    plus :data:`REDUCE`: its split-K reduction kernel, which then reads the partials before its wait);
+    plus :data:`REDUCE`: its split-K reduction kernel, which then reads the partials before its wait; ``NoReduction``
+    where the GEMM launches none);
     ``oob`` launches the QKV GEMM in its test-only variant that writes out of bounds (illegal address);
     ``unchecked`` launches the QKV GEMM without its config check (test-only: a config beyond the GPU's
     shared memory then fails in Triton's launcher, as a real out-of-resources fault);
@@ -383,6 +384,8 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
     """
     r = lambda k: racy == k  # noqa: E731
     sl = lambda k: SLOW_NS if slow == k else 0  # noqa: E731
+    if racy is not None and racy.endswith(REDUCE) and cfg.fused:
+        raise gemm_k.NoReduction("the one-kernel layer launches no split-K reduction kernel")
     if slow is not None and cfg.fused:
         raise gemm_k.NotSlowable("the one-kernel layer has no slowed variant")
     if cfg.fused:  # racy: a phase of the CUDA layer kernel (fuse 2, Hopper) that skips its flags, or Triton's QKV
@@ -459,6 +462,9 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv"), hints=gemm_k.l2_hints(cfg.qkv)))
         skip.add("attn")
         replaced.add("qkv")
+    if racy is not None and racy.endswith(REDUCE) and (racy.removesuffix(REDUCE) not in GEMMS
+                                                         or racy.removesuffix(REDUCE) in skip | replaced):
+        raise gemm_k.NoReduction(f"{racy}: no split-K reduction kernel (only gemm.linear's Triton kernels launch one)")
     if slow is not None and (slow not in GEMMS or slow in skip | replaced):
         raise gemm_k.NotSlowable(f"{slow}: no held variant of this launch (only gemm.linear's kernels have one)")
     return [(n, f) for n, f in launches if n not in skip]

@@ -18,8 +18,8 @@ import collections
 import torch
 import triton
 
-from tuner.config import DecoderConfig
-from tuner.kernels.gemm import NotSlowable
+from tuner.config import GEMMS, DecoderConfig
+from tuner.kernels.gemm import NoReduction, NotSlowable
 from tuner.layer import REDUCE, SLOW_NS, DecoderStack
 
 
@@ -90,31 +90,19 @@ def race_detection(stack: DecoderStack, kernel: str, layer: int, trials: int, se
     stack.slow = pred
     stack.racy = (layer, kernel)
     try:
-        stack.capture()  # (its eager warm-up raises NotSlowable before the graph capture starts)
-    except NotSlowable:
-        stack.slow = pred = None
+        try:
+            stack.capture()  # (its eager warm-up raises NotSlowable or NoReduction before the graph capture starts)
+        except NotSlowable:
+            stack.slow = pred = None
+            stack.capture()
+        caught = sum(stack.check(seed0 + t, layers=[layer]) > stack.tolerance() for t in range(trials))
+        stack.racy = None
         stack.capture()
-    caught = sum(stack.check(seed0 + t, layers=[layer]) > stack.tolerance() for t in range(trials))
-    stack.racy = None
-    stack.capture()
-    false_alarms = sum(stack.check(seed0 + t, layers=[layer]) > stack.tolerance() for t in range(trials))
-    stack.slow = None
+        false_alarms = sum(stack.check(seed0 + t, layers=[layer]) > stack.tolerance() for t in range(trials))
+    finally:
+        stack.racy = stack.slow = None
     return {"kernel": kernel, "layer": layer, "trials": trials, "caught": caught, "false_alarms": false_alarms,
             "slowed": f"{pred[1]} (layer {pred[0]})" if pred else None}
-
-
-def reduces(stack: DecoderStack, kernel: str) -> bool:
-    """Whether ``kernel`` is a GEMM that the stack launches through gemm.linear with the Triton split-K reduction
-    kernel after it (split_k > 1, not reduced in clusters, not replaced by a fused kernel). A GEMM it misses is only
-    left unchecked; gemm.linear refuses a racy reduction where it launches none."""
-    from tuner.kernels import cluster_gemm
-
-    b, cfg = stack.bufs[0], stack.cfg
-    replaced = (("ffn1", "ffn2") + (("out",) if b.mlp_out else ()) if b.mlp else ()) + (("qkv",) if b.qkv_attn else ())
-    if cfg.fused or kernel not in ("qkv", "out", "ffn1", "ffn2") or kernel in replaced:
-        return False
-    c = getattr(cfg, kernel)
-    return c.split_k > 1 and not (c.cluster and cluster_gemm.usable(stack.device))
 
 
 def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int = 4, race_trials: int = 20,
@@ -131,10 +119,15 @@ def run_verify(shape, cfg: DecoderConfig, *, dtype=torch.float16, n_layers: int 
         racy_kernels = tuple(k for k in racy_kernels if k not in gone) + (() if "ffn1" in racy_kernels else ("ffn1",))
     if stack.bufs[0].qkv_attn:  # the attention computed by QKV's kernel (qkv.fuse 1; from layer 1 on with norm1.fuse 2)
         racy_kernels = tuple(k for k in racy_kernels if k != "attn")
-    # and the split-K reduction kernel after each checked GEMM that splits on the Triton kernels
-    racy_kernels = tuple(r for k in racy_kernels for r in ((k, k + REDUCE) if reduces(stack, k) else (k,)))
-    out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack)}
-    out["races"] = [race_detection(stack, k, layer=1, trials=race_trials) for k in racy_kernels]
+    # and the split-K reduction kernel after each checked GEMM, where the GEMM launches one (split_k > 1 on the
+    # Triton kernels): the launch says so when the stack is captured, as NoReduction where it launches none
+    racy_kernels = tuple(r for k in racy_kernels for r in ((k, k + REDUCE) if k in GEMMS else (k,)))
+    out = {"config": cfg.to_dict(), "census": launch_pdl_census(stack), "races": []}
+    for k in racy_kernels:
+        try:
+            out["races"].append(race_detection(stack, k, layer=1, trials=race_trials))
+        except NoReduction:
+            continue
     return out
 
 
