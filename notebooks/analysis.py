@@ -24,6 +24,10 @@
 # `tests/data/replay-bert-base-h200` (`tune decoder --replay`: timings served from that recording,
 # nothing measured now; every table and title then says REPLAYED).
 #
+# Opened in the checkout, it reads the checkout's `results/`. A copy written by `tune notebook` beside an
+# installed pdl-tune (no checkout) reads the nearest `results/` folder at or above its own folder, where
+# `tune decoder` writes by default, and replays the recording shipped with the package.
+#
 # `COMPARE_DIR` is the second run of the side-by-side comparison at the end (two GPUs, two samplers or
 # two dtypes); `None` picks one, as explained there.
 
@@ -50,22 +54,31 @@ import pandas as pd
 from IPython.display import Image, Markdown, display
 
 
-def find_root(start: Path) -> Path:
-    """The repository root (pyproject.toml beside results/), from the notebook's folder or the root itself."""
+def find_checkout(start: Path) -> Path | None:
+    """The repository root (pyproject.toml beside tuner/), from the notebook's folder or the root itself."""
     for p in [start, *start.parents]:
         if (p / "pyproject.toml").is_file() and (p / "tuner").is_dir():
             return p
-    raise FileNotFoundError(f"no pdl-tune checkout above {start}")
+    return None
 
 
-ROOT = find_root(Path.cwd().resolve())
-if str(ROOT) not in sys.path:  # works without `pip install -e .` too
-    sys.path.insert(0, str(ROOT))
+HERE = Path.cwd().resolve()
+CHECKOUT = find_checkout(HERE)
+if CHECKOUT is not None:  # the checkout's results/ and recording; works without `pip install -e .` too
+    ROOT = CHECKOUT
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    RECORDING = ROOT / "tests" / "data" / "replay-bert-base-h200"
+else:  # a copy from `tune notebook` beside an installed pdl-tune: the runs under the nearest results/ folder
+    # (`tune decoder` writes to ./results by default), the recording shipped with the package
+    import importlib.resources
+
+    ROOT = next((p for p in [HERE, *HERE.parents] if (p / "results").is_dir()), HERE)
+    RECORDING = Path(str(importlib.resources.files("tuner.recordings") / "replay-bert-base-h200"))
 
 from tuner import report  # noqa: E402  (the data functions and renderers of `tune report`)
 
 RESULTS = ROOT / "results"
-RECORDING = ROOT / "tests" / "data" / "replay-bert-base-h200"
 SCRATCH = Path(tempfile.mkdtemp(prefix="pdl-tune-analysis-"))  # replays and re-drawn plots; results/ stays untouched
 atexit.register(shutil.rmtree, SCRATCH, ignore_errors=True)  # removed when the kernel shuts down
 pd.set_option("display.width", 200)
@@ -122,6 +135,7 @@ else:
 run = report.load_run(run_dir)
 print(f"run folder: {rel(run.path)} ({source})")
 print(f"{len(COMMITTED)} committed run folder(s) under results/: " + (", ".join(rel(p) for p in COMMITTED) or "none"))
+print(f"runs read from {RESULTS}; replays from {RECORDING}")
 if run.replayed:
     display(Markdown(f"**{report.REPLAYED_LINE}**"))
 

@@ -654,3 +654,18 @@ def test_unknown_arguments_are_named_by_their_subcommand():
     assert rc == 2 and stderr == "tune decoder: error: unrecognized arguments: --bogus 1 (see tune decoder --help)\n"
     rc, stdout, stderr = tune("decoder", "--timeout", "abc")
     assert rc == 2 and stderr.count("\n") == 1 and "--timeout" in stderr and "tune decoder --help" in stderr
+
+
+def test_notebook_writes_the_shipped_notebook_and_keeps_an_existing_one(tmp_path):
+    out = tmp_path / "new" / "folder"
+    rc, stdout, stderr = tune("notebook", "--out", out)
+    assert rc == 0, stderr
+    assert (out / "analysis.ipynb").read_bytes() == (Path(tuner.__file__).parents[1] / "notebooks" /
+                                                    "analysis.ipynb").read_bytes()
+    assert_user_error(*tune("notebook", "--out", out), [str(out / "analysis.ipynb"), "it is kept"])
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    for o in (f, f / "sub"):
+        rc, stdout, stderr = tune("notebook", "--out", o)
+        assert rc == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert f.read_text() == "x"

@@ -1,6 +1,7 @@
 """`pip install .` outside the checkout: the wheel holds tuner, tuner.kernels (the kernels/ folder, with the CUDA
-sources nvcc builds on a Hopper GPU) and tuner.search_spaces, and `python -m tuner` run from another folder finds
-them in the installed copy, not in this checkout.
+sources nvcc builds on a Hopper GPU), tuner.search_spaces, tuner.notebooks (the analysis notebook) and
+tuner.recordings (the replay recording), and `python -m tuner` run from another folder finds them in the installed
+copy, not in this checkout; so does the notebook that `tune notebook` writes there.
 
 Built without network (no build isolation: this Python's setuptools builds it), installed with --target into a
 temporary folder that PYTHONPATH puts in front of the editable install.
@@ -27,7 +28,7 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("install")
     src, wheels, target = tmp / "src", tmp / "wheels", tmp / "site"
     # what the sdist of a clean checkout holds (setuptools' build/ folder then lands here, not in the checkout)
-    for name in ("tuner", "kernels", "search_spaces"):
+    for name in ("tuner", "kernels", "search_spaces", "notebooks", "tests/data"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -49,7 +50,9 @@ def test_wheel_holds_the_kernels_sources_and_search_spaces(installed):
     spaces = {p.name for p in (ROOT / "search_spaces").glob("*.yaml")}
     assert {f"tuner/kernels/{n}" for n in kernels} <= names, sorted(kernels - {n.split("/")[-1] for n in names})
     assert {f"tuner/search_spaces/{n}" for n in spaces} <= names
-    assert not any(n.startswith(("kernels/", "search_spaces/", "tests/", "results/")) for n in names)
+    assert {"tuner/notebooks/analysis.ipynb"} | {f"tuner/recordings/{p.relative_to(REPLAY.parent)}"
+                                                 for p in REPLAY.iterdir()} <= names
+    assert not any(n.startswith(("kernels/", "search_spaces/", "notebooks/", "tests/", "results/")) for n in names)
     assert "tuner/cli.py" in names
 
 
@@ -76,3 +79,48 @@ def test_installed_tune_runs_outside_the_checkout(installed):
     assert "REPLAYING" in res.stdout
     (folder,) = [ln.split(": ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("run folder: ")]
     assert {"manifest.json", "trials.csv", "topk.json", "best.json"} <= {p.name for p in Path(folder).iterdir()}
+
+
+def test_installed_notebook_analyses_runs_outside_the_checkout(installed, monkeypatch):
+    """`tune notebook` writes the shipped notebook into a folder outside the checkout, keeps an existing one, and the
+    notebook runs there headless on the installed copy: the run under that folder's results/ (a replay of the shipped
+    recording, as `tune decoder` writes it by default), the comparison replayed from the shipped recording."""
+    nbclient = pytest.importorskip("nbclient", reason="nbclient is in the test extra: pip install -e .[test]")
+    pytest.importorskip("ipykernel", reason="ipykernel is in the test extra: pip install -e .[test]")
+    import nbformat
+
+    _, target, tmp = installed
+    work = tmp / "analysis"
+    work.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    tune = lambda *a: subprocess.run([sys.executable, "-m", "tuner", *a], cwd=work, env=env,  # noqa: E731
+                                     capture_output=True, text=True, timeout=600)
+    res = tune("notebook")
+    assert res.returncode == 0 and (work / "analysis.ipynb").is_file(), res.stderr[-2000:]
+    assert (work / "analysis.ipynb").read_bytes() == (ROOT / "notebooks" / "analysis.ipynb").read_bytes()
+    (work / "analysis.ipynb").write_text("the user's edits")
+    res = tune("notebook")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "kept" in res.stderr, res.stderr
+    assert (work / "analysis.ipynb").read_text() == "the user's edits"
+    (work / "analysis.ipynb").unlink()
+    assert tune("notebook").returncode == 0
+    recording = target / "tuner" / "recordings" / REPLAY.name
+    res = tune("decoder", "--replay", str(recording), "--trials", "6", "--no-progress")
+    assert res.returncode == 0, res.stderr[-2000:]
+
+    for var in ("PDL_TUNE_RUN", "PDL_TUNE_COMPARE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PYTHONPATH", str(target))  # (the kernel, a child process, imports the installed tuner)
+    nb = nbformat.read(work / "analysis.ipynb", as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(work)}})
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as e:
+        pytest.fail(f"a cell of the installed notebook failed:\n{e}", pytrace=False)
+    text = "\n".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "run folder: results/bert-base/" in text and "REPLAYED" in text, text[:2000]
+    assert "1 committed run folder(s) under results/" in text
+    # the runs under the notebook's folder, the comparison replayed from the recording shipped with the installed copy
+    assert f"runs read from {work.resolve() / 'results'}; replays from {recording.resolve()}" in text
+    assert "B: " in text and "(REPLAYED)" in text

@@ -555,6 +555,34 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_notebook(args) -> int:
+    """Copy the analysis notebook shipped with the package into ``--out``: for an installed pdl-tune, which has no
+    checkout with its notebooks/ folder. An existing notebook there is never replaced (it may hold the user's edits)."""
+    import importlib.resources
+
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {args.out}: not a folder")
+    dest = out / NOTEBOOK
+    if dest.exists():
+        raise UserError(f"{dest}: a notebook of that name exists; it is kept (give another --out, or remove it)")
+    _check_writable(out, "--out", "cannot write the notebook there")
+    text = (importlib.resources.files("tuner.notebooks") / NOTEBOOK).read_bytes()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(dest, "xb") as f:  # (exclusive: a notebook that appeared meanwhile is not replaced either)
+            f.write(text)
+    except OSError as e:
+        raise UserError(f"{dest}: cannot write it ({_why(e)})") from None
+    print(f"written {dest}\n"
+          f"it reads the runs under the nearest results/ folder at or above {out.absolute()} (tune decoder's default "
+          f"--out), or the run folder in its RUN_DIR (or $PDL_TUNE_RUN); open it with: jupyter lab {dest}")
+    return 0
+
+
+NOTEBOOK = "analysis.ipynb"
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, with its mistakes in one line (argparse prints the whole usage first) and exit code 2."""
 
@@ -630,6 +658,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", help="write it to this file (default: print it); an existing file is kept")
     e.add_argument("--force", action="store_true", help="with -o: replace an existing file")
     e.set_defaults(func=cmd_export)
+
+    n = sub.add_parser("notebook", help="copy the analysis notebook into a folder (for an installed copy)",
+                       description="Write analysis.ipynb, the notebook that analyses a run folder (tables, plots, "
+                       "two runs side by side; no GPU needed), into --out. In a checkout it is notebooks/analysis.ipynb; "
+                       "an installed pdl-tune has no checkout, so this writes the copy shipped with the package. An "
+                       "existing analysis.ipynb there is kept.")
+    n.add_argument("--out", default=".", help="folder to write analysis.ipynb into (default: this folder)")
+    n.set_defaults(func=cmd_notebook)
 
     v = sub.add_parser("verify", help="show the PDL chain (which launches carry PDL) and that the gate catches races",
                        description="For hand-picked configurations of each kind of kernel the tuner can launch: "

@@ -1,0 +1,2 @@
+"""The analysis notebook (analysis.ipynb, paired with analysis.py by jupytext), installed as tuner.notebooks: what
+`tune notebook` copies out of an installed pdl-tune."""
