@@ -593,7 +593,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from tuner import __version__
 
-    p = _Parser(prog="tune", description=__doc__)
+    p = _Parser(prog="tune", description="pdl-tune: search the tiles and the PDL overlap and L2 prefetch ratios of a "
+                "transformer layer's kernels on the GPU, each candidate checked and timed as a whole layer stack in a "
+                "CUDA graph. `tune COMMAND --help` explains each command.")
     p.add_argument("--version", action="version", version=f"pdl-tune {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
