@@ -112,7 +112,8 @@ def test_installed_notebook_analyses_runs_outside_the_checkout(installed, monkey
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PYTHONPATH", str(target))  # (the kernel, a child process, imports the installed tuner)
     nb = nbformat.read(work / "analysis.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(work)}})
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(work)}})
     try:
         client.execute()
     except nbclient.exceptions.CellExecutionError as e:

@@ -663,9 +663,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     n = sub.add_parser("notebook", help="copy the analysis notebook into a folder (for an installed copy)",
                        description="Write analysis.ipynb, the notebook that analyses a run folder (tables, plots, "
-                       "two runs side by side; no GPU needed), into --out. In a checkout it is notebooks/analysis.ipynb; "
-                       "an installed pdl-tune has no checkout, so this writes the copy shipped with the package. An "
-                       "existing analysis.ipynb there is kept.")
+                       "two runs side by side; no GPU needed), into --out. In a checkout it is "
+                       "notebooks/analysis.ipynb; an installed pdl-tune has no checkout, so this writes the copy "
+                       "shipped with the package. An existing analysis.ipynb there is kept.")
     n.add_argument("--out", default=".", help="folder to write analysis.ipynb into (default: this folder)")
     n.set_defaults(func=cmd_notebook)
 
