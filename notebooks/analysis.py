@@ -36,7 +36,8 @@ import os
 
 RUN_DIR = os.environ.get("PDL_TUNE_RUN") or None  # e.g. "results/bert-base/20261122-215557-tpe"
 COMPARE_DIR = os.environ.get("PDL_TUNE_COMPARE") or None
-REPLAY_TRIALS = 60  # trials of an on-the-fly replay (about 15 s each on a laptop)
+# trials of an on-the-fly replay (about 15 s for 60 on a laptop)
+REPLAY_TRIALS = int(os.environ.get("PDL_TUNE_REPLAY_TRIALS") or 60)
 
 # %%
 import atexit
