@@ -45,8 +45,8 @@ def test_notebook_runs_headless(monkeypatch):
     pytest.importorskip("ipykernel", reason="ipykernel is in the test extra: pip install -e .[test]")
     import nbformat
 
-    for var in ("PDL_TUNE_RUN", "PDL_TUNE_COMPARE", "PDL_TUNE_REPLAY_TRIALS"):  # the notebook's defaults, not a
-        # developer's override
+    # the notebook's defaults, not a developer's override
+    for var in ("PDL_TUNE_RUN", "PDL_TUNE_COMPARE", "PDL_TUNE_REPLAY_TRIALS"):
         monkeypatch.delenv(var, raising=False)
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",

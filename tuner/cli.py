@@ -561,17 +561,16 @@ def cmd_notebook(args) -> int:
     import importlib.resources
 
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {args.out}: not a folder")
+    _check_writable(out, "--out", "cannot write the notebook there")  # (also where --out is a file)
     dest = out / NOTEBOOK
-    if dest.exists():
-        raise UserError(f"{dest}: a notebook of that name exists; it is kept (give another --out, or remove it)")
-    _check_writable(out, "--out", "cannot write the notebook there")
     text = (importlib.resources.files("tuner.notebooks") / NOTEBOOK).read_bytes()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with open(dest, "xb") as f:  # (exclusive: a notebook that appeared meanwhile is not replaced either)
+        with open(dest, "xb") as f:  # exclusive: an existing notebook is never replaced
             f.write(text)
+    except FileExistsError:
+        raise UserError(f"{dest}: a notebook of that name exists; it is kept (give another --out, or remove it)"
+                        ) from None
     except OSError as e:
         raise UserError(f"{dest}: cannot write it ({_why(e)})") from None
     print(f"written {dest}\n"
