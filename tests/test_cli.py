@@ -283,6 +283,16 @@ def test_console_script(tmp_path):
     assert not bad.exists()
 
 
+def test_a_shape_typo_fails_before_torch_is_imported():
+    """A typo in --shape or a number fails at once: before the imports that load torch (seconds on a GPU box)."""
+    code = ("import sys; from tuner.cli import main; "
+            "rc = [main(['decoder', '--shape', 'bert-huge']), main(['decoder', '--trials', '0'])]; "
+            "print(rc, 'torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.stdout.strip() == "[2, 2] False", (p.stdout, p.stderr)
+    assert p.stderr.count("\n") == 2 and "unknown shape 'bert-huge'" in p.stderr and "--trials 0" in p.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # User mistakes: exit code 2, one line, no traceback, nothing written
 # ------------------------------------------------------------------------------------------------

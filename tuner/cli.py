@@ -332,13 +332,13 @@ def _worker_argv(args, shape, url: str):
 def _decoder_inputs(args):
     """Check every input of `tune decoder` before anything is created (no results/, no studies.db for a
     typo). Returns the shapes (the recording's for --replay), the search space and the workers' GPUs."""
+    shapes = _shapes(args.shape, args.shape_file)
+    _check_decoder_numbers(args)  # (both before the imports below, which load torch: a typo fails at once)
     from tuner import space as space_mod
     from tuner.study import SAMPLERS
 
-    shapes = _shapes(args.shape, args.shape_file)
     if args.dtype is not None:
         _dtype(args.dtype)
-    _check_decoder_numbers(args)
     if args.sampler not in SAMPLERS:
         raise UserError(f"--sampler {args.sampler}: choose one of {', '.join(SAMPLERS)}")
     try:
@@ -373,10 +373,10 @@ def _decoder_inputs(args):
 
 
 def cmd_decoder(args) -> int:
+    shapes, space, gpus = _decoder_inputs(args)
     from tuner.storage import default_url
     from tuner.study import StudyOptions
 
-    shapes, space, gpus = _decoder_inputs(args)
     out_root = Path(args.out)
     if not args.search_only:
         _check_writable(out_root)
