@@ -13,6 +13,7 @@ if not HAS_GPU:
 DEVICE = "cuda" if HAS_GPU else "cpu"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     # With pytest-xdist (`-n 2 --dist loadgroup`, the README's command) a file's tests run in one worker, so its
     # module fixtures are built once; with a GPU every test runs in one worker, so no two share the GPU and no

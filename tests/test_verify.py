@@ -76,7 +76,7 @@ def test_held_predecessor_is_the_launch_before_or_none():
     assert held_predecessor(st, 1, "layer") == (0, "layer") and held_predecessor(st, 1, "qkv") is None
 
 
-def test_reduction_kernels_are_found_at_launch_where_a_gemm_splits_on_triton():
+def test_reduction_kernels_are_found_at_launch_where_a_gemm_splits_on_triton(device):
     # run_verify checks "<gemm>.reduce" after each checked GEMM and leaves it out where the launch raises
     # NoReduction: the hand-picked FFN2 (split 4) runs the Triton split-K reduction kernel, a QKV split 2 too; not a
     # GEMM that does not split, nor a phase of the one-kernel layer, nor a name that is no GEMM
@@ -99,14 +99,14 @@ def test_reduction_kernels_are_found_at_launch_where_a_gemm_splits_on_triton():
     small = DecoderShape(1, 24, 64, 2, 256, name="small")
     hp = hand_picked(small)
     hp = replace(hp, ffn2=replace(hp.ffn2, block_k=64, split_k=4))  # (as the presets' hand-picked FFN2)
-    st = DecoderStack(small, hp, n_layers=2, dtype=torch.float32, device="cpu", seed=1)
+    st = DecoderStack(small, hp, n_layers=2, dtype=torch.float32, device=device, seed=1)
     assert [k for k in ("qkv", "out", "ffn1", "ffn2") if launches_reduction(st, k)] == ["ffn2"]
     with pytest.raises(NoReduction):  # (no GEMM: run_verify never asks it, layer_launches refuses it all the same)
         layer_launches(small, hp, st.weights[1], st.x, st.bufs[1], racy="attn" + REDUCE)
     st = DecoderStack(small, replace(hp, qkv=replace(hp.qkv, block_k=32, split_k=2)), n_layers=2,
-                      dtype=torch.float32, device="cpu", seed=1)
+                      dtype=torch.float32, device=device, seed=1)
     assert launches_reduction(st, "qkv")
-    st = DecoderStack(small, hand_picked_fused(small), n_layers=2, dtype=torch.float32, device="cpu", seed=1)
+    st = DecoderStack(small, hand_picked_fused(small), n_layers=2, dtype=torch.float32, device=device, seed=1)
     assert not launches_reduction(st, "ffn2")
 
 
