@@ -22,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 REPLAY = ROOT / "tests" / "data" / "replay-bert-base-h200"
 
 
+def _in_front(target: Path) -> str:
+    """PYTHONPATH with the installed copy in front of whatever the environment has there (e.g. the GPU machine's
+    folder of carried wheels, where Optuna is)."""
+    return os.pathsep.join([str(target)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     pytest.importorskip("setuptools", reason="building the wheel without network needs setuptools in this Python")
@@ -60,7 +66,7 @@ def test_installed_tune_runs_outside_the_checkout(installed):
     """A replayed study from another folder: the installed copy's search space and kernels, the console entry point's
     main through `python -m tuner`."""
     _, target, tmp = installed
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = {**os.environ, "PYTHONPATH": _in_front(target)}
     probe = subprocess.run(
         [sys.executable, "-c", "import tuner, tuner.kernels.gemm as g, importlib.resources as r;"
          "from tuner import space; print(tuner.__file__); print(g.__file__); print(','.join(space.shipped()));"
@@ -92,7 +98,7 @@ def test_installed_notebook_analyses_runs_outside_the_checkout(installed, monkey
     _, target, tmp = installed
     work = tmp / "analysis"
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(target)}
+    env = {**os.environ, "PYTHONPATH": _in_front(target)}
     tune = lambda *a: subprocess.run([sys.executable, "-m", "tuner", *a], cwd=work, env=env,  # noqa: E731
                                      capture_output=True, text=True, timeout=600)
     res = tune("notebook")
@@ -111,7 +117,7 @@ def test_installed_notebook_analyses_runs_outside_the_checkout(installed, monkey
     for var in ("PDL_TUNE_RUN", "PDL_TUNE_COMPARE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("PDL_TUNE_REPLAY_TRIALS", "8")  # (the comparison's replay: its length is not what is tested)
-    monkeypatch.setenv("PYTHONPATH", str(target))  # (the kernel, a child process, imports the installed tuner)
+    monkeypatch.setenv("PYTHONPATH", _in_front(target))  # (the kernel, a child process, imports the installed tuner)
     nb = nbformat.read(work / "analysis.ipynb", as_version=4)
     client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                                      resources={"metadata": {"path": str(work)}})
