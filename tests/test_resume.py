@@ -89,12 +89,19 @@ def test_kill_mid_trial_then_resume(tmp_path, storage_kind, isolation):
     out = tmp_path / "results"
     storage = (f"sqlite:///{(tmp_path / 'studies.db').as_posix()}" if storage_kind == "sqlite"
                else f"journal:{tmp_path / 'studies.journal'}")
-    proc = tune_decoder(out, storage, isolation, sleep_s=0.4)
+    proc = tune_decoder(out, storage, isolation, sleep_s=1.0)
     watch = open_storage(storage)  # opened once: the test polls it while the study runs
-    done, running = wait_until(lambda: trials_midway(watch), 60, "two finished trials and one running")
-    evaluators = children(proc.pid)  # the isolated evaluator worker, if any
+
+    def midway():  # the evaluator worker (if any) first: the kill then follows the storage's answer at once
+        evaluators = children(proc.pid)
+        return trials_midway(watch) and [evaluators]  # (a list of one: [[]] without isolation is still true)
+
+    [evaluators] = wait_until(midway, 60, "two finished trials and one running")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    # The trial the kill interrupted, from the storage: on a loaded machine it may be a later one than the poll saw.
+    running = [t for t in load(storage).get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+    assert len(running) == 1, [(t.number, t.state) for t in running]
     # The evaluator worker notices its study process is gone and exits: no worker keeps holding a GPU.
     wait_until(lambda: not any(alive(p) for p in evaluators), 10, "the orphaned evaluator worker to exit")
     before = {t.number: (t.state, t.value) for t in load(storage).get_trials(deepcopy=False) if t.state.is_finished()}
