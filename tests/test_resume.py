@@ -78,10 +78,10 @@ def trials_midway(storage):
     try:
         trials = load(storage).get_trials(deepcopy=False)
     except Exception:  # noqa: BLE001 - the study is not created yet
-        return None
+        return False
     done = [t for t in trials if t.state.is_finished()]
     running = [t for t in trials if t.state == TrialState.RUNNING and OWNER_ATTR in t.user_attrs]
-    return (done, running) if len(done) >= 2 and running else None
+    return len(done) >= 2 and bool(running)
 
 
 @pytest.mark.parametrize("storage_kind, isolation", [("sqlite", "--isolation"), ("journal", "--no-isolation")])
@@ -94,17 +94,18 @@ def test_kill_mid_trial_then_resume(tmp_path, storage_kind, isolation):
 
     def midway():  # the evaluator worker (if any) first: the kill then follows the storage's answer at once
         evaluators = children(proc.pid)
-        return trials_midway(watch) and [evaluators]  # (a list of one: [[]] without isolation is still true)
+        return [evaluators] if trials_midway(watch) else None  # (a list of one: [[]] without isolation is true)
 
     [evaluators] = wait_until(midway, 60, "two finished trials and one running")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     # The trial the kill interrupted, from the storage: on a loaded machine it may be a later one than the poll saw.
-    running = [t for t in load(storage).get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+    trials = load(storage).get_trials(deepcopy=False)
+    running = [t for t in trials if t.state == TrialState.RUNNING]
     assert len(running) == 1, [(t.number, t.state) for t in running]
+    before = {t.number: (t.state, t.value) for t in trials if t.state.is_finished()}
     # The evaluator worker notices its study process is gone and exits: no worker keeps holding a GPU.
     wait_until(lambda: not any(alive(p) for p in evaluators), 10, "the orphaned evaluator worker to exit")
-    before = {t.number: (t.state, t.value) for t in load(storage).get_trials(deepcopy=False) if t.state.is_finished()}
     assert not out.exists() or not list(out.rglob("best.json")), "the killed run wrote a run folder"
 
     rerun = tune_decoder(out, storage, isolation)

@@ -555,6 +555,9 @@ def cmd_export(args) -> int:
     return 0
 
 
+NOTEBOOK = "analysis.ipynb"
+
+
 def cmd_notebook(args) -> int:
     """Copy the analysis notebook shipped with the package into ``--out``: for an installed pdl-tune, which has no
     checkout with its notebooks/ folder. An existing notebook there is never replaced (it may hold the user's edits)."""
@@ -577,9 +580,6 @@ def cmd_notebook(args) -> int:
           f"it reads the runs under the nearest results/ folder at or above {out.absolute()} (tune decoder's default "
           f"--out), or the run folder in its RUN_DIR (or $PDL_TUNE_RUN); open it with: jupyter lab {dest}")
     return 0
-
-
-NOTEBOOK = "analysis.ipynb"
 
 
 class _Parser(argparse.ArgumentParser):

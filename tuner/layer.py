@@ -462,10 +462,10 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
             ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv"), hints=gemm_k.l2_hints(cfg.qkv)))
         skip.add("attn")
         replaced.add("qkv")
-    if racy is not None and racy.endswith(REDUCE) and (racy.removesuffix(REDUCE) not in GEMMS
-                                                         or racy.removesuffix(REDUCE) in skip | replaced):
+    on_linear = lambda k: k in GEMMS and k not in skip | replaced  # noqa: E731  (a GEMM that gemm.linear launches)
+    if racy is not None and racy.endswith(REDUCE) and not on_linear(racy.removesuffix(REDUCE)):
         raise gemm_k.NoReduction(f"{racy}: no split-K reduction kernel (only gemm.linear's Triton kernels launch one)")
-    if slow is not None and (slow not in GEMMS or slow in skip | replaced):
+    if slow is not None and not on_linear(slow):
         raise gemm_k.NotSlowable(f"{slow}: no held variant of this launch (only gemm.linear's kernels have one)")
     return [(n, f) for n, f in launches if n not in skip]
 
