@@ -5,7 +5,7 @@ import torch
 
 from tuner.device import DeviceInfo
 from tuner.kernels import attention as attn_mod
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels._common import rel_error, rel_tolerance
 from tuner.kernels.attention import AttnConfig, AttnProblem, attention, attention_ref, check, effective_config
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -46,7 +46,7 @@ def test_attention_matches_ref(shape, bm, bn, dtype, causal, device):
     res = attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=cfg, out=out, causal=causal)
     assert res is out
     err = rel_error(out, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d, causal=causal))
-    assert err < REL_TOLERANCE[dtype], err
+    assert err < rel_tolerance(dtype), err
     assert torch.equal(qkv, before)  # read only
 
 
@@ -61,7 +61,7 @@ def test_attention_block_combos(bm, bn, causal, device):
     attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=AttnConfig(block_m=bm, block_n=bn), out=out,
               causal=causal)
     err = rel_error(out, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d, causal=causal))
-    assert err < REL_TOLERANCE[torch.float16], err
+    assert err < rel_tolerance(torch.float16), err
 
 
 def test_causal_differs_from_full(device):
@@ -113,7 +113,7 @@ def test_reads_qkv_in_place_and_writes_strided_out(device, monkeypatch):
     assert qkv_arg is qkv and out_arg is out
     assert qkv_arg.data_ptr() == buf.data_ptr() + 8 * buf.element_size()
     err = rel_error(out, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d))
-    assert err < REL_TOLERANCE[dtype], err
+    assert err < rel_tolerance(dtype), err
     assert torch.all(obuf[:, :16] == -7.0)  # nothing written left of the slice
 
 
@@ -124,7 +124,7 @@ def test_transposed_qkv_storage(device):
     qkv = base.t().contiguous().t()
     assert qkv.stride() == (1, b * s)
     out = attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=AttnConfig(block_m=16, block_n=16))
-    assert rel_error(out, attention_ref(base, batch=b, seq=s, heads=h, head_dim=d)) < REL_TOLERANCE[torch.float32]
+    assert rel_error(out, attention_ref(base, batch=b, seq=s, heads=h, head_dim=d)) < rel_tolerance(torch.float32)
 
 
 P = AttnProblem(batch=2, seq=128, heads=12, head_dim=64)
@@ -231,7 +231,7 @@ def test_attention_pdl_gpu(shape, cfg, causal, dtype, overlap):
         attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=c, out=out, causal=causal)
         torch.cuda.synchronize()
         err = rel_error(out, ref)
-        assert err < REL_TOLERANCE[dtype], err
+        assert err < rel_tolerance(dtype), err
 
 
 @pytest.mark.gpu
@@ -260,9 +260,9 @@ def test_qkv_attention_out_chain_pdl_gpu(overlap):
         attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=acfg, out=att)
         linear(att, w_o, config=gcfg, out=y)
         torch.cuda.synchronize()
-        assert rel_error(qkv, linear_ref(x, w_qkv)) < REL_TOLERANCE[dtype]
-        assert rel_error(att, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d)) < REL_TOLERANCE[dtype]
-        assert rel_error(y, linear_ref(att, w_o)) < REL_TOLERANCE[dtype]
+        assert rel_error(qkv, linear_ref(x, w_qkv)) < rel_tolerance(dtype)
+        assert rel_error(att, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d)) < rel_tolerance(dtype)
+        assert rel_error(y, linear_ref(att, w_o)) < rel_tolerance(dtype)
 
 
 def _qkv_then_attention(x, w, b, s, h, d, overlap, racy):
@@ -290,7 +290,7 @@ def test_racy_read_is_caught_gpu():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(b * s, 768, generator=g).to(torch.float16).cuda()
     w = (torch.randn(3 * h * d, 768, generator=g) / 768**0.5).to(torch.float16).cuda()
-    tol = REL_TOLERANCE[torch.float16]
+    tol = rel_tolerance(torch.float16)
     assert all(_qkv_then_attention(x, w, b, s, h, d, 0.0, racy=False) < tol for _ in range(10))
     caught = sum(not _qkv_then_attention(x, w, b, s, h, d, 0.0, racy=True) < tol for _ in range(10))
     assert caught >= 1, "the racy read before gdc_wait was never caught: is PDL really overlapping?"

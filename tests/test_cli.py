@@ -623,8 +623,15 @@ def test_out_that_cannot_hold_run_folders(tmp_path):
 
 def test_report_draws_a_breakdown_with_a_kernel_on_one_side_only(run_copy):
     (run_copy / "breakdown.json").write_text('{"best": {"x": 1.5}}')
+    plot = run_copy / "plots" / "breakdown.png"
+    plot.unlink(missing_ok=True)
     rc, stdout, stderr = tune("report", run_copy)
     assert rc == 0, stderr
+    assert plot.stat().st_size > 0  # drawn: the kernel's baseline bar left out, not the plot
+    from tuner.report import breakdown_data, load_run
+    df = breakdown_data(load_run(run_copy))
+    assert df["kernel"].tolist() == ["x", "sum"] and df["best_us"].tolist() == [1.5, 1.5]
+    assert df["baseline_us"].isna().all()
 
 
 def test_a_path_the_system_refuses_is_one_line(tmp_path):

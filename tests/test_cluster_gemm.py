@@ -8,7 +8,7 @@ import torch
 
 from tuner.device import DeviceInfo
 from tuner.kernels import cluster_gemm
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels._common import rel_error, rel_tolerance
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, fold_layernorm, linear, linear_ref, stats_parts
 
 from devices import A100, H200  # (tests/ is on sys.path under pytest)
@@ -99,7 +99,7 @@ def test_cluster_config_runs_the_triton_kernels_off_hopper(device):
     m, k, n = 37, 200, 90
     x, w, b, r = _inputs(m, n, k, torch.float16, device, seed=1)
     out = linear(x, w, b, config=replace(CL, overlap_ratio=0.0, prefetch_ratio=1.0), residual=r, activation="gelu")
-    assert rel_error(out, linear_ref(x, w, b, residual=r, activation="gelu")) < REL_TOLERANCE[torch.float16]
+    assert rel_error(out, linear_ref(x, w, b, residual=r, activation="gelu")) < rel_tolerance(torch.float16)
 
 
 gpu = pytest.mark.gpu
@@ -130,7 +130,7 @@ def test_cluster_linear_odd_shapes(dtype, split, stages, knobs, epilogue):
     linear(x, w, bias, config=cfg, out=out, stats_out=stats, **kw)
     torch.cuda.synchronize()
     ref = linear_ref(x, w, bias, **kw)
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < rel_tolerance(dtype)
     if stats is not None:
         of = out.float()
         rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
@@ -223,7 +223,7 @@ def _check_odd_tile(dtype, tile, split, epilogue, cluster, seed, hints=0):
         ref = linear_ref(x, w, bias, **kw)
     torch.cuda.synchronize()
     fp16 = dtype == torch.float16
-    assert rel_error(out, ref) < ((1e-2 if fp16 else 2e-2) if epilogue == "layernorm" else REL_TOLERANCE[dtype])
+    assert rel_error(out, ref) < ((1e-2 if fp16 else 2e-2) if epilogue == "layernorm" else rel_tolerance(dtype))
     if stats is not None:
         of = out.float()
         rtol = 1e-3 if fp16 else 1e-2

@@ -102,3 +102,26 @@ def test_held_cluster_gemm_build_holds_what_python_says(tmp_path, monkeypatch):
     monkeypatch.setattr(cluster_gemm, "SLOW_NS", cluster_gemm.SLOW_NS + 1)
     with pytest.raises(RuntimeError, match="does not match cluster_gemm.py"):
         cluster_gemm.library(0, 4, 45, diag=_nvcc.DIAG_HELD)
+
+
+@pytest.mark.skipif(_nvcc.nvcc() is None, reason="needs nvcc (CUDA toolkit) to build the kernels")
+def test_shared_memory_counts_are_the_c_sources(tmp_path, monkeypatch):
+    # Which configs fit is decided by the Python counts (error(), check()); each library also reports its own from the
+    # C source. Built and loaded here (no GPU needed) for variants that move every term: row tiles and K tiles a box;
+    # the block's hidden columns a CTA, token tile, out-projection and attention; the GEMM's tile shape.
+    monkeypatch.setattr(_nvcc, "cache_dir", lambda: tmp_path)
+    for module in (qkv_attn, mlp_cluster, cluster_gemm):
+        monkeypatch.setattr(module, "_LIBS", {})
+    for rt, kc in ((2, 2), (1, 1)):
+        lib = qkv_attn.library(0, qkv_attn.BIAS_F32 | qkv_attn.LN_IN, rt, kc)
+        for stages in (2, 4, 6):
+            assert lib.qkv_attn_smem_bytes(stages) == qkv_attn.smem_bytes(stages * kc, 64 * rt, kc), (rt, kc, stages)
+    full = mlp_cluster.B1_F32 | mlp_cluster.LN_IN | mlp_cluster.STATS_OUT | mlp_cluster.OUT_IN | mlp_cluster.ATT_IN
+    for sc, epi, bt, d, fs in ((8, 104, 32, 256, 128), (4, full, 64, 256, 64), (2, 0, 32, 128, 64)):
+        lib = mlp_cluster.library(0, sc, epi, bt, d, fs)
+        want = mlp_cluster.smem_bytes(d, sc, bt, fs, bool(epi & mlp_cluster.OUT_IN), bool(epi & mlp_cluster.ATT_IN))
+        assert lib.mlp_smem_bytes() == want, (sc, epi, bt, d, fs)
+    for split, bm, bn in ((4, 64, 64), (8, 128, 128), (2, 128, 64)):
+        lib = cluster_gemm.library(0, split, 45, bm, bn)
+        for stages in (2, 4, 7):
+            assert lib.cluster_gemm_smem_bytes(stages) == cluster_gemm.smem_bytes(stages, bm, bn), (split, bm, bn)

@@ -1,11 +1,12 @@
 import json
+import zlib
 from dataclasses import replace
 
 import pytest
 import torch
 
 from tuner.device import DeviceInfo
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels._common import rel_error, rel_tolerance
 from tuner.kernels.gemm import GemmConfig, GemmProblem, NoReduction, check, linear, linear_ref, smem_bytes
 
 from devices import A100, H100  # (tests/ is on sys.path under pytest)
@@ -29,14 +30,14 @@ def _inputs(m, n, k, dtype, device, seed):
 @pytest.mark.parametrize("res", [False, True], ids=["nores", "res"])
 def test_linear_odd_shape(dtype, bias, activation, res, device):
     m, k, n = 37, 200, 90
-    x, w, b, r = _inputs(m, n, k, dtype, device, seed=hash((bias, activation, res)) % 1000)
+    x, w, b, r = _inputs(m, n, k, dtype, device, seed=zlib.crc32(repr((bias, activation, res)).encode()) % 1000)
     b = b if bias else None
     r = r if res else None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)  # poisoned: every element must be written
     cfg = GemmConfig(block_m=16, block_n=32, block_k=32, num_warps=2, num_stages=2)
     linear(x, w, b, config=cfg, activation=activation, residual=r, out=out)
     err = rel_error(out, linear_ref(x, w, b, activation=activation, residual=r))
-    assert err < REL_TOLERANCE[dtype], err
+    assert err < rel_tolerance(dtype), err
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
@@ -48,7 +49,7 @@ def test_linear_split_k(dtype, split_k, device):
     cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=split_k, overlap_ratio=0.5, prefetch_ratio=1.0)
     assert check(cfg, GemmProblem(m, n, k)) is None
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
-    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
+    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < rel_tolerance(dtype)
 
 
 def test_racy_reduction_needs_a_reduction_kernel(device):
@@ -59,7 +60,7 @@ def test_racy_reduction_needs_a_reduction_kernel(device):
     cfg = GemmConfig(block_m=16, block_n=32, block_k=16, split_k=3)
     out = torch.full((m, n), float("nan"), dtype=torch.float16, device=device)
     linear(x, w, b, config=cfg, residual=r, out=out, _racy_reduce=True)
-    assert rel_error(out, linear_ref(x, w, b, residual=r)) < REL_TOLERANCE[torch.float16]
+    assert rel_error(out, linear_ref(x, w, b, residual=r)) < rel_tolerance(torch.float16)
     with pytest.raises(NoReduction, match="_racy_reduce is a defect of the split-K reduction kernel"):
         linear(x, w, b, config=replace(cfg, split_k=1), out=out, _racy_reduce=True)
 
@@ -141,7 +142,7 @@ def test_linear_layernorm_prologue(dtype, split_k, device):
     cfg = GemmConfig(block_m=16, block_n=32, block_k=32, split_k=split_k)
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out, ln_weight=lw, ln_bias=lb)
     ref = linear_ref(x, w, b, activation="gelu", residual=r, ln_weight=lw, ln_bias=lb)
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < rel_tolerance(dtype)
 
 
 def test_linear_layernorm_needs_both(device):
@@ -268,7 +269,7 @@ def test_layernorm_statistics_from_the_producer(dtype, split_producer, split_con
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
     linear(h, wf, bf, config=c2, out=out, ln_colsum=u, ln_stats=stats, activation="gelu")
     ref = linear_ref(h, w2, b2, ln_weight=lw, ln_bias=lb, activation="gelu")
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < rel_tolerance(dtype)
     hf = h.float()
     # The sums are of the fp32 values before their rounding to h's dtype: within its half-ulps.
     rtol = {torch.float16: 1e-3, torch.bfloat16: 1e-2, torch.float32: 1e-4}[dtype]
@@ -290,7 +291,7 @@ def test_linear_tma_loads(dtype, split_k, device):
     assert check(cfg, GemmProblem(m, n, k, x.element_size())) is None
     out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
     linear(x, w, b, config=cfg, activation="gelu", residual=r, out=out)
-    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < REL_TOLERANCE[dtype]
+    assert rel_error(out, linear_ref(x, w, b, activation="gelu", residual=r)) < rel_tolerance(dtype)
     assert "16-byte" in check(replace(cfg, split_k=1), GemmProblem(m, n, 90, 2))
     with pytest.raises(ValueError, match="tma=1 needs x with contiguous"):  # a column view: no descriptor
         linear(torch.empty(k, m, dtype=dtype, device=device).T, w, b, config=cfg)

@@ -1,11 +1,13 @@
 """The feed-forward block in one kernel (kernels/mlp_cluster.cu): its validity rules everywhere, the CUDA kernel
 against its torch reference on a Hopper GPU (pytest -m gpu)."""
 
+import ctypes
+
 import pytest
 import torch
 
-from tuner.kernels import mlp_cluster
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels import _nvcc, mlp_cluster
+from tuner.kernels._common import rel_error, rel_tolerance
 from tuner.kernels.gemm import fold_layernorm
 
 
@@ -56,7 +58,7 @@ def test_mlp_matches_reference(m, d, f, fs, dtype):
     out = torch.full((m, d), float("nan"), dtype=dtype, device="cuda")
     mlp_cluster.launch(x, w1, b1, w2, b2, res, out, act=1, fs=fs)
     torch.cuda.synchronize()
-    assert rel_error(out, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res)) < REL_TOLERANCE[dtype]
+    assert rel_error(out, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res)) < rel_tolerance(dtype)
 
 
 @gpu
@@ -77,7 +79,7 @@ def test_mlp_layernorm_folded_and_stats(m, d, f, pdl, fs):
                        pdl=pdl, fs=fs)
     torch.cuda.synchronize()
     ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta))
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < rel_tolerance(dtype)
     o = out.float()
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
@@ -113,7 +115,7 @@ def test_mlp_trace_stamps(out_proj):
     mlp_cluster.launch(x, w1, b1, w2, b2, res, plain, act=3, **kw)
     torch.cuda.synchronize()
     assert torch.equal(out, plain)
-    assert rel_error(out, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, **kw)) < REL_TOLERANCE[torch.float16]
+    assert rel_error(out, mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, **kw)) < rel_tolerance(torch.float16)
     assert (trace > 0).all() and (trace[:, :4].diff(dim=1) >= 0).all(), trace
 
 
@@ -145,7 +147,7 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
     mlp_cluster.launch(x, w1f, b1f, w2, b2, res, out, act=3, stats_out=stats, pdl=pdl, fs=fs, wo=wo, bo=bo, **kw)
     torch.cuda.synchronize()
     ref = mlp_cluster.mlp_ref(x, w1, b1, w2, b2, res, ln=(gamma, beta) if ln else None, wo=wo, bo=bo)
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < rel_tolerance(dtype)
     o = out.float()
     assert rel_error(stats.sum(0), torch.stack([o.sum(1), (o * o).sum(1)], dim=1)) < 1e-3
 
@@ -154,14 +156,13 @@ def test_mlp_with_out_projection(m, d, f, fs, ln, pdl, dtype):
 @pytest.mark.parametrize("m, d, f, fs, dtype", [(32, 256, 1024, 128, torch.float16), (17, 256, 1024, 128, torch.bfloat16),
                                                 (32, 256, 1024, 64, torch.float16), (45, 128, 256, 128, torch.float16),
                                                 (64, 128, 512, 64, torch.bfloat16), (5, 128, 256, 128, torch.float16),
-                                                (33, 256, 1024, 64, torch.float16)])
+                                                (23, 256, 512, 64, torch.float16), (33, 128, 512, 64, torch.bfloat16)])
 @pytest.mark.parametrize("prefetch", [1.0, 0.4, 0.0])
 def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype, prefetch):
     """The experiment ATT_IN: causal attention (every head in every CTA), the out-projection and the feed-forward
     block in one kernel, from qkv; its weight tiles all before the wait, some (tiny: wo's) or none."""
     _hopper()
-    if mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True):
-        pytest.skip(mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True))
+    assert mlp_cluster.error(m, d, f, fs=fs, out_proj=True, attn=True) is None  # (33 x 256: 261,680 B, too much)
     _, w1, b1, w2, b2, res, gamma, beta = _inputs(m, d, f, dtype, seed=9)
     g = torch.Generator().manual_seed(10)
     qkv = torch.randn(m, 3 * d, generator=g).to(dtype).cuda()
@@ -175,7 +176,14 @@ def test_mlp_with_attention_and_out_projection(m, d, f, fs, dtype, prefetch):
     torch.cuda.synchronize()
     a = mlp_cluster.attention_ref(qkv)
     ref = mlp_cluster.mlp_ref(a, w1, b1, w2, b2, res, ln=(gamma, beta), wo=wo, bo=bo)
-    assert rel_error(o, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(o, ref) < rel_tolerance(dtype)
+
+
+def test_launch_argtypes_match_the_c_signature():
+    # The ctypes declaration of mlp_launch against its C parameter list (a mismatch fails only on the GPU).
+    want = _nvcc.c_argtypes(mlp_cluster.SOURCE.read_text(), "mlp_launch")
+    assert len(want) == 29 and all(t == ctypes.c_void_p for t in want[:13])
+    assert mlp_cluster.LAUNCH_ARGTYPES == want
 
 
 def test_early_tiles():

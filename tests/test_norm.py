@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tuner.device import DeviceInfo
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels._common import rel_error, rel_tolerance
 from tuner.kernels.norm import (NormConfig, NormProblem, check, effective_config, layer_norm, layer_norm_ref,
                                 rms_norm, rms_norm_ref)
 
@@ -27,7 +27,7 @@ def _nan(m, n, dtype, device):
 
 
 def _run_and_check(kind, x, r, w, b, config, res, device, **kw):
-    """Runs ``kind`` with poisoned outputs, compares with the fp32 reference under REL_TOLERANCE."""
+    """Runs ``kind`` with poisoned outputs, compares with the fp32 reference under rel_tolerance."""
     m, n = x.shape
     dtype = x.dtype
     out = _nan(m, n, dtype, device)
@@ -44,12 +44,12 @@ def _run_and_check(kind, x, r, w, b, config, res, device, **kw):
         ref_y, ref_s = ref
         assert y is out and s is r_out
         err_s = rel_error(s, ref_s)
-        assert err_s < REL_TOLERANCE[dtype], f"residual sum: {err_s}"
+        assert err_s < rel_tolerance(dtype), f"residual sum: {err_s}"
     else:
         y, ref_y = got, ref
         assert y is out
     err = rel_error(y, ref_y)
-    assert err < REL_TOLERANCE[dtype], err
+    assert err < rel_tolerance(dtype), err
 
 
 # (rows, cols, rows_per_program): rows not divisible by 4, cols not a power of two; 1 row at rpp 1 only
@@ -84,11 +84,11 @@ def test_layer_norm_without_bias_and_allocated_outputs(device):
     m, n = 9, 130
     x, r, w, _ = _inputs(m, n, torch.float32, device, seed=5)
     y = layer_norm(x, w, None)
-    assert y.dtype == x.dtype and rel_error(y, layer_norm_ref(x, w, None)) < REL_TOLERANCE[torch.float32]
+    assert y.dtype == x.dtype and rel_error(y, layer_norm_ref(x, w, None)) < rel_tolerance(torch.float32)
     y, s = rms_norm(x, w, residual=r, config=NormConfig(rows_per_program=2))
     ref_y, ref_s = rms_norm_ref(x, w, residual=r)
     assert s.dtype == x.dtype and s.shape == x.shape
-    assert rel_error(y, ref_y) < REL_TOLERANCE[torch.float32] and rel_error(s, ref_s) < REL_TOLERANCE[torch.float32]
+    assert rel_error(y, ref_y) < rel_tolerance(torch.float32) and rel_error(s, ref_s) < rel_tolerance(torch.float32)
 
 
 def test_racy_flag_runs_without_a_predecessor(device):
@@ -173,4 +173,4 @@ def test_norm_pdl_chain_gpu(dtype, overlap, rpp, device):
         ref1, ref_s = layer_norm_ref(x_ref, w, b, residual=r)
         ref2 = rms_norm_ref(ref1.to(dtype), w)
         for got, ref in ((s1, ref_s), (out1, ref1), (out2, ref2)):
-            assert rel_error(got, ref) < REL_TOLERANCE[dtype]
+            assert rel_error(got, ref) < rel_tolerance(dtype)

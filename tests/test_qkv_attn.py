@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from tuner.kernels import _nvcc, qkv_attn
-from tuner.kernels._common import REL_TOLERANCE, rel_error
+from tuner.kernels._common import rel_error, rel_tolerance
 from tuner.kernels.gemm import fold_layernorm
 
 gpu = pytest.mark.gpu
@@ -113,7 +113,7 @@ def _reference(x, w, b, seq, ln=None):
 @pytest.mark.parametrize("ln", [False, True], ids=["plain", "layernorm-folded"])
 def test_qkv_attn_matches_reference(batch, seq, d, dtype, ln, push=None):
     out, ref = _run(batch, seq, d, dtype, ln, push)
-    assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(out, ref) < rel_tolerance(dtype)
 
 
 def _run(batch, seq, d, dtype, ln, push=None, hints=0):
@@ -150,7 +150,7 @@ def test_qkv_attn_mufu_math_against_ieee(batch, seq, d, dtype, monkeypatch):
     fast, ref = _run(batch, seq, d, dtype, ln=True)
     monkeypatch.setattr(_nvcc, "MUFU_MATH", False)
     ieee, _ = _run(batch, seq, d, dtype, ln=True)
-    assert rel_error(fast, ref) < REL_TOLERANCE[dtype] and rel_error(ieee, ref) < REL_TOLERANCE[dtype]
+    assert rel_error(fast, ref) < rel_tolerance(dtype) and rel_error(ieee, ref) < rel_tolerance(dtype)
     assert rel_error(fast, ieee.float()) < (2e-3 if dtype == torch.float16 else 1e-2)
 
 
@@ -163,7 +163,7 @@ def test_qkv_attn_with_cache_hints(batch, seq, d, dtype, hints):
     # is 3): within the reference's tolerance, with and without the LayerNorm
     for ln in (True, False):
         out, ref = _run(batch, seq, d, dtype, ln=ln, hints=hints)
-        assert rel_error(out, ref) < REL_TOLERANCE[dtype]
+        assert rel_error(out, ref) < rel_tolerance(dtype)
 
 
 @gpu

@@ -21,7 +21,7 @@ from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
 from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
-from tuner.kernels._common import (REL_TOLERANCE, hopper_error, prefetch_count, rel_error, smem_limit, tile_cap,
+from tuner.kernels._common import (hopper_error, prefetch_count, rel_error, rel_tolerance, smem_limit, tile_cap,
                                    trigger_index)
 from tuner.shapes import DecoderShape
 
@@ -619,7 +619,7 @@ class DecoderStack:
         return worst
 
     def tolerance(self) -> float:
-        return REL_TOLERANCE[self.dtype]
+        return rel_tolerance(self.dtype)
 
     def gemm_names(self):
         return GEMMS
