@@ -686,3 +686,17 @@ def test_notebook_writes_the_shipped_notebook_and_keeps_an_existing_one(tmp_path
         rc, stdout, stderr = tune("notebook", "--out", o)
         assert rc == 2 and stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     assert f.read_text() == "x"
+
+
+def test_the_shipped_recording_replays_by_name_from_any_folder(tmp_path, monkeypatch):
+    # An installed copy has no tests/data: its recording is found by its name, or by the README's path's last part.
+    monkeypatch.chdir(tmp_path)
+    for given in ("replay-bert-base-h200", "tests/data/replay-bert-base-h200"):
+        rc, stdout, stderr = tune("decoder", "--replay", given, "--trials", 3, "--timeout", 5, "--no-progress",
+                                  "--out", tmp_path / given.replace("/", "-"))
+        assert rc == 0, stderr
+        assert "replay-bert-base-h200: timings recorded on NVIDIA H200, nothing is measured now" in stdout
+        assert (run_folder(stdout) / "best.json").is_file()
+    assert_user_error(*tune("decoder", "--replay", "replay-nope", "--no-progress", "--out", tmp_path / "x"),
+                      ["--replay replay-nope: no such file or folder", "replay-bert-base-h200"])
+    assert not (tmp_path / "x").exists()

@@ -358,8 +358,7 @@ def _decoder_inputs(args):
         return shapes, space, gpus
     if len(shapes) > 1:
         raise UserError("--replay serves one recording, i.e. one shape: give one --shape")
-    if not Path(args.replay).exists():
-        raise UserError(f"--replay {args.replay}: no such file or folder")
+    args.replay = _replay_path(args.replay)
     # Read the recording now: a wrong one is the user's mistake, reported before anything is written.
     rec = args.checked_replay = _check_replay(args, shapes[0] if args.shape or args.shape_file else None)
     # A replay serves what was measured: its dtype and L2 policy, which the tables and best.json then name.
@@ -440,6 +439,21 @@ def _check_grid(space) -> None:
         make_sampler("grid", 0, space, pdl=True)
     except StudyError as e:
         raise UserError(str(e)) from None
+
+
+def _replay_path(given: str) -> str:
+    """The recording --replay names: the path as given, else the recording shipped in the package under that name
+    (`--replay replay-bert-base-h200`; the README's `tests/data/replay-bert-base-h200` from outside a checkout)."""
+    if Path(given).exists():
+        return given
+    import importlib.resources
+
+    shipped = importlib.resources.files("tuner.recordings")
+    names = sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
+    name = Path(given).name
+    if name in names:
+        return str(shipped / name)
+    raise UserError(f"--replay {given}: no such file or folder (recordings shipped with pdl-tune: {', '.join(names)})")
 
 
 def _check_replay(args, shape):
@@ -636,7 +650,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default="results", help="folder for the run folders <shape>/<run-id>/ (default results)")
     d.add_argument("--search-space", help="a YAML search space file, or a shipped one by name: fused-layer, "
                                           "layer-kernel (default: the shipped decoder)")
-    d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv (no GPU needed)")
+    d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv, or a shipped recording by "
+                   "name: replay-bert-base-h200 (no GPU needed)")
     d.add_argument("--workers", type=int, help="study processes on one study, one per GPU (GPUs 0..N-1)")
     d.add_argument("--gpus", help="the GPUs of the workers, e.g. 0,1,2,3 (one worker each)")
     d.add_argument("--isolation", action=argparse.BooleanOptionalAction, default=None,
