@@ -78,11 +78,13 @@ def test_installed_tune_runs_outside_the_checkout(installed):
     assert shipped.split(",") == sorted(p.stem for p in (ROOT / "search_spaces").glob("*.yaml"))
     assert cu == "True"
     out = tmp / "runs"
-    res = subprocess.run([sys.executable, "-m", "tuner", "decoder", "--replay", str(REPLAY), "--trials", "6",
-                          "--no-progress", "--out", str(out)],
+    # the README's command, whose tests/data path is not there: the recording the installed copy ships, by its name
+    assert not (tmp / "tests").exists()
+    res = subprocess.run([sys.executable, "-m", "tuner", "decoder", "--replay", "tests/data/" + REPLAY.name,
+                          "--trials", "6", "--no-progress", "--out", str(out)],
                          cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
-    assert "REPLAYING" in res.stdout
+    assert f"REPLAYING {target / 'tuner' / 'recordings' / REPLAY.name}: " in res.stdout, res.stdout[:500]
     (folder,) = [ln.split(": ", 1)[1] for ln in res.stdout.splitlines() if ln.startswith("run folder: ")]
     assert {"manifest.json", "trials.csv", "topk.json", "best.json"} <= {p.name for p in Path(folder).iterdir()}
 
