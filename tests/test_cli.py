@@ -666,6 +666,38 @@ def test_one_process_continues_the_journal_of_a_workers_run(tmp_path):
     assert rc == 2 and "another replay recording" in stderr, stderr
 
 
+def test_a_journal_whose_last_record_was_cut_short_keeps_its_trials(tmp_path):
+    # A kill or a full disk mid-write leaves half a record; Optuna reads past it but would append the next record to
+    # that line, after which nothing in the file can be read. The torn bytes are set aside; every trial stays.
+    out = tmp_path / "results"
+    rc, stdout, stderr = decoder(out, 4, "--workers", "2")
+    assert rc == 0, stderr
+    journal = out / "studies.journal"
+    data = journal.read_bytes()
+    journal.write_bytes(data[:-40])
+    complete = _journal_trials(journal)  # what Optuna reads of it: the trials the torn record did not finish
+    assert len(complete) == 4
+    rc, stdout, stderr = decoder(out, 6, "--workers", "2")
+    assert rc == 0, stderr
+    (aside,) = out.glob("studies.journal.torn-*")
+    assert aside.read_bytes() == data[data[:-40].rfind(b"\n") + 1:-40]
+    assert "last record was cut short" in stderr and "every complete record is kept" in stderr
+    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 6
+    rc, stdout, stderr = decoder(out, 7)  # and the file reads whole afterwards
+    assert rc == 0 and "cut short" not in stderr, stderr
+    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 7
+    after = _journal_trials(journal)
+    assert len(after) == 7 and all(after[n] == v for n, v in complete.items() if v is not None)
+
+
+def _journal_trials(path) -> dict:
+    from optuna.storages.journal import JournalFileBackend
+
+    storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
+    (name,) = [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
+    return {t.number: t.value for t in optuna.load_study(study_name=name, storage=storage).trials}
+
+
 def test_unknown_arguments_are_named_by_their_subcommand():
     rc, stdout, stderr = tune("decoder", "--bogus", "1")
     assert rc == 2 and stderr == "tune decoder: error: unrecognized arguments: --bogus 1 (see tune decoder --help)\n"

@@ -128,6 +128,31 @@ def _is_journal(path: Path) -> bool:
         return False
 
 
+def _set_aside_torn_record(path: Path) -> None:
+    """A journal whose last record was cut short (a process killed mid-write, a full disk): Optuna reads past it, but
+    appends its next record to the torn line, after which no reader can parse the file and every trial in it is lost.
+    Under the writers' lock (so no record is being written now), the torn bytes move to PATH.torn-<time>, and the
+    complete records stay as they were."""
+    import sys
+
+    lock = FlockLock(str(path))
+    lock.acquire()
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data or data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        aside = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
+        aside.write_bytes(data[keep:])
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    finally:
+        lock.release()
+    print(f"tune: {path}'s last record was cut short ({len(data) - keep} bytes, a write that never ended): set aside "
+          f"in {aside.name}; every complete record is kept", file=sys.stderr)
+
+
 def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, grace_period_s: int = GRACE_PERIOD_S):
     """The Optuna storage object for ``url``. A folder missing for a SQLite or journal file is created;
     if the storage then fails to open, whatever was created here is removed again (StorageError)."""
@@ -151,6 +176,8 @@ def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, 
                 raise StorageError(f"--storage {redact(url)!r}: {path} exists and is not an Optuna journal file")
             from optuna.storages.journal import JournalFileBackend
 
+            if existed:
+                _set_aside_torn_record(path)
             return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=FlockLock(str(path))))
         return _rdb(url, heartbeat_interval_s, grace_period_s)
     except Exception as e:  # noqa: BLE001 - any failure here is the user's URL or server
