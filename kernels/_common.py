@@ -4,6 +4,7 @@ and the in-kernel helpers (L2 prefetch of weight tiles, the PDL trigger)."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -31,11 +32,24 @@ class KnobConfig:
         unknown = set(d) - names
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown keys {sorted(unknown)}; expected {sorted(names)}")
-        return cls(**{k: (float(v) if k.endswith("_ratio") else int(v)) for k, v in d.items()})
+        return cls(**{k: _field_value(cls.__name__, k, v) for k, v in d.items()})
 
     def without_knobs(self):
         """Same tiles, launched without PDL and without prefetch: (-1, -1)."""
         return replace(self, overlap_ratio=-1.0, prefetch_ratio=-1.0)
+
+
+def _field_value(owner: str, name: str, v):
+    """A config field read from JSON: a number for a ratio, an integer (or a float with no fraction) otherwise;
+    anything else is named, never rounded or parsed from text."""
+    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    if name.endswith("_ratio"):
+        if not ok:
+            raise ValueError(f"{owner}: {name}={v!r} must be a number")
+        return float(v)
+    if not ok or v != int(v):
+        raise ValueError(f"{owner}: {name}={v!r} must be an integer")
+    return int(v)
 
 
 def pow2(v: int) -> bool:

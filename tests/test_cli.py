@@ -14,6 +14,7 @@ import io
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -355,9 +356,25 @@ BAD_DECODER = [
     ("seed-negative", ["--seed", "-1"], ["--seed -1"]),
     ("out-empty", ["--out", ""], ["--out ''"]),
     ("replay-path-too-long", ["--replay", "{long}"], ["File name too long"]),
+    ("space-ratios-empty-list", ["--search-space", "{space}"], ["{space}", "'ratios' must be a mapping"]),
+    ("space-kernel-override-not-a-mapping", ["--search-space", "{space}"], ["{space}", "kernels.ffn2: expected a map"]),
+    ("storage-sqlite-of-another-program", ["--storage", "sqlite:///{userdb}"], ["{userdb}", "not an Optuna database"]),
+    ("storage-sqlite-not-a-database", ["--storage", "sqlite:///{notes}"], ["{notes}", "not a SQLite database"]),
+    ("shape-file-empty", ["--shape-file", "{empty}"], ["{empty}", "it is empty"]),
+    ("shape-file-name-climbs-out", ["--shape-file", "{climb}"], ["name '../../escaped'", "letters, digits"]),
+    ("shape-file-name-not-text", ["--shape-file", "{number}"], ["name 42"]),
+    ("shape-file-batch-true", ["--shape-file", "{boolean}"], ["batch=True", "positive integer"]),
 ]
 SPACE_TEXT = {"space-bad-yaml": "version: 1\ngemm: [16, 32\nnorm: {}\n"}
-SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5}
+SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5,
+              "space-ratios-empty-list": lambda d: d.update(ratios=[]),
+              "space-kernel-override-not-a-mapping": lambda d: d.update(kernels={"ffn2": 0})}
+SHAPE_FILES = {  # (the recording's shape, so that the shape file is the only mistake)
+    "{empty}": "shapes: []\n",
+    "{climb}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, name: ../../escaped}\n",
+    "{number}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, name: 42}\n",
+    "{boolean}": "shapes:\n  - {batch: true, seq: 128, d_model: 768, heads: 12, ffn: 3072}\n",
+}
 
 
 def assert_user_error(rc, stdout, stderr, words):
@@ -378,6 +395,15 @@ def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
     subst = {"{missing}": str(inputs / "nope"), "{shapes}": str(inputs / "shapes.yaml"),
              "{notes}": str(inputs / "notes"), "{long}": str(inputs / ("x" * 300))}
     (inputs / "notes").write_text("a file of the user's\n")
+    subst["{userdb}"] = str(inputs / "user.db")
+    con = sqlite3.connect(inputs / "user.db")
+    con.execute("CREATE TABLE notes (text)")
+    con.commit()
+    con.close()
+    userdb = (inputs / "user.db").read_bytes()
+    for key, text in SHAPE_FILES.items():
+        subst[key] = str(inputs / f"shapes-{key.strip('{}')}.yaml")
+        Path(subst[key]).write_text(text)
     (inputs / "shapes.yaml").write_text("shapes:\n  - {batch: 1, seq: 32, d_model: 256, heads: 4, ffn: 1024}\n"
                                         "  - {batch: 1, seq: 64, d_model: 256, heads: 4, ffn: 1024}\n")
     if case in SPACE_TEXT or case in SPACE_EDIT:
@@ -394,6 +420,8 @@ def test_decoder_user_mistake(tmp_path, request, monkeypatch, argv, words):
     assert_user_error(rc, stdout, stderr, [fill(w) for w in words])
     assert not out.exists() or not any(out.iterdir()), sorted(out.rglob("*"))
     assert (inputs / "notes").read_text() == "a file of the user's\n"  # a file named as a journal stays as it was
+    assert (inputs / "user.db").read_bytes() == userdb  # and a database of the user's
+    assert not (tmp_path / "escaped").exists()
 
 
 def test_decoder_without_gpu_points_to_replay(tmp_path):
@@ -442,6 +470,17 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     # a best.json whose config does not load is refused here as `tune bench --config` would refuse it
     (other / "best.json").write_text(json.dumps(dict(json.loads((run / "best.json").read_text()), config={})))
     assert_user_error(*tune("export", other), [str(other), "config schema_version"])
+    # and one that loads but cannot run its own shape
+    best = json.loads((run / "best.json").read_text())
+    best["config"]["kernels"]["ffn1"].update(block_m=-5, num_warps=3)
+    (other / "best.json").write_text(json.dumps(best))
+    assert_user_error(*tune("export", other), [str(other), "cannot run its shape 1x128x768x12x3072", "ffn1"])
+    # a file of the user's named like the temporary of the atomic write is left alone
+    (tmp_path / "mine.json.tmp").write_text("the user's")
+    assert tune("export", run, "-o", tmp_path / "mine.json")[0] == 0
+    assert (tmp_path / "mine.json.tmp").read_text() == "the user's"
+    assert_user_error(*tune("export", run, "-o", ""), ["-o ''", "give a file name"])
+    assert_user_error(*tune("notebook", "--out", ""), ["--out ''", "give a folder"])
 
 
 @pytest.mark.parametrize("case", ["no-best-json", "schema-99", "invalid-json"])
@@ -550,6 +589,18 @@ BAD_RECORDINGS = {  # what is wrong with a copy of the replay recording -> the w
         r / "trials.csv", index=False), ["trials.csv", "positive, finite latency_us"]),
     "trials-parameter-text": (lambda r: pd.read_csv(r / "trials.csv").assign(**{"qkv.block_m": "abc"}).to_csv(
         r / "trials.csv", index=False), ["trials.csv", "not a number"]),
+    "trials-spread-negative": (lambda r: pd.read_csv(r / "trials.csv").assign(spread_us=-1.0).to_csv(
+        r / "trials.csv", index=False), ["trials.csv", "spread_us of 0 or more"]),
+    "manifest-capability-a-number": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(
+        d, gpu=dict(d["gpu"], capability=9))), ["gpu.capability", "[9, 0]"]),
+    "manifest-l2-bytes-text": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(
+        d, gpu=dict(d["gpu"], l2_bytes="big"))), ["gpu.l2_bytes", "'big'"]),
+    "manifest-dtype-a-list": (lambda r: _edit_json(r / "manifest.json", _set("dtype", ["float16"])),
+                              ["dtype ['float16']"]),
+    "manifest-shape-name-climbs-out": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(
+        d, shape=dict(d["shape"], name="../../escaped"))), ["name '../../escaped'"]),
+    "breakdown-figure-text": (lambda r: (r / "breakdown.json").write_text('{"best": {"qkv": "fast"}}'),
+                              ["breakdown.json", "figures"]),
 }
 
 
@@ -575,6 +626,13 @@ BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune 
     "rows-are-text": (lambda r: _edit_json(r / "topk.json", _set("rows", "none")), ["'rows' is not a list"]),
     "row-without-latency": (lambda r: _edit_json(r / "topk.json", lambda d: dict(d, rows=[{"rank": 1}])),
                             ["rows[0]", "latency_us"]),
+    "no-rows": (lambda r: (r / "topk.json").write_text("{}"), ["topk.json has no 'rows'"]),
+    "negative-spread": (lambda r: _edit_json(r / "topk.json", lambda d: dict(
+        d, rows=[dict(d["rows"][0], spread_us=-3)] + d["rows"][1:])), ["rows[0]", "negative spread_us"]),
+    "trials-cut-mid-line": (lambda r: (r / "trials.csv").write_bytes((r / "trials.csv").read_bytes()[:4000]),
+                            ["trials.csv ends in the middle of a line"]),
+    "trials-cut-at-a-row": (lambda r: (r / "trials.csv").write_text(
+        "".join((r / "trials.csv").read_text().splitlines(keepends=True)[:5])), ["trials.csv has 4 trials"]),
     "manifest-shape-is-text": (lambda r: _edit_json(r / "manifest.json", _set("shape", "x")), ["'shape'"]),
     "breakdown-not-per-kernel": (lambda r: (r / "breakdown.json").write_text('{"best": 5}'), ["breakdown.json"]),
     "plots-is-a-file": (lambda r: (shutil.rmtree(r / "plots"), (r / "plots").write_text("x")), ["plots",
@@ -590,8 +648,10 @@ BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune 
 @pytest.mark.parametrize("case", list(BAD_RUNS))
 def test_report_of_a_broken_run_folder(run_copy, case):
     edit, words = BAD_RUNS[case]
+    drawn = (run_copy / "topk.md").read_bytes()
     edit(run_copy)
     assert_user_error(*tune("report", run_copy), words)
+    assert (run_copy / "topk.md").read_bytes() == drawn  # refused before anything is redrawn
 
 
 @pytest.mark.parametrize("field, value", [("shape", "tiny"), ("shape", {"batch": 1}), ("gpu", "H100")])
@@ -675,8 +735,8 @@ def test_a_journal_whose_last_record_was_cut_short_keeps_its_trials(tmp_path):
     journal = out / "studies.journal"
     data = journal.read_bytes()
     journal.write_bytes(data[:-40])
-    complete = _journal_trials(journal)  # what Optuna reads of it: the trials the torn record did not finish
-    assert len(complete) == 4
+    complete = _journal_trials(journal)  # what Optuna reads of it (the torn record may have begun the 4th trial)
+    assert len(complete) >= 3
     rc, stdout, stderr = decoder(out, 6, "--workers", "2")
     assert rc == 0, stderr
     (aside,) = out.glob("studies.journal.torn-*")

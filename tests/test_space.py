@@ -250,6 +250,8 @@ BAD_SPACES = [
      ["ratios.overlap:", "'stp'"]),
     ("range-bad-step", _set("ratios", "overlap", value={"low": 0.0, "high": 1.0, "step": -0.1}),
      ["ratios.overlap.step:"]),
+    ("range-step-not-dividing", _set("ratios", "overlap", value={"low": 0.0, "high": 1.0, "step": 0.3}),
+     ["ratios.overlap.step:", "must divide high - low = 1"]),
     ("range-bad-off", _set("ratios", "overlap", value={"low": 0.0, "high": 1.0, "off": "yes"}),
      ["ratios.overlap.off:"]),
     ("unknown-kernel", _set("kernels", "ffn3", value={"split_k": [1]}), ["kernels:", "'ffn3'"]),

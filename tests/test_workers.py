@@ -148,6 +148,7 @@ BAD_WORKERS = [
     ("workers-negative", ["--replay", REPLAY, "--workers", -2], ["--workers -2"]),
     ("gpus-empty-entry", ["--gpus", "0,,1"], ["--gpus '0,,1'", "0,1,2,3"]),
     ("gpus-not-numbers", ["--gpus", "first"], ["--gpus 'first'"]),
+    ("gpus-superscript-digits", ["--gpus", "0,\u00b9"], ["--gpus", "0,1,2,3"]),
     ("gpus-twice", ["--gpus", "0,1,0"], ["GPU 0 listed twice"]),
     ("gpus-and-workers-disagree", ["--gpus", "0,1", "--workers", 3], ["--workers 3", "2 GPUs"]),
     ("gpus-with-replay", ["--replay", REPLAY, "--gpus", "0,1"], ["--gpus", "--workers N"]),

@@ -44,8 +44,9 @@ def _read_shape_file(path: str):
 
     data = read_yaml(path, "shape", UserError)
     items = data.get("shapes") if isinstance(data, dict) else data
-    if not isinstance(items, list):
-        raise UserError(f"--shape-file {path}: expected a list of shapes under 'shapes'")
+    if not isinstance(items, list) or not items:
+        raise UserError(f"--shape-file {path}: expected a list of shapes under 'shapes'"
+                        + (", and it is empty" if isinstance(items, list) else ""))
     out = []
     for i, it in enumerate(items):
         if not isinstance(it, dict):
@@ -249,7 +250,7 @@ def _gpus(args) -> list[str | None]:
     if args.replay:
         raise UserError("--gpus pins GPU workers; with --replay nothing runs on a GPU: use --workers N")
     parts = [p.strip() for p in args.gpus.split(",")]
-    if not all(p.isdigit() for p in parts):
+    if not all(p.isascii() and p.isdigit() for p in parts):
         raise UserError(f"--gpus {args.gpus!r}: expected GPU indices separated by commas, e.g. --gpus 0,1,2,3")
     ids = [str(int(p)) for p in parts]
     twice = sorted({i for i in ids if ids.count(i) > 1})
@@ -547,10 +548,24 @@ def cmd_export(args) -> int:
     run = _run_dir(args.run)
     try:
         best = read_best(run)
-        DecoderConfig.from_dict(best["config"])  # what `tune bench --config` and load_config will read
+        cfg = DecoderConfig.from_dict(best["config"])  # what `tune bench --config` and load_config will read
     except ConfigError as e:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
-    if args.output:
+    if best.get("shape") is not None:  # a configuration that cannot run its own shape is not exported
+        from tuner.layer import check_config
+        from tuner.shapes import DecoderShape, ShapeError
+
+        try:
+            shape = DecoderShape.from_dict(best["shape"])
+        except ShapeError as e:
+            raise UserError(f"{run}: best.json's shape: {e}") from None
+        bad = check_config(cfg, shape, 4 if best.get("dtype") == "float32" else 2)
+        if bad:
+            raise UserError(f"{run}: best.json's config cannot run its shape {shape.spec}: "
+                            + "; ".join(f"{k}: {v}" for k, v in bad.items()))
+    if args.output is not None:
+        if not args.output.strip():
+            raise UserError(f"-o {args.output!r}: give a file name")
         out = Path(args.output)
         if args.output.endswith(("/", os.sep)) or out.is_dir():
             raise UserError(f"-o {args.output}: names a folder; give a file name")
@@ -577,6 +592,8 @@ def cmd_notebook(args) -> int:
     checkout with its notebooks/ folder. An existing notebook there is never replaced (it may hold the user's edits)."""
     import importlib.resources
 
+    if not args.out.strip():
+        raise UserError(f"--out {args.out!r}: give a folder (. for this one)")
     out = Path(args.out)
     _check_writable(out, "--out", "cannot write the notebook there")  # (also where --out is a file)
     dest = out / NOTEBOOK

@@ -245,15 +245,23 @@ class ReplayEvaluator:
             raise bad(man.name, "has no baselines.baseline_us figure")
         if m.get("gpu") is not None and not isinstance(m["gpu"], dict):
             raise bad(man.name, f"'gpu' must be a mapping, not {type(m['gpu']).__name__}")
-        if not isinstance((m.get("gpu") or {}).get("name", ""), str):
+        g = m.get("gpu") or {}
+        if not isinstance(g.get("name", ""), str):
             raise bad(man.name, "gpu.name must be text")
+        cap = g.get("capability")
+        if cap is not None and not (isinstance(cap, list) and cap and all(
+                isinstance(c, int) and not isinstance(c, bool) for c in cap)):
+            raise bad(man.name, f"gpu.capability must be a list of integers such as [9, 0], not {cap!r}")
+        l2 = g.get("l2_bytes")
+        if l2 is not None and (not isinstance(l2, int) or isinstance(l2, bool) or l2 < 0):
+            raise bad(man.name, f"gpu.l2_bytes must be a number of bytes, not {l2!r}")
         if m.get("policy") is not None and not isinstance(m["policy"], dict):
             raise bad(man.name, f"'policy' must be a mapping, not {type(m['policy']).__name__}")
         from tuner.layer import DTYPES
 
         # what was measured, which a replay serves (tune decoder takes them for its --dtype and --l2)
         self.dtype_name, self.l2 = m.get("dtype", "float16"), (m.get("policy") or {}).get("l2", "cold")
-        if self.dtype_name not in DTYPES:
+        if not isinstance(self.dtype_name, str) or self.dtype_name not in DTYPES:
             raise bad(man.name, f"dtype {self.dtype_name!r} is not one of {', '.join(DTYPES)}")
         if self.l2 not in ("cold", "hot"):
             raise bad(man.name, f"policy.l2 {self.l2!r} is not cold or hot")
@@ -270,6 +278,8 @@ class ReplayEvaluator:
         ok = df[df["status"] == "ok"]
         if ok.empty or not ok["latency_us"].between(0, float("inf"), inclusive="neither").all():
             raise bad(csv.name, "needs trials of status ok, each with a positive, finite latency_us")
+        if not ok["spread_us"].between(0, float("inf"), inclusive="left").all():
+            raise bad(csv.name, "needs each trial of status ok to have a spread_us of 0 or more, finite")
         from tuner.space import from_config
 
         # Every parameter a config has today; one the recording predates (e.g. norm*.fuse) stands at its
@@ -291,7 +301,9 @@ class ReplayEvaluator:
         bpath = folder / "breakdown.json"
         self._breakdown = read(bpath) if bpath.is_file() else None
         if self._breakdown is not None and not (isinstance(self._breakdown, dict) and all(
-                isinstance(v, dict) for k, v in self._breakdown.items() if k in ("best", "baseline"))):
+                isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                                            for x in v.values())
+                for k, v in self._breakdown.items() if k in ("best", "baseline"))):
             raise bad(bpath.name, "must map 'best' and 'baseline' to per-kernel figures")
         g = self.manifest.get("gpu") or {}
         self.device_name = g.get("name", "unknown")

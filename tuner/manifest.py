@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 MANIFEST_SCHEMA_VERSION = 1
@@ -97,12 +98,19 @@ def write_json_atomic(path: Path, obj) -> None:
     write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def temp_name(path: Path) -> Path:
+    """A fresh hidden name beside ``path`` for writing before the rename: never a file of the user's (such as
+    PATH.tmp), nor another process's temporary."""
+    return path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temp_name(path)
     try:
-        tmp.write_text(text)
+        with open(tmp, "x") as f:  # (exclusive: an existing file of that name is never overwritten)
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # (where the rename failed, e.g. onto a folder: no stray .tmp left)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tuner.manifest import read_json, read_table, write_text_atomic
+from tuner.manifest import read_json, read_table, temp_name, write_text_atomic
 
 # The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
 # (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
@@ -203,6 +203,8 @@ def load_run(run_dir) -> Run:
         problems.append("topk.json is not a JSON object")
     if not problems:
         problems += _content_problems(manifest, topk)
+    if not problems:
+        problems += _trials_cut_short(path / "trials.csv", trials, manifest)
     if problems:
         raise RunFolderError(f"{path}: " + "; ".join(problems))
     optional: list[str] = []
@@ -220,13 +222,27 @@ def load_run(run_dir) -> Run:
                importance=importance if isinstance(importance, dict) and importance else None)
 
 
+def _trials_cut_short(path: Path, trials: pd.DataFrame, manifest: dict) -> list[str]:
+    """A trials.csv that lost its end (a copy or a disk cut short): redrawn from it, the tables and plots would
+    silently show fewer trials than the study ran."""
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - 1))
+        if f.read(1) not in (b"\n", b""):
+            return ["trials.csv ends in the middle of a line (cut short?)"]
+    n = manifest.get("n_trials")
+    have = int((trials["status"] != "interrupted").sum())
+    if isinstance(n, int) and not isinstance(n, bool) and have < n:
+        return [f"trials.csv has {have} trials, manifest.json's n_trials says {n} (cut short?)"]
+    return []
+
+
 def _content_problems(manifest: dict, topk: dict) -> list[str]:
     """What of a run folder's JSON the tables and plots read but could not (the files' own words)."""
     out = [f"manifest.json's '{k}' is not a mapping" for k in ("shape", "gpu", "baselines", "policy")
            if manifest.get(k) is not None and not isinstance(manifest[k], dict)]
     rows = topk.get("rows")
-    if rows is not None and not isinstance(rows, list):
-        out.append("topk.json's 'rows' is not a list")
+    if not isinstance(rows, list):  # (a run where nothing passed writes an empty list)
+        out.append("topk.json has no 'rows'" if rows is None else "topk.json's 'rows' is not a list")
     elif rows:
         for i, r in enumerate(rows):
             r = r if isinstance(r, dict) else {}
@@ -235,6 +251,9 @@ def _content_problems(manifest: dict, topk: dict) -> list[str]:
             if (_num(r.get("latency_us")) is None or not isinstance(kernels, dict)
                     or not all(isinstance(v, dict) for v in kernels.values())):
                 out.append(f"topk.json's rows[{i}] needs latency_us and config.kernels")
+                break
+            if (_num(r.get("spread_us")) or 0.0) < 0:
+                out.append(f"topk.json's rows[{i}] has a negative spread_us")
                 break
     return out
 
@@ -638,9 +657,14 @@ def _save(fig, path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, path)
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(buf.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 # Head dims the attention kernel supports (padded to a power of two inside it).
 HEAD_DIM_RANGE = (32, 128)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
 class ShapeError(ValueError):
@@ -29,8 +31,12 @@ class DecoderShape:
     def __post_init__(self):
         for f in ("batch", "seq", "d_model", "heads", "ffn", "depth"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
-                raise ShapeError(f"shape {self.spec}: {f}={v} must be a positive integer")
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ShapeError(f"shape {self.spec}: {f}={v!r} must be a positive integer")
+        # The name is a folder of the run (<out>/<name>/<run-id>): one path component, nothing that climbs out.
+        if not isinstance(self.name, str) or (self.name and not NAME.fullmatch(self.name)):
+            raise ShapeError(f"shape {self.spec}: name {self.name!r} must be letters, digits, '.', '_', '+' or '-', "
+                             "starting with a letter or digit")
         if self.d_model % self.heads:
             raise ShapeError(f"shape {self.spec}: d_model={self.d_model} is not divisible by heads={self.heads}")
         lo, hi = HEAD_DIM_RANGE

@@ -134,6 +134,9 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
         if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
                                  or not 0 < step <= hi - lo):
             raise SpaceError(f"{where}.step: need 0 < step <= high - low, got {step!r}")
+        if step is not None and abs((hi - lo) / step - round((hi - lo) / step)) > 1e-9:
+            # (Optuna would move high down to the last step, and warn so at every trial)
+            raise SpaceError(f"{where}.step: {step!r} must divide high - low = {hi - lo:g}")
         if not isinstance(off, bool):
             raise SpaceError(f"{where}.off: expected true or false, got {off!r}")
         return Dim(low=float(lo), high=float(hi), step=None if step is None else float(step), off=off)
@@ -156,7 +159,7 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         raise SpaceError(f"{source}: unknown key(s) {_names(unknown)}; expected {sorted(known)}")
     if data.get("version", 1) != 1 or isinstance(data.get("version"), bool):  # (true == 1 in Python)
         raise SpaceError(f"{source}: version {data.get('version')!r} is not supported (expected 1)")
-    ratios = data.get("ratios") or {}
+    ratios = {} if data.get("ratios") is None else data["ratios"]  # (absent: no ratio searched, every kernel off)
     if not isinstance(ratios, dict) or set(ratios) - {"overlap", "prefetch"}:
         raise SpaceError(f"{source}: 'ratios' must be a mapping with 'overlap' and/or 'prefetch'")
     base_ratio = {"overlap_ratio": ratios.get("overlap", [-1.0]), "prefetch_ratio": ratios.get("prefetch", [-1.0])}
@@ -178,7 +181,7 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         if missing:
             raise SpaceError(f"{source}: {fam}: missing key(s) {_names(missing)}")
         fam_data[fam] = sec
-    overrides = data.get("kernels") or {}
+    overrides = {} if data.get("kernels") is None else data["kernels"]
     if not isinstance(overrides, dict):
         raise SpaceError(f"{source}: 'kernels' must map kernel names to overrides")
     for k in overrides:
@@ -191,7 +194,7 @@ def parse(data, source: str = "<space>") -> SearchSpace:
         raw.update(base_ratio)
         if k not in PREFETCHING:
             raw["prefetch_ratio"] = [-1.0]
-        ov = overrides.get(k) or {}
+        ov = {} if overrides.get(k) is None else overrides[k]
         if not isinstance(ov, dict):
             raise SpaceError(f"{source}: kernels.{k}: expected a mapping")
         allowed = set(TILE_FIELDS[fam]) | set(RATIOS)

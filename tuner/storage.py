@@ -128,6 +128,31 @@ def _is_journal(path: Path) -> bool:
         return False
 
 
+def _sqlite_problem(path: Path) -> str | None:
+    """Why Optuna must not open this file: not a SQLite database, or one with tables of someone else's (Optuna
+    would add its own beside them). None for an empty file or database, Optuna's own (version_info among its
+    tables), or one that cannot be read now (locked, or with a journal to roll back: Optuna's to open). Read only."""
+    import sqlite3
+
+    with open(path, "rb") as f:
+        head = f.read(16)
+    if not head:
+        return None
+    if head != b"SQLite format 3\x00":
+        return "is not a SQLite database"
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return None
+    if tables and "version_info" not in tables:
+        return "holds tables of its own and is not an Optuna database; Optuna would add its tables to it"
+    return None
+
+
 def _set_aside_torn_record(path: Path) -> None:
     """A journal whose last record was cut short (a process killed mid-write, a full disk): Optuna reads past it, but
     appends its next record to the torn line, after which no reader can parse the file and every trial in it is lost.
@@ -179,6 +204,9 @@ def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, 
             if existed:
                 _set_aside_torn_record(path)
             return optuna.storages.JournalStorage(JournalFileBackend(str(path), lock_obj=FlockLock(str(path))))
+        why = _sqlite_problem(path) if url.startswith("sqlite:") and existed and path.is_file() else None
+        if why:
+            raise StorageError(f"--storage {redact(url)!r}: {path} {why}")
         return _rdb(url, heartbeat_interval_s, grace_period_s)
     except Exception as e:  # noqa: BLE001 - any failure here is the user's URL or server
         if path is not None and not existed and path.is_file():
