@@ -40,8 +40,13 @@ class KnobConfig:
 
 
 def _field_value(owner: str, name: str, v):
-    """A config field read from JSON: a number for a ratio, an integer (or a float with no fraction) otherwise;
-    anything else is named, never rounded or parsed from text."""
+    """A config field read from JSON or CSV: a number for a ratio, an integer (or a float with no fraction)
+    otherwise, as a number or its text; anything else is named, never rounded."""
+    if isinstance(v, str):
+        try:
+            v = float(v)
+        except ValueError:
+            pass
     ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
     if name.endswith("_ratio"):
         if not ok:

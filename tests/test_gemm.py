@@ -109,6 +109,12 @@ def test_gemm_config_json_roundtrip():
     assert GemmConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(ValueError, match="unknown keys"):
         GemmConfig.from_dict({"block_q": 3})
+    # JSON numbers or CSV text; a fraction, a boolean or a word is named, never rounded to a tile
+    assert GemmConfig.from_dict({"block_m": "64", "split_k": 2.0, "overlap_ratio": "0.2"}) == GemmConfig(
+        block_m=64, split_k=2, overlap_ratio=0.2)
+    for field, value in (("block_m", 64.7), ("num_warps", True), ("block_k", "big"), ("prefetch_ratio", "most")):
+        with pytest.raises(ValueError, match=f"GemmConfig: {field}={value!r} must be"):
+            GemmConfig.from_dict({field: value})
 
 
 def test_interpreter_switches_knobs_off():
