@@ -557,6 +557,13 @@ def _set(key, value):
     return lambda d: dict(d, **{key: value})
 
 
+def _cut_last_row(path: Path) -> None:
+    """The file as a copy cut short leaves it: the last row ends after its first field (not inside a quoted one)."""
+    data = path.read_bytes()
+    start = data.rstrip(b"\n").rfind(b"\n") + 1
+    path.write_bytes(data[:data.index(b",", start) + 1])
+
+
 BAD_RECORDINGS = {  # what is wrong with a copy of the replay recording -> the words of the refusal
     "manifest-is-a-list": (lambda r: (r / "manifest.json").write_text("[1, 2]"), ["manifest.json", "mapping"]),
     "manifest-shape-is-text": (lambda r: _edit_json(r / "manifest.json", _set("shape", "bert-base")), ["'shape'"]),
@@ -629,8 +636,7 @@ BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune 
     "no-rows": (lambda r: (r / "topk.json").write_text("{}"), ["topk.json has no 'rows'"]),
     "negative-spread": (lambda r: _edit_json(r / "topk.json", lambda d: dict(
         d, rows=[dict(d["rows"][0], spread_us=-3)] + d["rows"][1:])), ["rows[0]", "negative spread_us"]),
-    "trials-cut-mid-line": (lambda r: (r / "trials.csv").write_bytes((r / "trials.csv").read_bytes()[:4000]),
-                            ["trials.csv ends in the middle of a line"]),
+    "trials-cut-mid-line": (lambda r: _cut_last_row(r / "trials.csv"), ["trials.csv ends in the middle of a line"]),
     "trials-cut-at-a-row": (lambda r: (r / "trials.csv").write_text(
         "".join((r / "trials.csv").read_text().splitlines(keepends=True)[:5])), ["trials.csv has 4 trials"]),
     "manifest-shape-is-text": (lambda r: _edit_json(r / "manifest.json", _set("shape", "x")), ["'shape'"]),
