@@ -756,6 +756,15 @@ def test_a_journal_whose_last_record_was_cut_short_keeps_its_trials(tmp_path):
     assert len(after) == 7 and all(after[n] == v for n, v in complete.items() if v is not None)
 
 
+def test_a_journal_record_that_lost_only_its_newline_is_kept(tmp_path):
+    from tuner.storage import _set_aside_torn_record
+
+    journal = tmp_path / "studies.journal"
+    journal.write_bytes(b'{"op_code": 0}\n{"op_code": 1}')
+    _set_aside_torn_record(journal)
+    assert journal.read_bytes() == b'{"op_code": 0}\n{"op_code": 1}\n' and not list(tmp_path.glob("*.torn-*"))
+
+
 def _journal_trials(path) -> dict:
     from optuna.storages.journal import JournalFileBackend
 

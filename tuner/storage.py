@@ -158,6 +158,7 @@ def _set_aside_torn_record(path: Path) -> None:
     appends its next record to the torn line, after which no reader can parse the file and every trial in it is lost.
     Under the writers' lock (so no record is being written now), the torn bytes move to PATH.torn-<time>, and the
     complete records stay as they were."""
+    import json
     import sys
 
     lock = FlockLock(str(path))
@@ -168,6 +169,13 @@ def _set_aside_torn_record(path: Path) -> None:
         if not data or data.endswith(b"\n"):
             return
         keep = data.rfind(b"\n") + 1
+        try:  # a whole record that lost only its newline is a record: end the line
+            json.loads(data[keep:])
+            with open(path, "ab") as f:
+                f.write(b"\n")
+            return
+        except ValueError:
+            pass
         aside = path.with_name(f"{path.name}.torn-{time.strftime('%Y%m%d-%H%M%S')}")
         aside.write_bytes(data[keep:])
         with open(path, "r+b") as f:
