@@ -480,6 +480,8 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     assert tune("export", run, "-o", tmp_path / "mine.json")[0] == 0
     assert (tmp_path / "mine.json.tmp").read_text() == "the user's"
     assert_user_error(*tune("export", run, "-o", ""), ["-o ''", "give a file name"])
+    under_a_file = tmp_path / "mine.json" / "x.json"
+    assert_user_error(*tune("export", run, "-o", under_a_file), [f"-o {under_a_file}: cannot write it in", "not a folder"])
     assert_user_error(*tune("notebook", "--out", ""), ["--out ''", "give a folder"])
 
 

@@ -406,10 +406,17 @@ def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot wri
     """The run folders go under ``out_root``: found out now, not after the search (its trials would be kept in the
     storage, but the tables, plots and best.json would be missing). Nothing is left behind: the probe is a temporary
     file in ``out_root`` or, where that does not exist yet, in the folder it would be created in."""
+    why = _unwritable(out_root)
+    if why:
+        raise UserError(f"{flag} {out_root}: {what} ({why})")
+
+
+def _unwritable(folder: Path) -> str | None:
+    """Why files cannot be created in ``folder`` (or in the folder it would be created in); None when they can."""
     import errno
     import tempfile
 
-    here = out_root.absolute()
+    here = folder.absolute()
     while not here.exists() and here.parent != here:
         here = here.parent
     try:
@@ -418,7 +425,8 @@ def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot wri
         with tempfile.TemporaryFile(dir=here):
             pass
     except OSError as e:
-        raise UserError(f"{flag} {out_root}: {what} ({_why(e)})") from None
+        return _why(e)
+    return None
 
 
 def _write_summary(runs: list[Path], out_root: Path) -> None:
@@ -574,6 +582,9 @@ def cmd_export(args) -> int:
         if out.exists() and not args.force:
             raise UserError(f"-o {args.output}: a file of that name exists; give another name, or --force to "
                             "replace it")
+        why = _unwritable(out.parent)  # (e.g. a path under a file)
+        if why:
+            raise UserError(f"-o {args.output}: cannot write it in {out.parent} ({why})")
         try:
             write_json_atomic(out, best)
         except OSError as e:
