@@ -610,6 +610,9 @@ BAD_RECORDINGS = {  # what is wrong with a copy of the replay recording -> the w
         d, shape=dict(d["shape"], name="../../escaped"))), ["name '../../escaped'"]),
     "breakdown-figure-text": (lambda r: (r / "breakdown.json").write_text('{"best": {"qkv": "fast"}}'),
                               ["breakdown.json", "figures"]),
+    "trials-cut-at-a-row": (lambda r: (r / "trials.csv").write_text(
+        "".join((r / "trials.csv").read_text().splitlines(keepends=True)[:50])), ["trials.csv has 49 trials", "120"]),
+    "trials-cut-mid-line": (lambda r: _cut_last_row(r / "trials.csv"), ["trials.csv ends in the middle of a line"]),
 }
 
 

@@ -208,7 +208,7 @@ class ReplayEvaluator:
 
         import pandas as pd
 
-        from tuner.manifest import read_json, read_table
+        from tuner.manifest import read_json, read_table, trials_cut_short
 
         p = Path(path)
         folder = p if p.is_dir() else p.parent
@@ -272,6 +272,9 @@ class ReplayEvaluator:
             raise bad(csv.name, f"has no {', '.join(missing)} column(s) (is it a run's trials.csv?)")
         if df.empty:
             raise bad(csv.name, "has no trials")
+        cut = trials_cut_short(table, df, m)
+        if cut:
+            raise bad(csv.name, cut)
         for c in ("latency_us", "spread_us"):
             if not pd.api.types.is_numeric_dtype(df[c]):
                 raise bad(csv.name, f"column {c} is not numeric")

@@ -30,6 +30,18 @@ def read_json(path: Path):
         raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def trials_cut_short(data: bytes, trials, manifest: dict) -> str | None:
+    """Why a run's trials.csv (its bytes, read as ``trials``) lost its end, a copy or a disk cut short; None when
+    whole. Read from it, the tables, plots or a replay would silently have fewer trials than the study ran."""
+    if data and not data.endswith(b"\n"):
+        return "ends in the middle of a line (cut short?)"
+    n = manifest.get("n_trials")
+    have = int((trials["status"] != "interrupted").sum())
+    if isinstance(n, int) and not isinstance(n, bool) and have < n:
+        return f"has {have} trials, manifest.json's n_trials says {n} (cut short?)"
+    return None
+
+
 def read_table(path: Path, with_bytes: bool = False):
     """A run's trials.csv as a pandas DataFrame (with ``with_bytes``, and the file's bytes, read once), or ValueError
     with one line of why (the caller names the file)."""

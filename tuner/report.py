@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tuner.manifest import read_json, read_table, temp_name, write_text_atomic
+from tuner.manifest import read_json, read_table, temp_name, trials_cut_short, write_text_atomic
 
 # The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
 # (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
@@ -204,7 +204,8 @@ def load_run(run_dir) -> Run:
     if not problems:
         problems += _content_problems(manifest, topk)
     if not problems:
-        problems += _trials_cut_short(path / "trials.csv", trials, manifest)
+        why = trials_cut_short((path / "trials.csv").read_bytes(), trials, manifest)
+        problems += [f"trials.csv {why}"] if why else []
     if problems:
         raise RunFolderError(f"{path}: " + "; ".join(problems))
     optional: list[str] = []
@@ -220,20 +221,6 @@ def load_run(run_dir) -> Run:
     return Run(path=path, manifest=manifest, trials=trials, topk=topk,
                breakdown=breakdown if isinstance(breakdown, dict) else None,
                importance=importance if isinstance(importance, dict) and importance else None)
-
-
-def _trials_cut_short(path: Path, trials: pd.DataFrame, manifest: dict) -> list[str]:
-    """A trials.csv that lost its end (a copy or a disk cut short): redrawn from it, the tables and plots would
-    silently show fewer trials than the study ran."""
-    with open(path, "rb") as f:
-        f.seek(max(0, path.stat().st_size - 1))
-        if f.read(1) not in (b"\n", b""):
-            return ["trials.csv ends in the middle of a line (cut short?)"]
-    n = manifest.get("n_trials")
-    have = int((trials["status"] != "interrupted").sum())
-    if isinstance(n, int) and not isinstance(n, bool) and have < n:
-        return [f"trials.csv has {have} trials, manifest.json's n_trials says {n} (cut short?)"]
-    return []
 
 
 def _content_problems(manifest: dict, topk: dict) -> list[str]:
