@@ -308,8 +308,7 @@ class ReplayEvaluator:
                                             for x in v.values())
                 for k, v in self._breakdown.items() if k in ("best", "baseline"))):
             raise bad(bpath.name, "must map 'best' and 'baseline' to per-kernel figures")
-        g = self.manifest.get("gpu") or {}
-        self.device_name = g.get("name", "unknown")
+        self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         self.pdl = bool(g) and (g.get("capability") or [0])[0] >= 9
 
     def _key(self, params: dict) -> tuple:

@@ -117,12 +117,22 @@ def temp_name(path: Path) -> Path:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    _write_atomic(path, text, "x")
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    _write_atomic(path, data, "xb")
+
+
+def _write_atomic(path: Path, data, mode: str) -> None:
+    """``data`` to a fresh temporary name beside ``path``, opened exclusively (``mode`` "x" or "xb": an existing file
+    of that name is never overwritten), then renamed: a killed process never leaves half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
-        with open(tmp, "x") as f:  # (exclusive: an existing file of that name is never overwritten)
-            f.write(text)
+        with open(tmp, mode) as f:
+            f.write(data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)  # (where the rename failed, e.g. onto a folder: no stray .tmp left)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from tuner.manifest import read_json, read_table, temp_name, trials_cut_short, write_text_atomic
+from tuner.manifest import read_json, read_table, trials_cut_short, write_bytes_atomic, write_text_atomic
 
 # The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
 # (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
@@ -152,26 +151,27 @@ def _as_bool(col: pd.Series) -> pd.Series:
     return col.map(lambda v: str(v).strip().lower() in ("true", "1", "1.0", "yes")).astype(bool)
 
 
-def _read_trials(path: Path, problems: list[str]) -> pd.DataFrame | None:
+def _read_trials(path: Path, problems: list[str]) -> tuple[pd.DataFrame | None, bytes]:
+    """The table and the bytes it was read from (for trials_cut_short), read once; (None, b"") on a problem."""
     if not path.is_file():
         problems.append(f"{path.name} is missing")
-        return None
+        return None, b""
     try:
-        df = read_table(path)
+        df, data = read_table(path, with_bytes=True)
     except ValueError as e:
         problems.append(f"{path.name}: {e}")
-        return None
+        return None, b""
     missing = [c for c in ("number", "status") if c not in df.columns]
     if missing:
         problems.append(f"{path.name} has no column {', '.join(missing)}")
-        return None
+        return None, b""
     df["status"] = df["status"].astype(str)
     df["reason"] = df["reason"].fillna("").astype(str) if "reason" in df.columns else ""
     for c in ("latency_us", "spread_us", "speedup"):
         df[c] = pd.to_numeric(df[c], errors="coerce") if c in df.columns else np.nan
     for c in ("approximated", "is_baseline"):
         df[c] = _as_bool(df[c]) if c in df.columns else False
-    return df.sort_values("number", kind="stable").reset_index(drop=True)
+    return df.sort_values("number", kind="stable").reset_index(drop=True), data
 
 
 def _fill_speedup(trials: pd.DataFrame, manifest: dict, topk: dict) -> None:
@@ -195,7 +195,7 @@ def load_run(run_dir) -> Run:
         raise RunFolderError(f"{path}: no such run folder (expected {', '.join(REQUIRED_FILES)} in it)")
     problems: list[str] = []
     manifest = _read_json(path / "manifest.json", problems)
-    trials = _read_trials(path / "trials.csv", problems)
+    trials, trials_data = _read_trials(path / "trials.csv", problems)
     topk = _read_json(path / "topk.json", problems)
     if manifest is not None and not isinstance(manifest, dict):
         problems.append("manifest.json is not a JSON object")
@@ -204,7 +204,7 @@ def load_run(run_dir) -> Run:
     if not problems:
         problems += _content_problems(manifest, topk)
     if not problems:
-        why = trials_cut_short((path / "trials.csv").read_bytes(), trials, manifest)
+        why = trials_cut_short(trials_data, trials, manifest)
         problems += [f"trials.csv {why}"] if why else []
     if problems:
         raise RunFolderError(f"{path}: " + "; ".join(problems))
@@ -639,19 +639,11 @@ def _title(run: Run, what: str) -> str:
 
 
 def _save(fig, path) -> Path:
-    """PNG bytes written to a temporary name and renamed, as tuner.manifest does for text."""
+    """PNG bytes written to a temporary name and renamed (tuner.manifest.write_bytes_atomic)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    tmp = temp_name(path)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, buf.getvalue())
     return path
 
 
