@@ -59,14 +59,6 @@ constexpr int TRACE_SLOTS = 4;  // a program's stamps (cluster_gemm.py's TRACE_S
 #define CG_EVEN 0
 #endif
 constexpr bool EVEN = CG_EVEN != 0;
-// CG_PAIR 2 or 4 (an A/B build: cluster_gemm.PAIR): clusters of PAIR adjacent column tiles x SC splits, so that the
-// tiles' CTAs of one split, which read the same A tiles, read them together from one GPC (perf notes 43.2: CTAs of one
-// cluster loading the same boxes take them in 14-35% faster); the exchange stays within each tile's SC CTAs.
-#ifndef CG_PAIR
-#define CG_PAIR 1
-#endif
-constexpr int PAIR = CG_PAIR;
-static_assert(PAIR == 1 || PAIR == 2 || PAIR == 4, "CG_PAIR: 1, 2 or 4 column tiles a cluster");
 // Runtime flags.
 enum Flags {
   USE_PDL = 64,
@@ -104,8 +96,7 @@ struct Params {
 
 template <bool BF16, int SC, int EPI, int BM, int BN>
 __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(const __grid_constant__ Params p) {
-  static_assert(SC == 1 || SC == 2 || SC == 4 || SC == 8, "the K splits of a tile: 1 (unsplit), 2, 4 or 8 CTAs");
-  static_assert(PAIR * SC <= 8, "a cluster of at most 8 CTAs (the portable size)");
+  static_assert(SC == 2 || SC == 4 || SC == 8, "the K splits of a tile: 2, 4 or 8 CTAs a cluster");
   static_assert(BN >= 16 * SC, "8 splits need 128-column tiles (a thread's columns: 16-byte stores)");
   static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles: 64 or 128 rows and columns");
   using TL = Tile<BM, BN>;
@@ -303,10 +294,8 @@ __global__ void __launch_bounds__(Tile<BM, BN>::THREADS, 1) cluster_gemm_kernel(
 #pragma unroll
     for (int q = 1; q < SC; ++q) {
       const int dst = (rank + q) % SC;
-      // (split dst's CTA rank in the cluster: x fastest, so with PAIR tiles a cluster x % PAIR + PAIR dst)
-      const uint32_t peer = PAIR > 1 ? blockIdx.x % PAIR + PAIR * dst : dst;
       if (pushed(dst))
-        bulk_push(map_to_cta(recv + rank * SLAB, peer), a_smem + dst * SLAB, SLAB, map_to_cta(red, peer));
+        bulk_push(map_to_cta(recv + rank * SLAB, dst), a_smem + dst * SLAB, SLAB, map_to_cta(red, dst));
     }
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
   }
@@ -451,7 +440,7 @@ using TV = Tile<CG_BM, CG_BN>;
 
 extern "C" int cluster_gemm_variant() {
   return CG_BF16 | (CG_SC << 1) | (CG_EPI << 8) | ((CG_BM / 64) << 16) | ((CG_BN / 64) << 20) | (CG_DIAG << 24) |
-         (CG_EVEN << 28) | ((CG_PAIR / 2) << 29);
+         (CG_EVEN << 28);
 }
 
 extern "C" int cluster_gemm_trace_slots() { return TRACE_SLOTS; }
@@ -477,10 +466,6 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   }
   if ((CG_EPI & LN_IN) != 0 && (ln_parts < 1 || ln_parts > MAX_LN_PARTS)) {
     snprintf(err, errlen, "ln_parts=%d must be in 1..%d", ln_parts, MAX_LN_PARTS);
-    return 1;
-  }
-  if (n_tiles % PAIR != 0) {
-    snprintf(err, errlen, "CG_PAIR=%d needs a multiple of %d column tiles, not %d", PAIR, PAIR, n_tiles);
     return 1;
   }
   Params p;
@@ -515,5 +500,5 @@ extern "C" int cluster_gemm_launch(void* x, void* w, const void* bias, const voi
   static int configured = 0;
   if (allow_smem(kernel, smem, configured, err, errlen)) return 1;
   return launch_z_clusters(kernel, p, dim3(n_tiles, m_tiles, SC), TV::THREADS, smem, stream, (flags & USE_PDL) != 0,
-                           "cluster_gemm", err, errlen, PAIR);
+                           "cluster_gemm", err, errlen);
 }

@@ -48,11 +48,6 @@ ALL_SLABS_PUSHED = False
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch, like Triton's
 # triton.knobs.runtime.launch_enter_hook (tune verify's launch census); None: no hook.
 launch_enter_hook = None
-# A/B only (switches cg_unsplit=1, cg_pair=N of scripts/timeline.py): split_k 1 allowed (a cluster of one tile's
-# single CTA, no exchange), and unsplit launches in clusters of PAIR (2 or 4) adjacent column tiles, which read the
-# same A tiles together (perf notes 43.2, 52).
-UNSPLIT = False
-PAIR = 1
 
 
 def stage_bytes(bm: int = 64, bn: int = 64) -> int:
@@ -74,9 +69,8 @@ def smem_bytes(stages: int, bm: int = 64, bn: int = 64) -> int:
 def split_error(split: int, bn: int = 64) -> str | None:
     """Why the kernel cannot split a tile of ``bn`` columns ``split`` ways: a CTA reduces and stores bm / split rows,
     2 x split threads a row, each at least 8 columns (one 16-byte store): bn >= 16 x split."""
-    splits = (1,) + SPLITS if UNSPLIT else SPLITS
-    if split not in splits:
-        return f"needs split_k in {splits}, not {split}"
+    if split not in SPLITS:
+        return f"needs split_k in {SPLITS}, not {split}"
     if bn < 16 * split:
         return f"split_k={split} needs tiles of {16 * split} columns or more, not {bn}"
     return None
@@ -101,16 +95,15 @@ LAUNCH_ARGTYPES = ([ctypes.c_void_p] * 9 + [ctypes.c_int] * 13
 
 
 def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: int = 0,
-            diag: int = 0, even: int = 0, pair: int = 1) -> ctypes.CDLL:
+            diag: int = 0, even: int = 0) -> ctypes.CDLL:
     """The library of one variant (``diag``: CG_DIAG, _nvcc.diag's bits; ``even``: the tiles divide M and N and the
     output rows are 16-byte aligned, so the epilogue has no bounds checks), built now if this source version has not
     been built for it on this machine (nvcc, a few seconds)."""
-    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even, pair)
+    key = (bf16, split, epi, bm, bn, _nvcc.build_key(), hints, diag, even)
     if key in _LIBS:
         return _LIBS[key]
     lib = _nvcc.build(SOURCE, {"CG_BF16": bf16, "CG_SC": split, "CG_EPI": epi, "CG_BM": bm, "CG_BN": bn,
-                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even,
-                                  **({"CG_PAIR": pair} if pair > 1 else {})},
+                                  "HOPPER_CACHE_HINTS": hints, "CG_DIAG": diag, "CG_EVEN": even},
                       "cluster_gemm")
     lib.cluster_gemm_launch.argtypes = LAUNCH_ARGTYPES
     lib.cluster_gemm_launch.restype = ctypes.c_int
@@ -120,7 +113,7 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
     if (lib.cluster_gemm_smem_bytes(4) != smem_bytes(4, bm, bn) or lib.cluster_gemm_trace_slots() != TRACE_SLOTS
             or lib.cluster_gemm_slow_ns() != SLOW_NS
             or lib.cluster_gemm_variant() != (bf16 | (split << 1) | (epi << 8) | (bm // 64 << 16) | (bn // 64 << 20)
-                                              | (diag << 24) | (even << 28) | (pair // 2 << 29))):
+                                              | (diag << 24) | (even << 28))):
         raise RuntimeError(f"cluster_gemm: {lib._name} does not match cluster_gemm.py "
                            "(shared-memory layout, variant, trace slots or hold)")
     _LIBS[key] = lib
@@ -174,9 +167,7 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
-    pair = PAIR if PAIR > 1 and split == 1 and (N + bn - 1) // bn % PAIR == 0 else 1
-    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy, held=held), even,
-                  pair)
+    lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy, held=held), even)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

@@ -270,7 +270,7 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
         return (f"cluster={c.cluster} must be 0 (Triton kernels), 1 (split-K reduced in a cluster) or 2 (the same, "
                 f"partials exchanged in 16 bits)")
     name = f"cluster={c.cluster}"  # (the rules below hold for both exchanges)
-    if c.split_k not in cluster_gemm.SPLITS and not (cluster_gemm.UNSPLIT and c.split_k == 1):
+    if c.split_k not in cluster_gemm.SPLITS:
         return f"{name} needs split_k in {cluster_gemm.SPLITS}, not {c.split_k}"
     # The kernel's tiles are 64 or 128 rows (one consumer warpgroup, 4 warps, per 64) by 64 or 128 columns.
     bm, bn = cluster_tile(c, p)

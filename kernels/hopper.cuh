@@ -540,11 +540,11 @@ inline void add_pdl(cudaLaunchAttribute* attrs, int& n) {
   ++n;
 }
 
-// Launches `kernel(params)` on `grid` with clusters spanning grid z and `cx` of grid x (cx x 1 x grid.z), `smem` bytes of dynamic shared
+// Launches `kernel(params)` on `grid` with clusters spanning grid z (1 x 1 x grid.z), `smem` bytes of dynamic shared
 // memory, and PDL when `pdl`; on failure writes "`who` launch (grid ..., cluster ..., smem): error" to err.
 template <typename K, typename P>
 int launch_z_clusters(K kernel, const P& params, dim3 grid, int threads, int smem, void* stream, bool pdl,
-                      const char* who, char* err, int errlen, int cx = 1) {
+                      const char* who, char* err, int errlen) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(threads, 1, 1);
@@ -553,7 +553,7 @@ int launch_z_clusters(K kernel, const P& params, dim3 grid, int threads, int sme
   cudaLaunchAttribute attrs[4];
   int n = 0;
   attrs[n].id = cudaLaunchAttributeClusterDimension;
-  attrs[n].val.clusterDim.x = cx;
+  attrs[n].val.clusterDim.x = 1;
   attrs[n].val.clusterDim.y = 1;
   attrs[n].val.clusterDim.z = grid.z;
   ++n;
@@ -572,8 +572,8 @@ int launch_z_clusters(K kernel, const P& params, dim3 grid, int threads, int sme
   cfg.numAttrs = n;
   cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, params);
   if (e != cudaSuccess) {
-    snprintf(err, errlen, "%s launch (grid %d x %d x %d, cluster %dx1x%d, %d B shared memory): %s", who, grid.x,
-             grid.y, grid.z, cx, grid.z, smem, cudaGetErrorString(e));
+    snprintf(err, errlen, "%s launch (grid %d x %d x %d, cluster 1x1x%d, %d B shared memory): %s", who, grid.x,
+             grid.y, grid.z, grid.z, smem, cudaGetErrorString(e));
     return 1;
   }
   return 0;

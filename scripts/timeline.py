@@ -4,8 +4,7 @@ usage: python3 scripts/timeline.py SHAPE [--hot] [--red=BMxBN] [--layers=N] [VAR
 variants: hp, hp-off, hp-fused-norms, hp-stats-norms, a best.json, BASE:kernel.field=value,..., or compile / eager
 (the torch.compile and eager baselines' kernels on the same weights)
 switches (module flags, for one variant; A/B of kernel code in one process): fast_gelu, early_stats, cg_early=N,
-desc_prefetch, cg_spread, cg_all_slabs, cg_even, cg_unsplit (split_k 1 on the cluster GEMM), cg_pair=N (its unsplit
-launches in clusters of N column tiles), qa_chunk=N, qa_push=N, mufu, cluster_policy=N (0 default, 1 spread,
+desc_prefetch, cg_spread, cg_all_slabs, cg_even, qa_chunk=N, qa_push=N, mufu, cluster_policy=N (0 default, 1 spread,
 2 load balancing: the clustered launches' scheduling policy preference), sync_domain=N (0 default, 1 remote: the
 clustered launches' memory synchronization domain).
 For each variant: a cold stack of L layers in one CUDA graph (as the tuner times it); a few replays under
@@ -52,8 +51,7 @@ def _switches():
     return {"fast_gelu": (gemm_k, "_FAST_GELU"), "early_stats": (gemm_k, "_EARLY_STATS"),
             "desc_prefetch": (gemm_k, "_DESC_PREFETCH"), "cg_early": (cluster_gemm, "EARLY_TILES"),
             "cg_spread": (cluster_gemm, "SPREAD"), "cg_all_slabs": (cluster_gemm, "ALL_SLABS_PUSHED"),
-            "cg_even": (cluster_gemm, "EVEN_BUILDS"), "cg_unsplit": (cluster_gemm, "UNSPLIT"),
-            "cg_pair": (cluster_gemm, "PAIR"),
+            "cg_even": (cluster_gemm, "EVEN_BUILDS"),
             "qa_chunk": (qkv_attn, "CHUNK"), "qa_push": (qkv_attn, "PUSH"),
             "mufu": (_nvcc, "MUFU_MATH"), "cluster_policy": (_nvcc, "CLUSTER_POLICY"),
             "sync_domain": (_nvcc, "MEM_SYNC_DOMAIN")}
@@ -73,7 +71,7 @@ def apply_switches(name: str) -> str:
     if "@" in name:
         for e in name.split("@", 1)[1].split(","):
             key, v = e.split("=")
-            ints = ("cg_early", "cg_pair", "qa_chunk", "qa_push", "cluster_policy", "sync_domain")
+            ints = ("cg_early", "qa_chunk", "qa_push", "cluster_policy", "sync_domain")
             setattr(*switches[key], int(v) if key in ints else bool(int(v)))
     return name.split("@", 1)[0]
 
