@@ -355,6 +355,7 @@ BAD_DECODER = [
     ("storage-sqlite-in-memory", ["--storage", "sqlite:///:memory:"], ["sqlite:///PATH needs a file"]),
     ("seed-negative", ["--seed", "-1"], ["--seed -1"]),
     ("out-empty", ["--out", ""], ["--out ''"]),
+    ("out-blank", ["--out", " "], ["--out ' '"]),
     ("replay-path-too-long", ["--replay", "{long}"], ["File name too long"]),
     ("space-ratios-empty-list", ["--search-space", "{space}"], ["{space}", "'ratios' must be a mapping"]),
     ("space-kernel-override-not-a-mapping", ["--search-space", "{space}"], ["{space}", "kernels.ffn2: expected a map"]),
@@ -483,6 +484,15 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     under_a_file = tmp_path / "mine.json" / "x.json"
     assert_user_error(*tune("export", run, "-o", under_a_file), [f"-o {under_a_file}: cannot write it in", "not a folder"])
     assert_user_error(*tune("notebook", "--out", ""), ["--out ''", "give a folder"])
+
+
+@pytest.mark.parametrize("command", ["bench", "verify", "notebook"])
+@pytest.mark.parametrize("out", ["", " "])
+def test_a_blank_out_is_refused_as_typed(tmp_path, monkeypatch, command, out):
+    # Path('') is this folder: a blank --out would have written bench/ or verify/ here, unasked
+    monkeypatch.chdir(tmp_path)
+    assert_user_error(*tune(command, "--out", out), [f"--out {out!r}", "give a folder"])
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("case", ["no-best-json", "schema-99", "invalid-json"])
@@ -663,6 +673,34 @@ def test_report_of_a_broken_run_folder(run_copy, case):
     edit(run_copy)
     assert_user_error(*tune("report", run_copy), words)
     assert (run_copy / "topk.md").read_bytes() == drawn  # refused before anything is redrawn
+
+
+# One rule for breakdown.json (tuner.manifest.breakdown_problem), in tune report and in a replay alike: a mapping whose
+# 'best' and 'baseline' map kernels to finite JSON numbers, either may be null; 'floor_us' a finite number or null.
+BREAKDOWNS = {
+    "figure-nan": ('{"best": {"qkv": NaN}}', False),
+    "figure-true": ('{"best": {"qkv": true}}', False),
+    "figure-numeric-text": ('{"best": {"qkv": "1.5"}}', False),
+    "a-list": ("[1, 2]", False),
+    "floor-text": ('{"best": {"qkv": 1.5}, "floor_us": "3.3"}', False),
+    "best-null": ('{"best": null, "baseline": {"qkv": 1.5}, "floor_us": 3.3}', True),
+}
+
+
+@pytest.mark.parametrize("case", list(BREAKDOWNS))
+def test_report_and_replay_read_a_breakdown_by_one_rule(run_copy, tmp_path, case):
+    text, fine = BREAKDOWNS[case]
+    rec = Path(shutil.copytree(REPLAY, tmp_path / "rec"))
+    for folder in (run_copy, rec):
+        (folder / "breakdown.json").write_text(text)
+    report_rc, _, report_err = tune("report", run_copy)
+    replay_rc, _, replay_err = tune("decoder", "--replay", rec, "--trials", "2", "--no-progress",
+                                    "--out", tmp_path / "results")
+    if fine:
+        assert (report_rc, replay_rc) == (0, 0), (report_err, replay_err)
+    else:
+        assert_user_error(report_rc, "", report_err, ["breakdown.json"])
+        assert_user_error(replay_rc, "", replay_err, ["breakdown.json"])
 
 
 @pytest.mark.parametrize("field, value", [("shape", "tiny"), ("shape", {"batch": 1}), ("gpu", "H100")])

@@ -110,7 +110,8 @@ def cmd_bench(args) -> int:
     dtype = _dtype(args.dtype)
     if args.reps <= 0:
         raise UserError(f"--reps {args.reps}: must be a positive number of repetitions")
-    _check_writable(Path(args.out), "--out", "cannot write its results there")
+    _check_writable(_folder(args.out, "--out", "give a folder for the results (default results)"), "--out",
+                    "cannot write its results there")
     if args.config:  # schema and shape first: those mistakes are found without a GPU
         for shape in shapes:
             _bench_config(args.config, shape=shape, gpu="")
@@ -155,7 +156,8 @@ def cmd_verify(args) -> int:
     dtype = _dtype(args.dtype)
     if args.trials <= 0:
         raise UserError(f"--trials {args.trials}: must be a positive number of race checks")
-    _check_writable(Path(args.out), "--out", "cannot write its results there")
+    _check_writable(_folder(args.out, "--out", "give a folder for the results (default results)"), "--out",
+                    "cannot write its results there")
     _need_gpu("tune verify")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
@@ -236,8 +238,7 @@ def _check_decoder_numbers(args) -> None:
         raise UserError(f"--workers {args.workers}: must be at least 1 (one study process per GPU)")
     if not 0 <= args.seed < 2**32 - 1024:  # (each worker samples with seed + its index; Optuna takes 32 bits)
         raise UserError(f"--seed {args.seed}: must be in 0..{2**32 - 1025}")
-    if not args.out.strip():
-        raise UserError("--out '': give a folder for the run folders (default results)")
+    _folder(args.out, "--out", "give a folder for the run folders (default results)")
 
 
 def _gpus(args) -> list[str | None]:
@@ -400,6 +401,13 @@ def cmd_decoder(args) -> int:
         print("tune: some workers failed (their trials are kept): " + "; ".join(problems), file=sys.stderr)
         return EXIT_FAILED
     return 0
+
+
+def _folder(value: str, flag: str, hint: str) -> Path:
+    """``value`` of ``flag`` as a folder; a blank one (which Path would read as this folder) is refused."""
+    if not value.strip():
+        raise UserError(f"{flag} {value!r}: {hint}")
+    return Path(value)
 
 
 def _check_writable(out_root: Path, flag: str = "--out", what: str = "cannot write run folders there") -> None:
@@ -603,9 +611,7 @@ def cmd_notebook(args) -> int:
     checkout with its notebooks/ folder. An existing notebook there is never replaced (it may hold the user's edits)."""
     import importlib.resources
 
-    if not args.out.strip():
-        raise UserError(f"--out {args.out!r}: give a folder (. for this one)")
-    out = Path(args.out)
+    out = _folder(args.out, "--out", "give a folder (. for this one)")
     _check_writable(out, "--out", "cannot write the notebook there")  # (also where --out is a file)
     dest = out / NOTEBOOK
     text = (importlib.resources.files("tuner.notebooks") / NOTEBOOK).read_bytes()

@@ -208,7 +208,7 @@ class ReplayEvaluator:
 
         import pandas as pd
 
-        from tuner.manifest import read_json, read_table, trials_cut_short
+        from tuner.manifest import breakdown_problem, is_int, is_number, read_json, read_table, trials_cut_short
 
         p = Path(path)
         folder = p if p.is_dir() else p.parent
@@ -240,8 +240,7 @@ class ReplayEvaluator:
         for key in ("shape", "baselines"):
             if not isinstance(m.get(key), dict):
                 raise bad(man.name, f"has no '{key}' mapping")
-        if isinstance(m["baselines"].get("baseline_us"), bool) or not isinstance(
-                m["baselines"].get("baseline_us"), (int, float)):
+        if not is_number(m["baselines"].get("baseline_us")):
             raise bad(man.name, "has no baselines.baseline_us figure")
         if m.get("gpu") is not None and not isinstance(m["gpu"], dict):
             raise bad(man.name, f"'gpu' must be a mapping, not {type(m['gpu']).__name__}")
@@ -250,10 +249,10 @@ class ReplayEvaluator:
             raise bad(man.name, "gpu.name must be text")
         cap = g.get("capability")
         if cap is not None and not (isinstance(cap, list) and cap and all(
-                isinstance(c, int) and not isinstance(c, bool) for c in cap)):
+                is_int(c) for c in cap)):
             raise bad(man.name, f"gpu.capability must be a list of integers such as [9, 0], not {cap!r}")
         l2 = g.get("l2_bytes")
-        if l2 is not None and (not isinstance(l2, int) or isinstance(l2, bool) or l2 < 0):
+        if l2 is not None and (not is_int(l2) or l2 < 0):
             raise bad(man.name, f"gpu.l2_bytes must be a number of bytes, not {l2!r}")
         if m.get("policy") is not None and not isinstance(m["policy"], dict):
             raise bad(man.name, f"'policy' must be a mapping, not {type(m['policy']).__name__}")
@@ -303,11 +302,8 @@ class ReplayEvaluator:
             raise ValueError(f"replay recording {path} is for shape {rec_shape.spec}, not {shape.spec}")
         bpath = folder / "breakdown.json"
         self._breakdown = read(bpath) if bpath.is_file() else None
-        if self._breakdown is not None and not (isinstance(self._breakdown, dict) and all(
-                isinstance(v, dict) and all(isinstance(x, (int, float)) and not isinstance(x, bool)
-                                            for x in v.values())
-                for k, v in self._breakdown.items() if k in ("best", "baseline"))):
-            raise bad(bpath.name, "must map 'best' and 'baseline' to per-kernel figures")
+        if self._breakdown is not None and (why := breakdown_problem(self._breakdown)):
+            raise bad(bpath.name, why)
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         self.pdl = bool(g) and (g.get("capability") or [0])[0] >= 9
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +31,30 @@ def read_json(path: Path):
         raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
+def is_int(v) -> bool:
+    """An integer in JSON's sense: Python's bool is an int, but true is not 1 here."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_number(v) -> bool:
+    """A finite JSON number (not a bool, not text, not NaN or infinity)."""
+    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def breakdown_problem(b) -> str | None:
+    """Why a run's breakdown.json (``b``, as read) cannot be shown or replayed; None when it can. The study writes
+    {"best": {kernel: us}, "baseline": {kernel: us}, "floor_us": us}; either mapping may be null (not measured)."""
+    if not isinstance(b, dict):
+        return f"must be a mapping, not {type(b).__name__}"
+    for k in ("best", "baseline"):
+        v = b.get(k)
+        if v is not None and not (isinstance(v, dict) and all(is_number(x) for x in v.values())):
+            return "must map 'best' and 'baseline' to per-kernel figures (finite numbers)"
+    if b.get("floor_us") is not None and not is_number(b["floor_us"]):
+        return "'floor_us' must be a finite number"
+    return None
+
+
 def trials_cut_short(data: bytes, trials, manifest: dict) -> str | None:
     """Why a run's trials.csv (its bytes, read as ``trials``) lost its end, a copy or a disk cut short; None when
     whole. Read from it, the tables, plots or a replay would silently have fewer trials than the study ran."""
@@ -37,7 +62,7 @@ def trials_cut_short(data: bytes, trials, manifest: dict) -> str | None:
         return "ends in the middle of a line (cut short?)"
     n = manifest.get("n_trials")
     have = int((trials["status"] != "interrupted").sum())
-    if isinstance(n, int) and not isinstance(n, bool) and have < n:
+    if is_int(n) and have < n:
         return f"has {have} trials, manifest.json's n_trials says {n} (cut short?)"
     return None
 

@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from tuner.manifest import read_json, read_table, trials_cut_short, write_bytes_atomic, write_text_atomic
+from tuner.manifest import (breakdown_problem, read_json, read_table, trials_cut_short, write_bytes_atomic,
+                            write_text_atomic)
 
 # The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
 # (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
@@ -211,10 +212,8 @@ def load_run(run_dir) -> Run:
     optional: list[str] = []
     breakdown = _read_json(path / "breakdown.json", optional) if (path / "breakdown.json").exists() else None
     importance = _read_json(path / "importance.json", optional) if (path / "importance.json").exists() else None
-    if isinstance(breakdown, dict) and any(
-            not isinstance(breakdown.get(k), (dict, type(None)))
-            or any(_num(v) is None for v in (breakdown.get(k) or {}).values()) for k in ("best", "baseline")):
-        optional.append("breakdown.json's 'best' and 'baseline' must map kernels to figures")
+    if breakdown is not None and (why := breakdown_problem(breakdown)):
+        optional.append(f"breakdown.json {why}")
     if optional:  # an optional file that is there but broken is still the user's to know about
         raise RunFolderError(f"{path}: " + "; ".join(optional))
     _fill_speedup(trials, manifest, topk)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
+from tuner.manifest import is_int
+
 # Head dims the attention kernel supports (padded to a power of two inside it).
 HEAD_DIM_RANGE = (32, 128)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
@@ -31,7 +33,7 @@ class DecoderShape:
     def __post_init__(self):
         for f in ("batch", "seq", "d_model", "heads", "ffn", "depth"):
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not is_int(v) or v <= 0:
                 raise ShapeError(f"shape {self.spec}: {f}={v!r} must be a positive integer")
         # The name is a folder of the run (<out>/<name>/<run-id>): one path component, nothing that climbs out.
         if not isinstance(self.name, str) or (self.name and not NAME.fullmatch(self.name)):

@@ -12,7 +12,7 @@ import yaml
 from tuner.config import CONFIGS, KIND
 from tuner.kernels import attention, gemm, norm
 from tuner.kernels.fused_layer import FusedLayerConfig
-from tuner.manifest import why
+from tuner.manifest import is_number, why
 
 FAMILY = {"norm1": "norm", "norm2": "norm", "attn": "attn", "qkv": "gemm", "out": "gemm", "ffn1": "gemm",
           "ffn2": "gemm", "layer": "layer"}
@@ -111,8 +111,8 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
         if not value:
             raise SpaceError(f"{where}: expected a non-empty list of choices")
         for v in value:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise SpaceError(f"{where}: choice {v!r} is not a number")
+            if not is_number(v):
+                raise SpaceError(f"{where}: choice {v!r} is not a finite number")
             if ratio and not (v < 0 or 0 <= v <= 1):
                 raise SpaceError(f"{where}: ratio {v} must be negative (off) or in [0, 1]")
             if switch and v not in switch:
@@ -128,11 +128,10 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
         if unknown or "low" not in value or "high" not in value:
             raise SpaceError(f"{where}: expected {{low, high[, step][, off]}}, got keys {_names(value)}")
         lo, hi = value["low"], value["high"]
-        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) or not 0 <= lo < hi <= 1:
+        if not all(is_number(v) for v in (lo, hi)) or not 0 <= lo < hi <= 1:
             raise SpaceError(f"{where}: need 0 <= low < high <= 1, got low={lo!r} high={hi!r}")
         step, off = value.get("step"), value.get("off", False)
-        if step is not None and (isinstance(step, bool) or not isinstance(step, (int, float))
-                                 or not 0 < step <= hi - lo):
+        if step is not None and (not is_number(step) or not 0 < step <= hi - lo):
             raise SpaceError(f"{where}.step: need 0 < step <= high - low, got {step!r}")
         if step is not None and abs((hi - lo) / step - round((hi - lo) / step)) > 1e-9:
             # (Optuna would move high down to the last step, and warn so at every trial)
