@@ -663,6 +663,8 @@ BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune 
                                                                           ffn2="x")))])), ["rows[0]"]),
     "breakdown-figure-is-text": (lambda r: (r / "breakdown.json").write_text('{"best": {"qkv": "fast"}}'),
                                  ["breakdown.json"]),
+    "row-latency-400-digits": (lambda r: _edit_json(r / "topk.json", lambda d: dict(
+        d, rows=[dict(d["rows"][0], latency_us=10**400)] + d["rows"][1:])), ["rows[0]", "latency_us"]),
 }
 
 
@@ -684,6 +686,7 @@ BREAKDOWNS = {
     "a-list": ("[1, 2]", False),
     "floor-text": ('{"best": {"qkv": 1.5}, "floor_us": "3.3"}', False),
     "best-null": ('{"best": null, "baseline": {"qkv": 1.5}, "floor_us": 3.3}', True),
+    "figure-a-400-digit-integer": ('{"best": {"qkv": 1' + "0" * 400 + '}}', False),
 }
 
 

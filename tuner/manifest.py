@@ -38,7 +38,12 @@ def is_int(v) -> bool:
 
 def is_number(v) -> bool:
     """A finite JSON number (not a bool, not text, not NaN or infinity)."""
-    return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # (an int past a float's range: no figure either)
+        return False
 
 
 def breakdown_problem(b) -> str | None:

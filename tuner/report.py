@@ -124,7 +124,7 @@ def _num(*values) -> float | None:
     for v in values:
         try:
             f = float(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             continue
         if math.isfinite(f):
             return f
