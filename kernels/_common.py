@@ -4,7 +4,6 @@ and the in-kernel helpers (L2 prefetch of weight tiles, the PDL trigger)."""
 from __future__ import annotations
 
 import math
-import numbers
 import os
 from dataclasses import asdict, dataclass, fields, replace
 
@@ -13,6 +12,7 @@ import triton
 import triton.language as tl
 
 from tuner.device import SMEM_DEFAULT_BYTES, DeviceInfo
+from tuner.manifest import is_number
 
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,7 +47,7 @@ def _field_value(owner: str, name: str, v):
             v = float(v)
         except ValueError:
             pass
-    ok = isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+    ok = is_number(v)
     if name.endswith("_ratio"):
         if not ok:
             raise ValueError(f"{owner}: {name}={v!r} must be a number")

@@ -2,6 +2,7 @@ import json
 import zlib
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -115,6 +116,11 @@ def test_gemm_config_json_roundtrip():
     for field, value in (("block_m", 64.7), ("num_warps", True), ("block_k", "big"), ("prefetch_ratio", "most")):
         with pytest.raises(ValueError, match=f"GemmConfig: {field}={value!r} must be"):
             GemmConfig.from_dict({field: value})
+    # numpy's numbers (a table's) are read; an integer past a float's range is refused, not an OverflowError
+    assert GemmConfig.from_dict({"block_m": np.int64(64), "overlap_ratio": np.float64(0.5)}) == GemmConfig(
+        block_m=64, overlap_ratio=0.5)
+    with pytest.raises(ValueError, match="GemmConfig: block_m=1000.* must be an integer"):
+        GemmConfig.from_dict({"block_m": 10**400})
 
 
 def test_interpreter_switches_knobs_off():

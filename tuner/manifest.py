@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 import subprocess
 import sys
@@ -37,8 +38,8 @@ def is_int(v) -> bool:
 
 
 def is_number(v) -> bool:
-    """A finite JSON number (not a bool, not text, not NaN or infinity)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    """A finite number, as JSON or a table gives it (numpy's too): not a bool, not text, not NaN or infinity."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
         return False
     try:
         return math.isfinite(v)
