@@ -143,3 +143,15 @@ def test_edited_config():
     assert cfg == replace(base, out=replace(base.out, split_k=4), ffn2=replace(base.ffn2, prefetch_ratio=0.6),
                           attn=replace(base.attn, block_m=16))
     assert base.edited([]) == base
+
+
+def test_element_bytes_of_each_dtype_name():
+    """The element size `tune export`'s check and the study's repair count shared memory in: each dtype's own, and
+    float16's where a best.json or an evaluator names none the tuner knows."""
+    import torch
+
+    from tuner.layer import DTYPES, element_bytes
+
+    for name, dtype in DTYPES.items():
+        assert element_bytes(name) == torch.empty(0, dtype=dtype).element_size()
+    assert element_bytes(None) == element_bytes("float64") == element_bytes(16) == 2

@@ -568,14 +568,14 @@ def cmd_export(args) -> int:
     except ConfigError as e:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
     if best.get("shape") is not None:  # a configuration that cannot run its own shape is not exported
-        from tuner.layer import check_config
+        from tuner.layer import check_config, element_bytes
         from tuner.shapes import DecoderShape, ShapeError
 
         try:
             shape = DecoderShape.from_dict(best["shape"])
         except ShapeError as e:
             raise UserError(f"{run}: best.json's shape: {e}") from None
-        bad = check_config(cfg, shape, 4 if best.get("dtype") == "float32" else 2)
+        bad = check_config(cfg, shape, element_bytes(best.get("dtype")))
         if bad:
             raise UserError(f"{run}: best.json's config cannot run its shape {shape.spec}: "
                             + "; ".join(f"{k}: {v}" for k, v in bad.items()))

@@ -34,6 +34,12 @@ REDUCE = ".reduce"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def element_bytes(name) -> int:
+    """Bytes an element of the DTYPES name, as check_config and repair_config count them. Anything else (a best.json
+    or an evaluator that names no dtype) counts as float16, the tuner's default."""
+    return DTYPES.get(name, torch.float16).itemsize if isinstance(name, str) else torch.float16.itemsize
+
+
 def mlp_error(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
               device: DeviceInfo | None = None) -> str | None:
     """Why ``ffn2.fuse`` 1 or 2 (the feed-forward block as one kernel, kernels/mlp_cluster.cu, with 128 or 64 hidden

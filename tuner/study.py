@@ -314,9 +314,9 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
 
 def _repairer(shape: DecoderShape, evaluator):
     """params -> the config the evaluator measures for them (tuner.layer.repair_config on its GPU and dtype)."""
-    from tuner.layer import repair_config
+    from tuner.layer import element_bytes, repair_config
 
-    dtype_bytes = 4 if getattr(evaluator, "dtype_name", "float16") == "float32" else 2
+    dtype_bytes = element_bytes(getattr(evaluator, "dtype_name", None))
     device = getattr(evaluator, "device", None) if not evaluator.replayed else None
     return lambda params: repair_config(to_config(params), shape, dtype_bytes, device)
 
