@@ -263,7 +263,9 @@ else:
 #
 # `ratio_plane_data`: the median speedup over the baseline of the ok trials in each cell of one GEMM's
 # (overlap_ratio, prefetch_ratio) grid (`off` = -1). The other kernels' settings vary within a cell, so
-# a cell is a marginal, not a controlled experiment; grey cells were not sampled.
+# a cell is a marginal, not a controlled experiment; grey cells were not sampled. Each trial counts at the
+# pair its launch reads (`report.trial_pairs`): a one-kernel layer's pair for every GEMM, none for the
+# out-projection or FFN2 where the feed-forward block computes them.
 
 # %%
 plane = report.ratio_plane_data(run)
@@ -285,14 +287,12 @@ else:
 
 # %%
 def knob_distribution(r: report.Run) -> pd.DataFrame:
-    """gemm, pdl, prefetch, n_trials and speedup quartiles over the ok trials."""
-    ok = r.trials[(r.trials["status"] == "ok") & r.trials["speedup"].notna()]
+    """gemm, pdl, prefetch, n_trials and speedup quartiles over the ok trials, at the pairs their launches read."""
+    pairs = report.trial_pairs(r)
     rows = []
     for g in report.GEMMS:
-        o, p = f"{g}.overlap_ratio", f"{g}.prefetch_ratio"
-        if o not in ok or p not in ok:
-            continue
-        for (pdl, pre), grp in ok.groupby([ok[o].astype(float) >= 0, ok[p].astype(float) >= 0]):
+        ok = pairs[pairs["gemm"] == g]
+        for (pdl, pre), grp in ok.groupby([ok["overlap_ratio"] >= 0, ok["prefetch_ratio"] >= 0]):
             q = grp["speedup"].quantile([0.25, 0.5, 0.75])
             rows.append({"gemm": g, "pdl": "on" if pdl else "off", "prefetch": "on" if pre else "off",
                          "n_trials": len(grp), "q25": q[0.25], "median": q[0.5], "q75": q[0.75],
@@ -304,11 +304,12 @@ dist = knob_distribution(run)
 if not dist.empty:
     display(dist.round(3))
 
-    ok = trials[(trials["status"] == "ok") & trials["speedup"].notna()]
+    pairs = report.trial_pairs(run)
     fig, axes = plt.subplots(2, len(report.GEMMS), figsize=(14, 6), sharey=True, layout="constrained")
     for j, g in enumerate(report.GEMMS):
+        ok = pairs[pairs["gemm"] == g]
         for i, knob in enumerate(("overlap_ratio", "prefetch_ratio")):
-            v = ok[f"{g}.{knob}"].astype(float)
+            v = ok[knob]
             v = v.where(v < 0, v.round(1)).where(v >= 0, -1.0)  # the plot's grid: 0.1 steps, -1 = off
             groups = sorted(v.unique())
             axes[i, j].boxplot([ok.loc[v == x, "speedup"] for x in groups], showfliers=False)

@@ -199,6 +199,26 @@ def test_topk_markdown_says_when_the_knobs_change_nothing(tmp_path):
     assert "within the combined spread: the (o,p) knobs make no measurable difference" in report.topk_markdown(run)
 
 
+@pytest.mark.parametrize("twin_us, pair, within", [
+    # (the table's top-1: 35.0 us +- 0.3; the twin's spread 0.1)
+    (36.0, (36.05, 0.1), True),   # beside its twin the top-1 is 0.05 us away (<= 0.1 + 0.1); the table's is 1 us
+    (35.2, (35.6, 0.1), False),   # 0.4 us away (> 0.2); the table's is 0.2 us away, inside 0.1 + 0.3
+    (35.2, (35.7, None), False),  # a run before top1_spread_us: the table top-1's spread stands in (0.5 > 0.1 + 0.3)
+])
+def test_knobs_off_verdict_compares_the_top1_measured_beside_it(tmp_path, twin_us, pair, within):
+    """The knobs-off line's "within the combined spread" compares the figures it shows: the twin and the top-1
+    measured beside it, each with its own spread (the table's top-1 comes from another re-measurement)."""
+    run_dir = make_run(tmp_path, knobs_off_us=twin_us)
+    topk = json.loads((run_dir / "topk.json").read_text())
+    topk["knobs_off"].update(spread_us=0.1, slowdown=twin_us / pair[0], top1_latency_us=pair[0])
+    if pair[1] is not None:
+        topk["knobs_off"]["top1_spread_us"] = pair[1]
+    (run_dir / "topk.json").write_text(json.dumps(topk))
+    md = report.topk_markdown(report.load_run(run_dir))
+    assert f"{twin_us:.2f} us against {pair[0]:.2f} us for the top-1 measured beside it" in md
+    assert ("within the combined spread" in md) == within
+
+
 def test_topk_markdown_replayed_first_line(tmp_path):
     run = report.load_run(make_run(tmp_path, replayed=True))
     assert report.topk_markdown(run).splitlines()[0] == \
@@ -270,7 +290,7 @@ def test_ratio_plane_data(run):
 
 
 def test_ratio_plane_without_speedup_column(run_dir, run):
-    """tuner.study writes no speedup column: load_run computes it from the search's baseline trial."""
+    """A run before trials.csv had a speedup column: load_run computes it from the search's baseline trial."""
     trials = pd.read_csv(run_dir / "trials.csv").drop(columns=["speedup"])
     trials.to_csv(run_dir / "trials.csv", index=False)
     manifest = json.loads((run_dir / "manifest.json").read_text())
@@ -279,6 +299,30 @@ def test_ratio_plane_without_speedup_column(run_dir, run):
     data = report.ratio_plane_data(report.load_run(run_dir))
     expected = report.ratio_plane_data(run)
     assert data["median_speedup"].tolist() == pytest.approx((2 * expected["median_speedup"]).tolist())
+
+
+def test_ratio_planes_take_the_pair_each_launch_reads(run_dir):
+    """The out-projection and FFN2 computed in the feed-forward block read no pair of their own: such a trial is
+    not in their planes. That block reads FFN1's overlap ratio as on or off (0.0); the one-kernel layer's pair
+    (fuse 1 or 2) stands for every GEMM. (The committed tiny run had 15 of a cell's 21 trials at a pair nothing read.)"""
+    trials = pd.read_csv(run_dir / "trials.csv")
+    n = trials["number"]
+    trials.loc[n == 1, "out.fuse"] = 1
+    trials.loc[n == 2, ["ffn2.fuse", "ffn1.overlap_ratio"]] = [2, 0.4]
+    trials.loc[n == 4, ["layer.fuse", "layer.overlap_ratio", "layer.prefetch_ratio"]] = [2, 0.6, 0.3]
+    trials.to_csv(run_dir / "trials.csv", index=False)
+    run = report.load_run(run_dir)
+    pairs = report.trial_pairs(run).set_index(["gemm", "number"])
+    assert ("out", 1) not in pairs.index and ("ffn2", 2) not in pairs.index
+    assert ("out", 2) in pairs.index and ("ffn2", 1) in pairs.index
+    assert pairs.loc[("ffn1", 2), "overlap_ratio"] == 0.0 and pairs.loc[("ffn1", 1), "overlap_ratio"] == 0.0
+    for g in GEMMS:
+        assert tuple(pairs.loc[(g, 4), ["overlap_ratio", "prefetch_ratio"]]) == (0.6, 0.3)
+    counted = report.ratio_plane_data(run).groupby("gemm")["n_trials"].sum()
+    assert counted["out"] == counted["ffn2"] == len(OK_SPEEDUP) - 1
+    assert counted["qkv"] == counted["ffn1"] == len(OK_SPEEDUP)
+    qkv = report.ratio_plane_pivot(report.ratio_plane_data(run), "qkv")
+    assert qkv.loc[0.3, 0.6] == pytest.approx(OK_SPEEDUP[4])
 
 
 def test_importance_data(tmp_path, run):

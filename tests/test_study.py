@@ -144,6 +144,14 @@ def test_every_sampler_runs_a_replayed_study(tmp_path, replay, name):
                                      "timeout", "crashed"}
     assert (trials["status"] == "ok").any()
     assert (folder / "best.json").is_file() and (folder / "topk.md").is_file()
+    # each ok trial's speedup over the search's baseline trial (DESIGN's "speedups"); a failed trial has none
+    ok = trials["status"] == "ok"
+    assert trials.loc[ok, "speedup"].tolist() == pytest.approx(
+        (trials.loc[0, "latency_us"] / trials.loc[ok, "latency_us"]).tolist())
+    assert trials.loc[~ok, "speedup"].isna().all()
+    # the manifest says how its last figures were taken: a replay re-measures nothing
+    policy = json.loads((folder / "manifest.json").read_text())["policy"]
+    assert "nothing is re-measured" in policy["final"]["replayed"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -61,6 +61,7 @@ def classify(exc: BaseException) -> tuple[str, str]:
 
 class GpuEvaluator:
     replayed = False
+    TORCH_REPS_FACTOR = 2  # the torch baselines take this many times the search's repetitions
 
     def __init__(self, shape: DecoderShape, *, dtype="float16", l2: str = "cold", reps: int = 30, warmup: int = 5,
                  seed: int = 0):
@@ -85,6 +86,11 @@ class GpuEvaluator:
         from tuner.timing import policy
 
         return policy(self.l2, self.n_layers, self.reps, self.warmup)
+
+    def final_policy(self, rounds: int) -> dict:
+        from tuner.timing import final_policy
+
+        return final_policy(rounds, self.TORCH_REPS_FACTOR * self.reps, self.warmup)
 
     def _stack(self, cfg: DecoderConfig):
         from tuner.layer import DecoderStack
@@ -180,12 +186,13 @@ class GpuEvaluator:
         from tuner.timing import copy_bandwidth_bytes_per_s
 
         [(b, bs)] = self.remeasure([default])
-        eager = TorchStack(self.shape, self.weights, self.dtype).time(self.reps * 2, self.warmup).median_us
+        reps = self.TORCH_REPS_FACTOR * self.reps
+        eager = TorchStack(self.shape, self.weights, self.dtype).time(reps, self.warmup).median_us
         comp = None
         if with_compile:
             try:
                 comp = TorchStack(self.shape, self.weights, self.dtype, compiled=True).time(
-                    self.reps * 2, self.warmup).median_us
+                    reps, self.warmup).median_us
             except Exception as e:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
                 print(f"torch.compile baseline failed: {type(e).__name__}: {e}")
         torch.cuda.synchronize()
@@ -312,6 +319,10 @@ class ReplayEvaluator:
 
     def policy(self) -> dict:
         return dict(self.manifest.get("policy") or {}, replayed_from=self.source)
+
+    def final_policy(self, rounds: int) -> dict:
+        return {"replayed": "each figure is the recording's search timing of the configuration, or of the nearest "
+                            "recorded one; nothing is re-measured"}
 
     def invalid(self, cfg: DecoderConfig) -> str | None:
         from tuner.layer import check_config

@@ -176,7 +176,7 @@ def _read_trials(path: Path, problems: list[str]) -> tuple[pd.DataFrame | None, 
 
 
 def _fill_speedup(trials: pd.DataFrame, manifest: dict, topk: dict) -> None:
-    """speedup = baseline / latency for ok trials whose file has none (tuner.study writes no such column).
+    """speedup = baseline / latency for ok trials whose file has none (runs before trials.csv had the column).
     The baseline is the search's own baseline trial when the manifest has it: the trials were timed
     with the search's repetitions, the topk baseline with the longer interleaved re-measurement."""
     b = manifest.get("baselines") or {}
@@ -412,10 +412,14 @@ def _header_lines(run: Run, k: int) -> list[str]:
             slow = _num(ko["latency_us"]) / _num(best["latency_us"])
         verdict = (f"top-1 is {slow:.2f}x faster" if slow is not None and slow >= 1
                    else f"top-1 is {1 / slow:.2f}x slower" if slow else "no top-1 to compare")
-        if best is not None and _num(best.get("latency_us")) is not None:
-            gap = abs(_num(ko["latency_us"]) - _num(best["latency_us"]))
-            within = (_num(ko.get("spread_us")) or 0.0) + (_num(best.get("spread_us")) or 0.0)
-            if gap < within:
+        # the top-1 measured beside the knobs-off twin where the run has it (the figures this line shows), else the
+        # table's; a run before top1_spread_us took the table top-1's spread for the paired one's
+        top1 = _num(ko.get("top1_latency_us"), (best or {}).get("latency_us"))
+        if top1 is not None:
+            gap = abs(_num(ko["latency_us"]) - top1)
+            within = (_num(ko.get("spread_us")) or 0.0) + (_num(ko.get("top1_spread_us"),
+                                                                (best or {}).get("spread_us")) or 0.0)
+            if gap <= within:
                 verdict += "; within the combined spread: the (o,p) knobs make no measurable difference"
         pair = _num(ko.get("top1_latency_us"))
         beside = f" against {_us(pair)} us for the top-1 measured beside it" if pair is not None else ""
@@ -549,23 +553,50 @@ def _grid(values: pd.Series) -> pd.Series:
     return v
 
 
-def ratio_plane_data(run: Run) -> pd.DataFrame:
-    """Long form: gemm, overlap_ratio, prefetch_ratio, median_speedup, n_trials over ok trials.
-    Empty when trials.csv has no ratio columns (a device without PDL drops them). A fused-layer trial
-    counts for every GEMM at the layer's one pair."""
+def trial_pairs(run: Run) -> pd.DataFrame:
+    """Long form: number, gemm, overlap_ratio, prefetch_ratio, speedup, a row for each ok trial (with a speedup) and
+    GEMM, at the pair that GEMM's launch reads (tuner.layer.launched_config): under the one-kernel layer
+    (``layer.fuse`` 1 or 2) every GEMM at the layer's one pair; the out-projection and FFN2 computed in the
+    feed-forward block (``out.fuse`` 1, ``ffn2.fuse`` 1 or 2) read no pair of their own, so such a trial has no row
+    for them; that block reads of FFN1's overlap ratio only whether it is on (0.0 here). Empty when trials.csv has
+    no ratio columns (a device without PDL drops them)."""
     ok = _ok(run)
     ok = ok[ok["speedup"].notna()]
-    fused = (pd.to_numeric(ok["layer.fuse"], errors="coerce") == 1) if "layer.fuse" in ok.columns else None
+
+    def switch(name: str) -> pd.Series:
+        v = pd.to_numeric(ok[name], errors="coerce") if name in ok.columns else None
+        return v.fillna(0) if v is not None else pd.Series(0, index=ok.index)
+
+    fused = switch("layer.fuse").isin((1, 2))
+    block = ~fused & switch("ffn2.fuse").isin((1, 2))  # FFN1's launch is the feed-forward block
+    unread = {"out": ~fused & (switch("out.fuse") == 1), "ffn2": block}
     parts = []
     for g in GEMMS:
         o, p = f"{g}.overlap_ratio", f"{g}.prefetch_ratio"
         if o not in ok.columns or p not in ok.columns:
             continue
-        oo, pp = ok[o], ok[p]
-        if fused is not None and "layer.overlap_ratio" in ok.columns and "layer.prefetch_ratio" in ok.columns:
-            oo, pp = oo.where(~fused, ok["layer.overlap_ratio"]), pp.where(~fused, ok["layer.prefetch_ratio"])
-        sub = pd.DataFrame({"overlap_ratio": _grid(oo), "prefetch_ratio": _grid(pp),
-                            "speedup": ok["speedup"].astype(float)}).dropna()
+        oo, pp = pd.to_numeric(ok[o], errors="coerce"), pd.to_numeric(ok[p], errors="coerce")
+        if "layer.overlap_ratio" in ok.columns and "layer.prefetch_ratio" in ok.columns:
+            oo = oo.where(~fused, pd.to_numeric(ok["layer.overlap_ratio"], errors="coerce"))
+            pp = pp.where(~fused, pd.to_numeric(ok["layer.prefetch_ratio"], errors="coerce"))
+        if g == "ffn1":
+            oo = oo.where(~block | (oo < 0) | oo.isna(), 0.0)
+        keep = ~unread[g] if g in unread else pd.Series(True, index=ok.index)
+        parts.append(pd.DataFrame({"number": ok["number"], "gemm": g, "overlap_ratio": oo, "prefetch_ratio": pp,
+                                   "speedup": ok["speedup"].astype(float)})[keep])
+    if not parts:
+        return pd.DataFrame(columns=["number", "gemm", "overlap_ratio", "prefetch_ratio", "speedup"])
+    return pd.concat(parts, ignore_index=True)
+
+
+def ratio_plane_data(run: Run) -> pd.DataFrame:
+    """Long form: gemm, overlap_ratio, prefetch_ratio, median_speedup, n_trials: :func:`trial_pairs` on the plane's
+    grid (:func:`_grid`). Empty when trials.csv has no ratio columns."""
+    pairs = trial_pairs(run)
+    parts = []
+    for g, sub in pairs.groupby("gemm", sort=False):
+        sub = pd.DataFrame({"overlap_ratio": _grid(sub["overlap_ratio"]),
+                            "prefetch_ratio": _grid(sub["prefetch_ratio"]), "speedup": sub["speedup"]}).dropna()
         if sub.empty:
             continue
         agg = (sub.groupby(["overlap_ratio", "prefetch_ratio"])["speedup"]
@@ -687,7 +718,7 @@ def plot_ratio_plane(run: Run, path) -> Path | None:
         piv = ratio_plane_pivot(data, g)
         ax.set_title(f"{GEMM_TITLES[g]} ({g})", fontsize=10)
         if piv.empty:
-            ax.text(0.5, 0.5, "not searched", ha="center", va="center", transform=ax.transAxes)
+            ax.text(0.5, 0.5, "no ok trial with its own (o,p)", ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
             continue
         vals = piv.to_numpy(dtype=float)

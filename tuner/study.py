@@ -723,7 +723,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     topk = {"baseline_us": base_us, "baseline_spread_us": base_spread, "compile_us": base.compile_us,
             "eager_us": base.eager_us, "replayed": evaluator.replayed, "rows": rows,
             "knobs_off": {"latency_us": ko_us, "spread_us": ko_spread, "slowdown": ko_us / best_us,
-                          "top1_latency_us": best_us, "config": knobs_off.to_dict()}}
+                          "top1_latency_us": best_us, "top1_spread_us": best_spread, "config": knobs_off.to_dict()}}
     breakdown = None
     try:
         b_best = evaluator.breakdown(best_cfg)
@@ -753,13 +753,19 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
                      search_baseline_us=float(searched_base["latency_us"].iloc[0]) if len(searched_base) else None)
     man = manifest.make(command, kind="decoder", shape=shape.to_dict(), dtype=opts.dtype, replayed=evaluator.replayed,
                         replay_source=getattr(evaluator, "source", None), measured_on=dev,
-                        policy=evaluator.policy(), sampler=opts.sampler, seed=opts.seed, study_name=study.study_name,
+                        policy=dict(evaluator.policy(), final=evaluator.final_policy(opts.remeasure_rounds)),
+                        sampler=opts.sampler, seed=opts.seed, study_name=study.study_name,
                         storage=storage, n_trials=int((df["status"] != "interrupted").sum()),
                         search_space=space.source, baselines=baselines, statuses=df["status"].value_counts().to_dict(),
                         workers=opts.workers, isolated=bool(getattr(evaluator, "isolated", False)))
     if evaluator.replayed:
         man["gpu"] = dev  # the GPU the recording was made on
     manifest.write_json_atomic(run / "manifest.json", man)
+    # each ok trial's speedup over the search's own baseline trial, timed as the trials were (the tables' speedups
+    # are over the baseline re-measured beside the top-k)
+    sb = baselines["search_baseline_us"]
+    df.insert(df.columns.get_loc("spread_us") + 1, "speedup",
+              (sb / df["latency_us"]).where(df["status"] == "ok") if sb else math.nan)
     manifest.write_text_atomic(run / "trials.csv", df.to_csv(index=False))
     manifest.write_json_atomic(run / "topk.json", topk)
     if breakdown:

@@ -72,8 +72,11 @@ def time_replay(replay: Callable[[], None], n_layers: int, *, reps: int = 30, wa
     return summarize([t / n_layers for t in _replay_times_us(replay, reps)])
 
 
+REMEASURE_WARMUP = 3  # warm-up replays of each candidate before an interleaved re-measurement
+
+
 def time_interleaved(replays: list[Callable[[], None]], n_layers: list[int], *, rounds: int = 30,
-                     warmup: int = 3) -> list[Timing]:
+                     warmup: int = REMEASURE_WARMUP) -> list[Timing]:
     """A B C A B C ...: drift (clocks, temperature) hits every candidate alike.
 
     Each sample is the second of two back-to-back replays, as in :func:`time_replay` (and the torch baselines):
@@ -106,6 +109,16 @@ def policy(l2: str, n_layers: int, reps: int, warmup: int) -> dict:
     return {"l2": l2, "stack_layers": n_layers, "reps": reps, "warmup": warmup, "graph": True,
             "statistic": "median of per-replay stack time / layers; spread = IQR/2",
             "l2_flush_between_kernels": False, "clocks_changed": False}
+
+
+def final_policy(rounds: int, torch_reps: int, torch_warmup: int) -> dict:
+    """How a run's last figures are measured (the manifest's policy["final"]; policy() is the search's): the top-k
+    table, best.json, the baseline of the speedups and the knobs-off pair by :func:`time_interleaved`, the torch
+    baselines by time_replay."""
+    return {"remeasure": {"rounds": rounds, "warmup": REMEASURE_WARMUP, "order": "interleaved A B A B",
+                          "sample": "the second of two back-to-back replays",
+                          "figures": "top-k, best.json, the baseline of the speedups, the knobs-off pair"},
+            "torch_baselines": {"reps": torch_reps, "warmup": torch_warmup}}
 
 
 def kernel_records(replay: Callable[[], None], reps: int) -> list[tuple[str, float, float]]:
