@@ -11,11 +11,14 @@ import contextlib
 import io
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+
+import tuner
 
 from tuner.bench import hand_picked
 from tuner.config import ConfigError, DecoderConfig
@@ -141,11 +144,72 @@ def test_input_and_config_errors(device):
         layer(torch.randn(2, SMALL.seq, SMALL.d_model, device=device))
     with pytest.raises(ValueError, match="float16"):
         layer(torch.randn(SMALL.tokens, SMALL.d_model, dtype=torch.float16, device=device))
-    from dataclasses import replace
-
+    # as many elements, another layout: [seq, batch, d_model] or a fourth dimension is refused, not read as rows
+    for wrong in ((SMALL.seq, SMALL.batch, SMALL.d_model), (SMALL.batch, 1, SMALL.seq, SMALL.d_model)):
+        with pytest.raises(ValueError, match=r"must be \[1, 24, 64\] or \[24, 64\]"):
+            layer(torch.randn(*wrong, device=device))
+    with pytest.raises(TypeError, match="ndarray, not a torch.Tensor"):
+        layer(torch.randn(SMALL.tokens, SMALL.d_model).numpy())
     bad = replace(DecoderConfig(), qkv=replace(DecoderConfig().qkv, num_warps=3))
     with pytest.raises(ConfigError, match="qkv: num_warps=3"):
         TunedLayer(bad, SMALL, _module(), dtype=torch.float32, device=device)
+
+
+def test_the_layer_keeps_its_own_weights(device):
+    """The layer copies the weights (and folds the LayerNorms into its copies once): a later in-place change to the
+    module's parameters changes neither its output nor its reference, whatever the dtypes (the copy was skipped where
+    they matched, and the folded copies then disagreed with the rest: rel. error 0.5)."""
+    m = _module()
+    cfg = hand_picked(SMALL)
+    cfg = replace(cfg, norm1=replace(cfg.norm1, fuse=2), norm2=replace(cfg.norm2, fuse=2))
+    layer = TunedLayer(cfg, SMALL, m, dtype=torch.float32, device=device)
+    x = torch.randn(SMALL.tokens, SMALL.d_model, device=device)
+    y, ref = layer(x).clone(), layer.reference(x)
+    with torch.no_grad():
+        for t in m.parameters():
+            t.mul_(1.5)
+    assert torch.equal(layer(x), y) and torch.equal(layer.reference(x), ref)
+    assert _rel(y, ref) < rel_tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("dtype, error", [
+    (torch.float64, "dtype torch.float64: the layer runs in float16, bfloat16, float32"),
+    (torch.int8, "dtype torch.int8"),
+    ("float8", "dtype 'float8'"),
+    ("bfloat16", None),  # a dtype's name, as best.json spells it
+])
+def test_the_dtype_is_one_the_kernels_run(dtype, error):
+    if error is None:
+        assert TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=dtype, device="cpu").dtype == torch.bfloat16
+        return
+    with pytest.raises(WeightsError, match=re.escape(error)):
+        TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=dtype, device="cpu")
+    with pytest.raises(WeightsError, match="float64"):  # weights in float64, no dtype given
+        TunedLayer(hand_picked(SMALL), SMALL, _module().double(), device="cpu")
+
+
+def test_config_and_shape_arguments(tmp_path):
+    """The config may be a best.json's path (loaded by tuner.load_config); anything else that is not a
+    DecoderConfig, or a shape that is neither a DecoderShape nor text, gets an error that says what to give."""
+    from tuner.shapes import ShapeError
+
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps({"schema_version": 1, "shape": SMALL.to_dict(), "config": hand_picked(SMALL).to_dict()}))
+    layer = TunedLayer(str(best), SMALL, _module(), dtype=torch.float32, device="cpu")
+    assert layer.config == TunedLayer(hand_picked(SMALL), SMALL, _module(), dtype=torch.float32, device="cpu").config
+    with pytest.raises(TypeError, match="config is a dict; give a DecoderConfig"):
+        TunedLayer(hand_picked(SMALL).to_dict(), SMALL, _module(), device="cpu")
+    with pytest.raises(ShapeError, match="or 'BxSxDxHxF' text, not tuple"):
+        TunedLayer(hand_picked(SMALL), (1, 24, 64, 2, 96), _module(), device="cpu")
+    with pytest.raises(ShapeError, match="not tuple"):
+        tuner.load_config(best, shape=(1, 24, 64, 2, 96))
+
+
+def test_a_layernorm_eps_other_than_the_kernels_warns():
+    m = _module()
+    m.ln2.eps = 1e-12  # BERT's
+    with pytest.warns(UserWarning, match=r"ln2.eps is 1e-12; the layer's LayerNorm uses 1e-05"):
+        TunedLayer(hand_picked(SMALL), SMALL, m, dtype=torch.float32, device="cpu")
 
 
 def test_capture_needs_cuda():

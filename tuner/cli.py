@@ -30,7 +30,7 @@ def _shapes(values: list[str] | None, shape_file: str | None = None):
     out = []
     try:
         for v in names:
-            out.extend(PRESETS.values() if v.strip().lower() == "all" else [resolve(v)])
+            out.extend(PRESETS.values() if v.strip().lower() == "all" else [resolve(v, also=("all",))])
         if shape_file:
             out.extend(_read_shape_file(shape_file))
     except ShapeError as e:

@@ -14,13 +14,16 @@ with the rows of Q, then K, then V, each head's ``head_dim`` rows contiguous (``
 
 from __future__ import annotations
 
+import os
+import warnings
 from dataclasses import fields
 
 import torch
 
 from tuner.config import ConfigError, DecoderConfig
 from tuner.device import DeviceInfo
-from tuner.layer import LayerBuffers, LayerWeights, check_config, layer_forward, layer_ref, repair_config
+from tuner.layer import (DTYPES, LN_EPS, LayerBuffers, LayerWeights, check_config, layer_forward, layer_ref,
+                         repair_config)
 from tuner.shapes import DecoderShape, resolve
 
 # Each LayerWeights field, and the state-dict name of the same tensor in a module laid out as
@@ -46,13 +49,36 @@ def expected_shapes(shape: DecoderShape) -> dict[str, tuple[int, ...]]:
             "ln2_w": (d,), "ln2_b": (d,), "w_ffn1": (f, d), "b_ffn1": (f,), "w_ffn2": (d, f), "b_ffn2": (d,)}
 
 
+def layer_dtype(dtype) -> torch.dtype:
+    """A dtype the kernels run (float16, bfloat16, float32), given as a torch dtype or by its name; WeightsError
+    otherwise."""
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    raise WeightsError(f"dtype {dtype!r}: the layer runs in {', '.join(DTYPES)} (a torch dtype or its name)")
+
+
+def _warn_eps(module: torch.nn.Module) -> None:
+    """The kernels normalise with LN_EPS; a module whose LayerNorm has another eps gets other outputs where a row's
+    variance is near eps (BERT's 1e-12: rows of variance ~1e-6 and below), so say so."""
+    for name in ("ln1", "ln2"):
+        eps = getattr(getattr(module, name, None), "eps", LN_EPS)
+        if isinstance(eps, (int, float)) and eps != LN_EPS:
+            warnings.warn(f"weights: {name}.eps is {eps:g}; the layer's LayerNorm uses {LN_EPS:g} (rows whose "
+                          f"variance is near either differ from your module's)", UserWarning, stacklevel=4)
+
+
 def as_layer_weights(weights, shape: DecoderShape, *, dtype=None, device=None) -> LayerWeights:
     """LayerWeights from a LayerWeights, a dict of tensors or an ``nn.Module`` (its state dict), under either
-    spelling of MODULE_NAMES, checked against ``shape`` and moved to ``dtype``/``device``."""
+    spelling of MODULE_NAMES, checked against ``shape`` and copied to ``dtype``/``device``: the layer holds its own
+    weights (and the LayerNorm-folded ones it computes from them once), so a later change to the caller's tensors
+    is not seen, whatever the dtype."""
     if isinstance(weights, LayerWeights):
         tensors = {f.name: getattr(weights, f.name) for f in fields(LayerWeights)}
     elif isinstance(weights, torch.nn.Module):
         tensors = dict(weights.state_dict())
+        _warn_eps(weights)
     elif isinstance(weights, dict):
         tensors = dict(weights)
     else:
@@ -75,16 +101,19 @@ def as_layer_weights(weights, shape: DecoderShape, *, dtype=None, device=None) -
         if tuple(t.shape) != want[name]:
             raise WeightsError(f"weights: {name} has shape {tuple(t.shape)}, expected {want[name]} for shape "
                                f"{shape.spec} (BxSxDxHxF)")
-    dtype = dtype or picked["w_qkv"].dtype
+    dtype = layer_dtype(picked["w_qkv"].dtype if dtype is None else dtype)
     device = torch.device(device) if device is not None else picked["w_qkv"].device
-    return LayerWeights(**{n: t.detach().to(device=device, dtype=dtype).contiguous() for n, t in picked.items()})
+    return LayerWeights(**{n: t.detach().to(device=device, dtype=dtype, memory_format=torch.contiguous_format,
+                                            copy=True) for n, t in picked.items()})
 
 
 class TunedLayer:
     """One decoder layer on our kernels with a tuned configuration and your weights.
 
-    ``config``: a DecoderConfig (``tuner.load_config("results/<shape>/<run>/best.json")``). ``shape``: a
-    DecoderShape, a preset name or ``BxSxDxHxF``; the input is ``[batch, seq, d_model]`` or
+    ``config``: a DecoderConfig (``tuner.load_config("results/<shape>/<run>/best.json")``), or the path of a
+    best.json or run folder, which is loaded so. ``shape``: a DecoderShape, a preset name or ``BxSxDxHxF``.
+    ``weights``: see :func:`as_layer_weights` (copied: later changes to yours are not seen). ``dtype``: float16,
+    bfloat16 or float32 (default: the weights'). The input is ``[batch, seq, d_model]`` or
     ``[batch*seq, d_model]`` of exactly that size (the buffers are preallocated). Tiles larger than the
     shape are shrunk to it, and what no longer fits is moved to the nearest config that runs, as the search does
     (``repair_config``: e.g. split-K in clusters, or the one-kernel feed-forward block, switched off where the
@@ -96,8 +125,18 @@ class TunedLayer:
     static output would): ``.clone()`` it to keep it.
     """
 
-    def __init__(self, config: DecoderConfig, shape: DecoderShape | str, weights, *, dtype=None, device=None):
-        self.shape = resolve(shape) if isinstance(shape, str) else shape
+    def __init__(self, config: DecoderConfig | str | os.PathLike, shape: DecoderShape | str, weights, *, dtype=None,
+                 device=None):
+        if not isinstance(shape, DecoderShape):
+            shape = resolve(shape)  # (ShapeError for what is neither a preset nor BxSxDxHxF)
+        self.shape = shape
+        if isinstance(config, (str, os.PathLike)):
+            from tuner.export import load_config
+
+            config = load_config(config, shape=shape)
+        elif not isinstance(config, DecoderConfig):
+            raise TypeError(f"TunedLayer: config is a {type(config).__name__}; give a DecoderConfig "
+                            "(tuner.load_config(path)) or the path of a best.json")
         self.weights = as_layer_weights(weights, self.shape, dtype=dtype, device=device)
         self.dtype, self.device = self.weights.w_qkv.dtype, self.weights.w_qkv.device
         info = DeviceInfo.from_torch(self.device) if self.device.type == "cuda" else DeviceInfo.interpreter()
@@ -117,7 +156,9 @@ class TunedLayer:
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
         s = self.shape
-        if x.numel() != s.tokens * s.d_model or x.shape[-1] != s.d_model:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"TunedLayer: x is a {type(x).__name__}, not a torch.Tensor")
+        if tuple(x.shape) not in ((s.batch, s.seq, s.d_model), (s.tokens, s.d_model)):
             raise ValueError(f"TunedLayer: x {tuple(x.shape)} must be [{s.batch}, {s.seq}, {s.d_model}] or "
                              f"[{s.tokens}, {s.d_model}] (shape {s.spec})")
         if x.dtype != self.dtype or x.device != self.device:

@@ -107,11 +107,16 @@ def parse_spec(text: str) -> DecoderShape:
     return DecoderShape(b, s, d, h, f)
 
 
-def resolve(text: str) -> DecoderShape:
-    """A preset name or a ``BxSxDxHxF`` spec; ShapeError lists the presets otherwise."""
+def resolve(text: str, *, also: tuple[str, ...] = ()) -> DecoderShape:
+    """A preset name or a ``BxSxDxHxF`` spec; ShapeError lists the presets otherwise, and ``also``: other names the
+    caller takes (the command line's 'all')."""
+    if not isinstance(text, str):
+        raise ShapeError(f"shape: expected a preset name ({', '.join(PRESETS)}) or 'BxSxDxHxF' text, "
+                         f"not {type(text).__name__}")
     key = text.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
-    if "x" in key and key[0].isdigit():
+    if "x" in key and key[:1].isdigit():
         return parse_spec(key)
-    raise ShapeError(f"unknown shape {text!r}: choose one of {', '.join(PRESETS)}, 'all', or BxSxDxHxF")
+    names = ", ".join([*PRESETS, *(repr(a) for a in also)])
+    raise ShapeError(f"unknown shape {text!r}: choose one of {names}, or BxSxDxHxF")
