@@ -105,7 +105,7 @@ def describe_exit(code: int | None) -> str:
 
 
 class IsolatedEvaluator:
-    """The evaluator interface of tuner.evaluate (evaluate, remeasure, breakdown, baselines, policy,
+    """The evaluator interface of tuner.evaluate (evaluate, remeasure, breakdown, baselines, policy, final_policy,
     invalid; pdl, replayed, device, device_name, shape), served by a supervised worker process."""
 
     isolated = True
@@ -175,6 +175,9 @@ class IsolatedEvaluator:
 
     def policy(self) -> dict:
         return self._call("policy", timeout=self.call_timeout_s)
+
+    def final_policy(self, rounds: int) -> dict:
+        return self._call("final_policy", rounds, timeout=self.call_timeout_s)
 
     def close(self) -> None:
         """Stop the worker (also run at exit)."""
@@ -332,4 +335,6 @@ def _dispatch(ev, method: str, args: tuple):
         return ev.invalid(cfg(args[0]))
     if method == "policy":
         return ev.policy()
+    if method == "final_policy":
+        return ev.final_policy(args[0])
     raise ValueError(f"unknown evaluator method {method!r}")
