@@ -21,7 +21,7 @@ PDL (the same contract as the GEMM, DESIGN.md):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -69,6 +69,17 @@ def smem_bytes(c: AttnConfig, head_dim: int, dtype_bytes: int) -> int:
     """K and V tiles per pipeline stage plus the resident Q tile."""
     bd = block_d(head_dim)
     return c.num_stages * c.block_n * bd * 2 * dtype_bytes + c.block_m * bd * dtype_bytes
+
+
+def repair(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = None) -> AttnConfig:
+    """The nearest config within ``device``'s shared memory: fewer stages, then (one stage still over: a long
+    head in fp32) half the key tile, then half the query tile, down to 16."""
+    c, limit = config, smem_limit(device)
+    while c.num_stages > 1 and smem_bytes(c, problem.head_dim, problem.dtype_bytes) > limit:
+        c = replace(c, num_stages=c.num_stages - 1)
+    while smem_bytes(c, problem.head_dim, problem.dtype_bytes) > limit and max(c.block_n, c.block_m) > 16:
+        c = replace(c, **({"block_n": c.block_n // 2} if c.block_n >= c.block_m else {"block_m": c.block_m // 2}))
+    return c
 
 
 def field_error(c: AttnConfig) -> str | None:

@@ -202,9 +202,10 @@ def check(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | 
     return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
-def fit(config: FusedLayerConfig, problem: LayerProblem) -> FusedLayerConfig:
+def fit(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | None = None) -> FusedLayerConfig:
     """Shrink tiles that exceed the problem, reduce each split_k until every split has K tiles, and
-    lower num_stages until the shared memory fits (what the search measures for a sampled combination)."""
+    lower num_stages until the shared memory of ``device`` fits (what the search measures for a sampled
+    combination)."""
     from dataclasses import replace
 
     c, p = config, problem
@@ -213,7 +214,7 @@ def fit(config: FusedLayerConfig, problem: LayerProblem) -> FusedLayerConfig:
         div = lambda s, n: max([d for d in range(1, max(s, 1) + 1) if n > 0 and n % d == 0] or [1])  # noqa: E731
         c = replace(c, out_split_k=div(c.out_split_k, nd), ffn2_split_k=div(c.ffn2_split_k, nf),
                     num_stages=min(max(c.num_stages, 2), layer_cuda.MAX_STAGES))
-        while c.num_stages > 2 and layer_cuda.smem_bytes(c.num_stages) > smem_limit(None):
+        while c.num_stages > 2 and layer_cuda.smem_bytes(c.num_stages) > smem_limit(device):
             c = replace(c, num_stages=c.num_stages - 1)
         return c
     cap = lambda v, dim: min(v, tile_cap(dim))  # noqa: E731
@@ -225,7 +226,7 @@ def fit(config: FusedLayerConfig, problem: LayerProblem) -> FusedLayerConfig:
     c = replace(c, **kw)
     c = replace(c, **{f"{g}_split_k": fit_split_k(getattr(c, f"{g}_split_k"), triton.cdiv(k, c.block_k))
                       for g, (_, _, k) in p.gemms().items()})
-    while c.num_stages > 1 and smem_bytes(c, p) > smem_limit(None):
+    while c.num_stages > 1 and smem_bytes(c, p, device) > smem_limit(device):
         c = replace(c, num_stages=c.num_stages - 1)
     while c.num_warps < 8 and max(c.block_m * getattr(c, f"{g}_block_n") for g in GEMM_PHASES) // (
             32 * c.num_warps) > 256:

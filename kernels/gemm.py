@@ -295,7 +295,8 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
 
 def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = None) -> GemmConfig:
     """The nearest config that passes :func:`check` on resources: more warps (up to 8) until the accumulator fits
-    the registers, then fewer stages until the shared memory fits, the Triton kernels (cluster 0) where
+    the registers, then fewer stages until the shared memory fits (then smaller K or N tiles, where one stage does
+    not), the Triton kernels (cluster 0) where
     the CUDA kernel cannot run the tiles or the GPU. The search calls this so that
     a sampled combination of tiles is measured rather than thrown away (on the H200 more than half of
     the default space's samples were over one of these two limits)."""
@@ -307,6 +308,10 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
     limit = smem_limit(device)  # (after the warps: they decide between wgmma and mma.sync, and so the buffers)
     while c.num_stages > 1 and smem_bytes(c, problem.dtype_bytes, device, problem.ln_parts) > limit:
         c = replace(c, num_stages=c.num_stages - 1)
+    # one stage still over (fp32's 4-byte tiles): halve the larger of block_k and block_n, down to 16
+    while smem_bytes(c, problem.dtype_bytes, device, problem.ln_parts) > limit and max(c.block_k, c.block_n) > 16:
+        c = fit(replace(c, **({"block_k": c.block_k // 2} if c.block_k >= c.block_n else {"block_n": c.block_n // 2})),
+                problem)
     if c.cluster and _cluster_error(c, problem, device):  # the tiles or the GPU do not fit the CUDA kernel
         c = replace(c, cluster=0)
     return c

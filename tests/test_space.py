@@ -290,7 +290,10 @@ def test_malformed_space_names_file_and_key(tmp_path, edit, words):
     ("version: 1\nratios:\n  overlap: [0.5]\n   prefetch: [0.5]\n", ["not valid YAML", "line 4"]),
     ("- 16\n- 32\n", ["mapping at the top level"]),
     ("", ["mapping at the top level"]),
-], ids=["unclosed-list", "bad-indent", "a-list", "empty-file"])
+    # PyYAML keeps a repeated key's last value: a second section replaced the first without a word
+    ("version: 1\ngemm: {block_m: [64]}\nnorm: {}\ngemm: {block_m: [32]}\n", ["duplicate key 'gemm'", "line 4"]),
+    ("version: 1\ngemm:\n  block_m: [64]\n  block_m: [32]\n", ["duplicate key 'block_m'", "line 4"]),
+], ids=["unclosed-list", "bad-indent", "a-list", "empty-file", "a-section-twice", "a-field-twice"])
 def test_unparseable_space_names_file_and_line(tmp_path, text, words):
     path = write_space(tmp_path, text, name="broken.yaml")
     with pytest.raises(SpaceError) as e:

@@ -27,7 +27,7 @@ from tuner.evaluate import ReplayEvaluator
 from tuner.kernels.norm import NormConfig
 from tuner.layer import check_config, default_config
 from tuner.shapes import PRESETS
-from tuner.study import SAMPLERS, StudyError, StudyOptions, make_sampler, run_study, study_name
+from tuner.study import SAMPLERS, StudyError, StudyOptions, _repairer, make_sampler, run_study, study_name
 
 REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
 BERT_BASE = PRESETS["bert-base"]
@@ -741,3 +741,92 @@ def test_a_duplicate_of_this_process_reuses_its_measurement(tmp_path, replay):
     for _, d in dups.iterrows():
         src = trials.set_index("number").loc[int(d["duplicate_of"])]
         assert d["status"] == src["status"] and (d["latency_us"] == src["latency_us"] or d["status"] != "ok")
+
+
+# ------------------------------------------------------------------------------------------------
+# What a trial measures: its params repaired for the evaluator's dtype, device and shape
+# ------------------------------------------------------------------------------------------------
+
+def test_trials_are_repaired_for_the_evaluators_dtype():
+    """An fp32 study repairs its trials for 4-byte operands: the clustered seed's 16-bit-only switches go off and its
+    stages fit. (The supervised worker, the GPU's default evaluator, did not pass its dtype on, so its fp32 studies
+    were repaired as fp16 and such trials failed as invalid.)"""
+    from types import SimpleNamespace
+
+    from devices import H100  # (tests/ is on sys.path under pytest)
+
+    tiny = PRESETS["tiny"]
+    params = space.from_config(hand_picked_cluster(tiny))
+    for dtype, size in (("float32", 4), ("float16", 2)):
+        ev = SimpleNamespace(dtype_name=dtype, replayed=False, device=H100)
+        assert check_config(_repairer(tiny, ev)(params), tiny, size, H100) == {}
+    fp16_repair = _repairer(tiny, SimpleNamespace(dtype_name="float16", replayed=False, device=H100))(params)
+    assert check_config(fp16_repair, tiny, 4, H100)  # (what an fp32 study measured before)
+
+
+@pytest.mark.parametrize("spec", ["1x4x64x2x128", "1x1x32x1x32", "1x3x96x1x40"])
+def test_a_norm_takes_no_more_rows_a_program_than_the_layer_has(spec):
+    """Shapes of fewer than 8 tokens: a sampled rows_per_program past the rows is fitted, not left to fail the check
+    (a quarter to three quarters of the default space's draws did)."""
+    from devices import H100
+    from tuner.layer import repair_config
+    from tuner.shapes import parse_spec
+
+    shape = parse_spec(spec)
+    cfg = DecoderConfig(norm1=NormConfig(rows_per_program=8), norm2=NormConfig(rows_per_program=16))
+    assert check_config(repair_config(cfg, shape, 2, H100), shape, 2, H100) == {}
+
+
+@pytest.mark.parametrize("space_name", ["decoder", "fused-layer"])
+@pytest.mark.parametrize("dtype_bytes, gpu", [(4, "H100"), (2, "A100")])
+def test_what_the_space_samples_is_repaired_into_a_config_that_runs(space_name, dtype_bytes, gpu):
+    """Draws of a shipped space, repaired for the dtype and the GPU, pass the check: fp32 on Hopper (a quarter to
+    almost half of its draws failed: GEMM tiles over the shared memory at one stage, the one-kernel layer fitted for
+    2-byte operands, the attention's stages never repaired) and fp16 on an A100 (the one-kernel layer fitted to the
+    Hopper's shared memory). Odd shapes too; 40 draws each."""
+    import devices
+    from tuner.layer import repair_config
+    from tuner.shapes import parse_spec
+    from tuner.space import suggest, to_config
+
+    device = getattr(devices, gpu)
+    sp = space.load(space_name)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=7))
+    for spec in ("tiny", "bert-large", "1x17x64x2x96", "1x128x4096x32x11008"):
+        shape = PRESETS.get(spec) or parse_spec(spec)
+        for _ in range(40):
+            cfg = repair_config(to_config(suggest(study.ask(), sp, pdl=device.capability[0] >= 9)), shape,
+                                dtype_bytes, device)
+            assert check_config(cfg, shape, dtype_bytes, device) == {}, (spec, cfg)
+
+
+def test_the_cuda_layer_kernels_space_starts_from_its_seed(tmp_path, replay):
+    """search_spaces/layer-kernel.yaml holds none of the per-kernel seeds: its first trial is the CUDA layer kernel's
+    hand-picked config (before, the study began from random draws), and the seeds outside it take no trial."""
+    from tuner.bench import fit_prefetch
+    from tuner.study import open_study
+
+    study = open_study(BERT_BASE, replay, space.load("layer-kernel"), opts(trials=6), tmp_path, log=lambda *a: None)
+    waiting = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False)
+               if t.state == optuna.trial.TrialState.WAITING]
+    seed = fit_prefetch(hand_picked_fused(BERT_BASE, cuda=True), BERT_BASE, replay.manifest["gpu"].get("l2_bytes"))
+    assert [p["layer.fuse"] for p in waiting] == [2]
+    assert {k: v for k, v in waiting[0].items() if k.startswith("layer.")} == {
+        k: v for k, v in space.from_config(seed).items() if k.startswith("layer.")}
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("1x17x64x2x96", "head dim 32"), ("1x256x768x12x3072", "seq=256 > 128"), ("2x48x768x12x3072", "multiple of 64"),
+])
+def test_a_space_no_configuration_of_which_runs_the_shape_is_refused(spec, words):
+    """layer-kernel.yaml on a shape the CUDA layer kernel does not take: refused before the study, in one line, rather
+    than every trial failing as invalid."""
+    from tuner.shapes import parse_spec
+    from tuner.study import _space_cannot_run
+
+    shape = parse_spec(spec)
+    why = _space_cannot_run(shape, space.load("layer-kernel"), pdl=True)
+    assert words in why and "layer.fuse 2" in why
+    assert _space_cannot_run(shape, space.load(), pdl=True) is None  # the default space has kernels that run it
+    assert "Hopper" in _space_cannot_run(BERT_BASE, space.load("layer-kernel"), pdl=False)
+    assert _space_cannot_run(BERT_BASE, space.load("layer-kernel"), pdl=True) is None

@@ -234,6 +234,26 @@ def _check_choices(where: str, kernel: str, field: str, dim: Dim) -> None:
             raise SpaceError(f"{where}: choice {v} can never run ({error})")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last silently: a second
+    ``gemm:`` section replaced the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"found duplicate key {key!r}",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str):
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+
+
 def read_yaml(path: str | Path, what: str, error=ValueError):
     """A user's YAML file, or ``error`` with one line naming the file (and the line of a syntax error)."""
     p = Path(path)
@@ -245,7 +265,7 @@ def read_yaml(path: str | Path, what: str, error=ValueError):
     except (OSError, UnicodeDecodeError) as e:
         raise error(f"{path}: cannot read the {what} file ({why(e)})") from None
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -266,7 +286,7 @@ def load(path: str | Path | None = None) -> SearchSpace:
     name = str(path).removesuffix(".yaml")
     if not Path(path).exists() and "/" not in str(path) and name in shipped():
         text = importlib.resources.files("tuner.search_spaces").joinpath(f"{name}.yaml").read_text()
-        return parse(yaml.safe_load(text), f"{name}.yaml (shipped)" if name != "decoder" else "decoder.yaml (default)")
+        return parse(_load_yaml(text), f"{name}.yaml (shipped)" if name != "decoder" else "decoder.yaml (default)")
     return parse(read_yaml(path, "search space", SpaceError), str(path))
 
 

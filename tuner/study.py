@@ -225,6 +225,8 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     layer = hand_picked_fused(shape)
     seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None),
              (layer if pdl else layer.without_knobs(), None)]
+    if pdl:  # the CUDA layer kernel's (Hopper), where the space holds it (search_spaces/layer-kernel.yaml)
+        seeds.append((hand_picked_fused(shape, cuda=True), None))
     if pdl:
         seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
         # The clustered seed as far as the space holds it: without the attention in QKV's kernel, with all of the
@@ -260,7 +262,10 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     if num_sms and (wide := hand_picked_wide(shape, num_sms)) is not None:
         seeds.insert(1, (wide if pdl else wide.without_knobs(), None))
     study.set_user_attr("seeded", True)
-    for cfg, attrs in seeds[:budget]:  # never more seeds than the budget: none is left waiting
+    enqueued = 0
+    for cfg, attrs in seeds:
+        if budget is not None and enqueued >= budget:  # never more seeds than the budget: none is left waiting
+            break
         cfg = fit_prefetch(cfg, shape, l2_bytes)
         params = from_config(cfg, pdl)
         if cfg.fused:  # the seven per-kernel configs are not launched: any value of the space will do
@@ -269,9 +274,24 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
                     params[name] = dim.choices[0]
         if space.contains(params, pdl):
             study.enqueue_trial(params, user_attrs=attrs)
+            enqueued += 1
         elif attrs:
             log(f"{shape.label}: the baseline's tiles are outside {space.source}: it is measured in the final "
                 "phase only")
+
+
+def _space_cannot_run(shape: DecoderShape, space: SearchSpace, pdl: bool) -> str | None:
+    """Why no configuration of ``space`` can run ``shape`` (None when some may): a space of the CUDA layer kernel
+    only (layer.fuse 2) on a shape that kernel does not take, or without Hopper's PDL. Every trial would fail."""
+    from tuner.kernels import layer_cuda
+
+    fuse = space.params(pdl).get("layer.fuse")
+    if fuse is None or not fuse.choices or set(fuse.choices) != {2}:
+        return None
+    why = layer_cuda.problem_error(shape.tokens, shape.seq, shape.d_model, shape.heads, shape.ffn)
+    if why is None and not pdl:
+        why = "the CUDA layer kernel needs a Hopper GPU"
+    return why and f"its only kernel is the CUDA layer kernel (layer.fuse 2), and {why}"
 
 
 def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, out_root: Path,
@@ -280,6 +300,9 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     processes, and queue the first trials once."""
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     pdl = bool(evaluator.pdl)
+    why = _space_cannot_run(shape, space, pdl)
+    if why:
+        raise StudyError(f"{space.source} cannot run shape {shape.spec}: {why}")
     dev_name = _device_name(evaluator)
     name = opts.study_name or study_name(shape, opts.dtype, dev_name, opts.l2, evaluator.replayed)
     storage = opts.storage if opts.storage is not None else default_url(out_root, opts.workers)

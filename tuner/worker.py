@@ -131,6 +131,7 @@ class IsolatedEvaluator:
     source = property(lambda self: self.info["source"])
     manifest = property(lambda self: self.info["manifest"])
     fingerprint = property(lambda self: self.info.get("fingerprint"))
+    dtype_name = property(lambda self: self.info.get("dtype_name"))  # (the study repairs its trials for it)
     worker_pid = property(lambda self: self.info["pid"])
 
     @property
@@ -311,7 +312,8 @@ def _describe(ev) -> dict:
             "device_name": getattr(ev, "device_name", None) or dev.name,
             "device": dev.to_dict() if dev is not None else None, "shape": ev.shape,
             "source": getattr(ev, "source", None), "manifest": getattr(ev, "manifest", None),
-            "fingerprint": getattr(ev, "fingerprint", None), "pid": os.getpid()}
+            "fingerprint": getattr(ev, "fingerprint", None), "dtype_name": getattr(ev, "dtype_name", None),
+            "pid": os.getpid()}
 
 
 def _dispatch(ev, method: str, args: tuple):
