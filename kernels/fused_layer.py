@@ -462,7 +462,8 @@ class LayerScratch:
         self.qkv, self.attn, self.h, self.ffn1 = e(3 * d), e(d), e(d), e(f)
         # fuse 2 on Hopper: the CUDA kernel's tile flags and split-K sums (the kernel keeps the sums zero between
         # launches, so they are no scratch to poison); elsewhere the Triton kernel's.
-        self.cuda = config.fuse == 2 and cluster_gemm.usable(device)
+        # (and 16-bit operands: in fp32 the Triton kernel runs fuse 2's tiles, as on other GPUs)
+        self.cuda = config.fuse == 2 and cluster_gemm.usable(device) and dtype in (torch.float16, torch.bfloat16)
         self.maps: dict = {}  # fuse 2: the CUDA kernel's TMA descriptors on the device, per set of buffers
         if self.cuda:
             self.ws = torch.zeros(layer_cuda.workspace_numel(m, d), dtype=torch.float32, device=device)

@@ -162,6 +162,8 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
     without waiting for their flags (test-only defect)."""
     if racy is not None and racy not in PHASES:
         raise ValueError(f"layer kernel: racy={racy!r} is not a phase ({', '.join(PHASES)})")
+    if x.dtype not in (torch.float16, torch.bfloat16):  # (its tiles are 16-bit words: fp32 would be read as garbage)
+        raise ValueError(f"layer kernel: x is {x.dtype}; the kernel takes 16-bit operands (fp16 or bf16)")
     M, D = x.shape
     F = w.w_ffn1.shape[0]
     c = config

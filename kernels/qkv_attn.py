@@ -142,6 +142,9 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     M, D = x.shape
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
+    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or out.dtype != x.dtype:
+        raise ValueError(f"qkv_attn: x, weight and out are {x.dtype}, {weight.dtype}, {out.dtype}: the kernel takes "
+                         "16-bit operands, one dtype")
     why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None)
     if why is None and (M % seq or weight.shape != (3 * D, D) or out.shape != (M, D)):
         why = f"shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}, seq {seq}"

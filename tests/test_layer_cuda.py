@@ -16,6 +16,7 @@ import torch
 from tuner.bench import hand_picked_fused
 from tuner.config import DecoderConfig
 from tuner.kernels import _nvcc, layer_cuda
+from tuner.kernels._common import rel_tolerance
 from tuner.kernels import fused_layer as fk
 from tuner.layer import DecoderStack, check_config, fit_config, layer_problem
 from tuner.shapes import DecoderShape, resolve
@@ -97,6 +98,15 @@ def test_fuse2_runs_the_triton_kernel_off_hopper(device):
     err, scratch = run_layer(SMALL, replace(CUDA2, out_split_k=2, ffn2_split_k=3), torch.float16, device)
     assert not scratch.cuda and scratch.poisonable() == [scratch.ws]
     assert err < 1e-2
+
+
+def test_fp32_runs_the_triton_kernel_and_the_cuda_launcher_refuses_it(device):
+    """The CUDA kernel's tiles are 16-bit words: in fp32, fuse 2 runs the Triton kernel on its tiles (as off Hopper),
+    and the CUDA launcher refuses an fp32 tensor rather than read it as 16-bit words."""
+    err, scratch = run_layer(SMALL, replace(CUDA2, out_split_k=2, ffn2_split_k=3), torch.float32, device)
+    assert not scratch.cuda and err < rel_tolerance(torch.float32)
+    with pytest.raises(ValueError, match="16-bit operands"):
+        layer_cuda.launch(torch.zeros(64, 64), None, None, None, seq=64, heads=1, config=CUDA2, eps=1e-5, grid=1)
 
 
 gpu = pytest.mark.gpu

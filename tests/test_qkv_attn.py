@@ -65,7 +65,7 @@ def test_traced_launch_keeps_one_trace_per_launch():
 def test_layer_rules():
     """qkv.fuse 1 needs attn.fuse 0, norm1.fuse 0 or 2, head_dim 64, seq <= 128; repair_config unfuses it elsewhere."""
     from tuner.bench import hand_picked, hand_picked_cluster
-    from tuner.layer import check_config, repair_config
+    from tuner.layer import check_config, qkv_attn_error, repair_config
     from tuner.shapes import DecoderShape, resolve
 
     base, tiny = resolve("bert-base"), resolve("tiny")
@@ -78,6 +78,8 @@ def test_layer_rules():
     blk = hand_picked_cluster(tiny)  # the attention already in the fused block
     both = replace(blk, qkv=replace(blk.qkv, fuse=1))
     assert "attn.fuse 0" in check_config(both, tiny)["qkv"] and repair_config(both, tiny).qkv.fuse == 0
+    # fp32: the kernel takes 16-bit operands (an fp32 study measured it as a trial of rel. error inf on the H200)
+    assert "16-bit operands" in qkv_attn_error(base, cfg, dtype_bytes=4) and repair_config(cfg, base, 4).qkv.fuse == 0
     long = DecoderShape(1, 256, 768, 12, 3072, name="256-tokens")
     assert "seq <= 128" in check_config(cfg, long)["qkv"] and repair_config(cfg, long).qkv.fuse == 0
     assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), base)["ffn1"]
@@ -87,6 +89,14 @@ def test_layer_rules():
     from tuner.report import format_tiles
 
     assert format_tiles(cfg.to_dict()["kernels"]).split("; ")[1] == "attn in qkv"
+
+
+def test_the_launcher_refuses_what_the_kernel_cannot_read():
+    """An fp32 tensor reaches the kernel as 16-bit words: refused before anything is compiled or launched."""
+    x, w, out = torch.zeros(128, 768), torch.zeros(3 * 768, 768), torch.zeros(128, 768)
+    with pytest.raises(ValueError, match="16-bit operands"):
+        qkv_attn.launch(x, w, torch.zeros(3 * 768), out, seq=128)
+
 
 
 def _hopper():

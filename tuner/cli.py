@@ -193,7 +193,7 @@ def cmd_verify(args) -> int:
                                                 racy_kernels=("ffn1",))
         # And QKV with the attention in one kernel (qkv.fuse 1, kernels/qkv_attn.cu; LayerNorm 1 folded in: norms
         # 2) where it runs, behind FFN2.
-        if mlp_attn.qkv.fuse and qkv_attn_fused(shape, mlp_attn, "cuda"):
+        if mlp_attn.qkv.fuse and qkv_attn_fused(shape, mlp_attn, dtype, "cuda"):
             res["qkv_attn"] = verify.run_verify(shape, mlp_attn, dtype=dtype, race_trials=args.trials,
                                                 racy_kernels=("qkv",))
         # And the whole layer as one launch a layer, the layers chained by PDL (layer.fuse): the Triton kernel, and the

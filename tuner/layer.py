@@ -80,11 +80,14 @@ def mlp_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
             and mlp_error(shape, cfg, torch.empty(0, dtype=dtype).element_size()) is None)
 
 
-def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo | None = None) -> str | None:
+def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo | None = None,
+                   dtype_bytes: int = 2) -> str | None:
     """Why ``qkv.fuse`` 1 (the attention computed by the QKV kernel, kernels/qkv_attn.cu) cannot run this shape and
     config; None when it can (``device`` None: the GPU is not checked)."""
     from tuner.kernels import qkv_attn
 
+    if dtype_bytes != 2:
+        return "needs 16-bit operands (fp16 or bf16)"
     if cfg.attn.fuse:
         return "needs attn.fuse 0 (with attn.fuse 1 the attention is computed by FFN1's kernel)"
     if cfg.norm1.fuse == 1:
@@ -94,14 +97,14 @@ def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo |
             or hopper_error(device))
 
 
-def qkv_attn_fused(shape: DecoderShape, cfg: DecoderConfig, device) -> bool:
+def qkv_attn_fused(shape: DecoderShape, cfg: DecoderConfig, dtype, device) -> bool:
     """Whether the layer computes its attention in the QKV kernel: ``qkv.fuse`` 1 where it can run
     (qkv_attn_error), on a Hopper GPU and not in the interpreter. Elsewhere QKV and the attention run their own
     configs."""
     from tuner.kernels import cluster_gemm
 
     return (cfg.qkv.fuse == 1 and not cfg.fused and cluster_gemm.usable(device)
-            and qkv_attn_error(shape, cfg) is None)
+            and qkv_attn_error(shape, cfg, dtype_bytes=torch.empty(0, dtype=dtype).element_size()) is None)
 
 
 def ln_parts(shape: DecoderShape, cfg: DecoderConfig, dtype_bytes: int = 2,
@@ -148,7 +151,7 @@ def check_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
             if fuse != 1:
                 why = f"fuse={fuse} is FFN2's; QKV's is 0 or 1 (the attention in QKV's kernel)"
             else:
-                why = qkv_attn_error(shape, cfg, device)
+                why = qkv_attn_error(shape, cfg, device, dtype_bytes)
                 why = why and f"fuse=1 (the attention in QKV's kernel) {why}"
         if why is None and name == "out" and fuse:
             if fuse != 1:
@@ -219,7 +222,8 @@ def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
     cfg = replace(cfg, **{n: gemm_k.repair(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k, dtype_bytes, parts.get(n, 0)),
                                            device)
                           for n, (m, nn, k) in shape.gemms().items()})
-    if cfg.qkv.fuse and (cfg.qkv.fuse != 1 or qkv_attn_error(shape, cfg, device)):  # (after QKV's stages: its depth)
+    # (after QKV's stages: its depth)
+    if cfg.qkv.fuse and (cfg.qkv.fuse != 1 or qkv_attn_error(shape, cfg, device, dtype_bytes)):
         cfg = replace(cfg, qkv=replace(cfg.qkv, fuse=0))  # QKV and the attention run their own configs
     return cfg
 
@@ -361,8 +365,9 @@ class LayerBuffers:
         self.mlp = mlp_fused(shape, cfg, dtype, device)
         self.mlp_out = self.mlp and bool(cfg.out.fuse)
         self.mlp_attn = self.mlp_out and bool(cfg.attn.fuse)  # the attention in the block too: qkv is its input
-        self.qkv_attn = qkv_attn_fused(shape, cfg, device)  # the attention in QKV's kernel (where the layer has its
-        # input's row sums for a norm1.fuse of 2: not the stack's first layer): qkv is not written
+        # the attention in QKV's kernel (where the layer has its input's row sums for a norm1.fuse of 2: not the
+        # stack's first layer): qkv is not written
+        self.qkv_attn = qkv_attn_fused(shape, cfg, dtype, device)
         parts = ln_parts(shape, cfg, mlp=self.mlp)
         st = lambda parts: torch.empty((parts, m, 2), dtype=torch.float32, device=device)  # noqa: E731
         self.h_stats = st(parts["ffn1"]) if "ffn1" in parts else None
