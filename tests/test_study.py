@@ -830,3 +830,23 @@ def test_a_space_no_configuration_of_which_runs_the_shape_is_refused(spec, words
     assert _space_cannot_run(shape, space.load(), pdl=True) is None  # the default space has kernels that run it
     assert "Hopper" in _space_cannot_run(BERT_BASE, space.load("layer-kernel"), pdl=False)
     assert _space_cannot_run(BERT_BASE, space.load("layer-kernel"), pdl=True) is None
+
+
+def test_a_config_is_benched_as_this_dtype_and_gpu_can_run_it():
+    """`tune bench --config` repairs a best.json for the bench's dtype and GPU and says so in the row's name (an fp16
+    run's clusters and fused attention in fp32 raised a traceback); the run of record's best.json benched as tuned
+    (fp16, H200) is left as it is."""
+    import tuner
+    from devices import H200
+    from tuner.bench import as_run_here
+
+    base = PRESETS["bert-base"]
+    cfg = hand_picked_cluster(base)  # clusters and the attention in QKV's kernel: 16-bit operands only
+    assert check_config(cfg, base, 4, H200)
+    fixed, note = as_run_here(cfg, base, 4, H200)
+    assert check_config(fixed, base, 4, H200) == {} and "4-byte operands" in note and "qkv" in note
+    root = Path(__file__).resolve().parents[1] / "results"
+    for run in ("tiny/20261127-044730-tpe", "bert-base/20261127-045004-tpe", "bert-large/20261127-045233-tpe"):
+        best = tuner.load_config(root / run / "best.json", gpu="NVIDIA H200")
+        shape = PRESETS[run.split("/")[0]]
+        assert as_run_here(best, shape, 2, H200) == (best, ""), run

@@ -17,7 +17,7 @@ from tuner.kernels._common import REL_TOLERANCE, tile_cap
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, cluster_tile, grid
 from tuner.kernels.norm import NormConfig
 from tuner.layer import (DecoderStack, check_config, default_config, fit_config, qkv_attn_error, random_stack_weights,
-                         stack_depth)
+                         repair_config, stack_depth)
 from tuner.shapes import DecoderShape
 from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
 
@@ -255,9 +255,21 @@ class Row:
         return dict(self.__dict__)
 
 
+def as_run_here(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int, device) -> tuple[DecoderConfig, str]:
+    """``cfg`` as this dtype and GPU can run it (tuner.layer.repair_config, as TunedLayer does: e.g. a best.json tuned
+    in fp16 launches CUDA kernels of 16-bit operands, which fp32 switches off), and a note for its row naming the
+    kernels that changed ('' where none did)."""
+    fixed = repair_config(cfg, shape, dtype_bytes, device)
+    changed = [n for n, c in fixed.kernels() if c != getattr(cfg, n)]
+    return fixed, (f" (repaired for {dtype_bytes}-byte operands on this GPU: {', '.join(changed)})" if changed else "")
+
+
 def _ours(shape, cfg, dtype, n_layers, weights, reps, warmup, seed, name) -> Row:
     dev = DeviceInfo.from_torch()
-    bad = check_config(cfg, shape, torch.tensor([], dtype=dtype).element_size(), dev)
+    esize = torch.tensor([], dtype=dtype).element_size()
+    cfg, note = as_run_here(cfg, shape, esize, dev)
+    name += note
+    bad = check_config(cfg, shape, esize, dev)
     if bad:
         raise ValueError(f"{name}: invalid config {bad}")
     st = DecoderStack(shape, cfg, n_layers=n_layers, dtype=dtype, weights=weights)
