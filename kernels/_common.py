@@ -15,6 +15,7 @@ from tuner.device import SMEM_DEFAULT_BYTES, DeviceInfo
 from tuner.manifest import is_number
 
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA kernels (*.cu) take: their tiles are 16-bit words
 
 
 class KnobConfig:

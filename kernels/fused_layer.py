@@ -43,8 +43,9 @@ import triton.language as tl
 from tuner.device import DeviceInfo
 
 from . import cluster_gemm, layer_cuda
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting, launch_mode,
-                      pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_l2, ratio_error, smem_limit, tile_cap)
+from ._common import (HALF_DTYPES, KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting,
+                      launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_l2, ratio_error, smem_limit,
+                      tile_cap)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct, act_code
 
@@ -463,7 +464,7 @@ class LayerScratch:
         # fuse 2 on Hopper: the CUDA kernel's tile flags and split-K sums (the kernel keeps the sums zero between
         # launches, so they are no scratch to poison); elsewhere the Triton kernel's.
         # (and 16-bit operands: in fp32 the Triton kernel runs fuse 2's tiles, as on other GPUs)
-        self.cuda = config.fuse == 2 and cluster_gemm.usable(device) and dtype in (torch.float16, torch.bfloat16)
+        self.cuda = config.fuse == 2 and cluster_gemm.usable(device) and dtype in HALF_DTYPES
         self.maps: dict = {}  # fuse 2: the CUDA kernel's TMA descriptors on the device, per set of buffers
         if self.cuda:
             self.ws = torch.zeros(layer_cuda.workspace_numel(m, d), dtype=torch.float32, device=device)

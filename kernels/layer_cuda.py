@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from . import _nvcc
+from ._common import HALF_DTYPES
 
 SOURCE = Path(__file__).with_name("layer_kernel.cu")
 TILE = 64
@@ -162,7 +163,7 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
     without waiting for their flags (test-only defect)."""
     if racy is not None and racy not in PHASES:
         raise ValueError(f"layer kernel: racy={racy!r} is not a phase ({', '.join(PHASES)})")
-    if x.dtype not in (torch.float16, torch.bfloat16):  # (its tiles are 16-bit words: fp32 would be read as garbage)
+    if x.dtype not in HALF_DTYPES:  # (its tiles are 16-bit words: fp32 would be read as garbage)
         raise ValueError(f"layer kernel: x is {x.dtype}; the kernel takes 16-bit operands (fp16 or bf16)")
     M, D = x.shape
     F = w.w_ffn1.shape[0]

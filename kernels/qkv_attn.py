@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import _nvcc
-from ._common import SMEM_DEFAULT_BYTES
+from ._common import HALF_DTYPES, SMEM_DEFAULT_BYTES
 from .cluster_gemm import MAX_LN_PARTS, MAX_STAGES, _ptr
 
 SOURCE = Path(__file__).with_name("qkv_attn.cu")
@@ -142,7 +142,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     M, D = x.shape
     if (ln_stats is None) != (ln_colsum is None):
         raise ValueError("qkv_attn: ln_stats and ln_colsum go together")
-    if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype or out.dtype != x.dtype:
+    if x.dtype not in HALF_DTYPES or weight.dtype != x.dtype or out.dtype != x.dtype:
         raise ValueError(f"qkv_attn: x, weight and out are {x.dtype}, {weight.dtype}, {out.dtype}: the kernel takes "
                          "16-bit operands, one dtype")
     why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None)

@@ -185,8 +185,10 @@ def layer_problem(shape: DecoderShape, dtype_bytes: int = 2) -> fused_k.LayerPro
     return fused_k.LayerProblem(shape.tokens, shape.seq, shape.d_model, shape.heads, shape.ffn, dtype_bytes)
 
 
-def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
-    """Shrink tiles that exceed the shape (tiny layers have 32 rows and 32 keys)."""
+def fit_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
+               device: DeviceInfo | None = None) -> DecoderConfig:
+    """Shrink tiles that exceed the shape (tiny layers have 32 rows and 32 keys), and the one-kernel layer's stages to
+    the shared memory of ``device`` for ``dtype_bytes`` operands."""
     from dataclasses import replace
 
     fitted = {n: gemm_k.fit(getattr(cfg, n), gemm_k.GemmProblem(m, nn, k)) for n, (m, nn, k) in shape.gemms().items()}
@@ -195,22 +197,22 @@ def fit_config(cfg: DecoderConfig, shape: DecoderShape) -> DecoderConfig:
     rows = 1 << max(0, shape.tokens - 1).bit_length()  # a norm's rows a program: at most the rows there are
     norms = {n: replace(c, rows_per_program=min(c.rows_per_program, rows))
              for n, c in (("norm1", cfg.norm1), ("norm2", cfg.norm2))}
-    return replace(cfg, attn=attn, layer=fused_k.fit(cfg.layer, layer_problem(shape)), **norms, **fitted)
+    return replace(cfg, attn=attn, layer=fused_k.fit(cfg.layer, layer_problem(shape, dtype_bytes), device), **norms,
+                   **fitted)
 
 
 def repair_config(cfg: DecoderConfig, shape: DecoderShape, dtype_bytes: int = 2,
                   device: DeviceInfo | None = None) -> DecoderConfig:
-    """fit_config, then the one-kernel layer and the attention kernel fitted to the dtype's and the device's shared
-    memory, each GEMM moved to its nearest config within shared memory and registers
+    """fit_config (for the dtype and the device), then the attention kernel fitted to their shared memory, each
+    GEMM moved to its nearest config within shared memory and registers
     (gemm_k.repair), and the attention, the out-projection and FFN2 unfused where the one-kernel feed-forward block
     cannot run them (mlp_error): what the search measures for a sampled combination of tiles."""
     from dataclasses import replace
 
-    cfg = fit_config(cfg, shape)
-    # the one-kernel layer and the attention kernel within this dtype's and GPU's shared memory
-    cfg = replace(cfg, layer=fused_k.fit(cfg.layer, layer_problem(shape, dtype_bytes), device),
-                  attn=attn_k.repair(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads,
-                                                                  shape.head_dim, dtype_bytes), device))
+    cfg = fit_config(cfg, shape, dtype_bytes, device)
+    # the attention kernel within this dtype's and GPU's shared memory
+    cfg = replace(cfg, attn=attn_k.repair(cfg.attn, attn_k.AttnProblem(shape.batch, shape.seq, shape.heads,
+                                                                       shape.head_dim, dtype_bytes), device))
     if cfg.attn.fuse and (not cfg.ffn2.fuse or not cfg.out.fuse or mlp_error(shape, cfg, dtype_bytes, device)):
         cfg = replace(cfg, attn=replace(cfg.attn, fuse=0))  # the attention kernel runs
     if cfg.out.fuse and (not cfg.ffn2.fuse or mlp_error(shape, cfg, dtype_bytes, device)):

@@ -225,10 +225,9 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
     layer = hand_picked_fused(shape)
     seeds = [(default_config(shape), {"is_baseline": True}), (hp if pdl else hp.without_knobs(), None),
              (layer if pdl else layer.without_knobs(), None)]
-    if pdl:  # the CUDA layer kernel's (Hopper), where the space holds it (search_spaces/layer-kernel.yaml)
-        seeds.append((hand_picked_fused(shape, cuda=True), None))
     if pdl:
-        seeds += [(hp.without_knobs(), None), (norm_kernels, None)]
+        # the CUDA layer kernel's (Hopper), where the space holds it (search_spaces/layer-kernel.yaml)
+        seeds += [(hand_picked_fused(shape, cuda=True), None), (hp.without_knobs(), None), (norm_kernels, None)]
         # The clustered seed as far as the space holds it: without the attention in QKV's kernel, with all of the
         # block's weights before the wait, without the attention in the fused feed-forward block, without the
         # out-projection there, without the block, then without the 16-bit exchange (and the attention in QKV's).
