@@ -116,6 +116,7 @@ def cmd_bench(args) -> int:
         for shape in shapes:
             _bench_config(args.config, shape=shape, gpu="")
     _need_gpu("tune bench")
+    _check_hot(args.l2, shapes, dtype, None)
     extra = {}
     if args.config:
         extra[f"ours, {args.config}"] = _bench_config(args.config, gpu=None)  # None: this GPU's name
@@ -272,6 +273,23 @@ def _check_gpu_indices(gpus: list[str | None]) -> None:
                         f"(indices 0..{count - 1})")
 
 
+def _check_hot(l2: str, shapes, dtype, gpu: str | None) -> None:
+    """--l2 hot only for shapes whose whole model's weights fit in the L2 of the GPU that measures them."""
+    import torch
+
+    from tuner.layer import hot_error
+
+    if l2 != "hot":
+        return
+    l2_bytes = torch.cuda.get_device_properties(int(gpu) if gpu is not None else torch.cuda.current_device()
+                                                ).L2_cache_size
+    esize = torch.empty(0, dtype=dtype).element_size()
+    for shape in shapes:
+        why = hot_error(shape, esize, l2_bytes)
+        if why:
+            raise UserError(why)
+
+
 def _evaluator_spec(args, shape):
     from tuner import faults
     from tuner.worker import EvaluatorSpec
@@ -357,6 +375,7 @@ def _decoder_inputs(args):
         args.dtype, args.l2 = args.dtype or "float16", args.l2 or "cold"
         _need_gpu("tune decoder")
         _check_gpu_indices(gpus)
+        _check_hot(args.l2, shapes, _dtype(args.dtype), gpus[0])
         return shapes, space, gpus
     if len(shapes) > 1:
         raise UserError("--replay serves one recording, i.e. one shape: give one --shape")

@@ -147,6 +147,17 @@ class GpuEvaluator:
             status, reason = classify(e)
             return TrialResult(status, reason=reason)
 
+    def recheck(self, cfg: DecoderConfig, checks: int = 5) -> str | None:
+        """Why ``cfg`` fails one of ``checks`` more correctness checks of its captured stack, each on fresh random
+        input with every buffer poisoned first (DecoderStack.check); None when all pass."""
+        st = self._stack(cfg)
+        for i in range(1, checks + 1):
+            self._checks += 1
+            err = st.check(seed=self.seed * 100003 + self._checks)
+            if not err < st.tolerance():
+                return f"rel. error {err:.3g} > {st.tolerance():g} in check {i} of {checks}"
+        return None
+
     def remeasure(self, cfgs: list[DecoderConfig], rounds: int = 40) -> list[tuple[float, float]]:
         """Interleaved A B A B re-measurement with more repetitions."""
         from tuner.timing import time_interleaved
@@ -156,10 +167,13 @@ class GpuEvaluator:
         return [(t.median_us, t.spread_us) for t in ts]
 
     def breakdown(self, cfg: DecoderConfig) -> dict[str, float]:
-        """Each kernel timed alone (all its launches across the stack in one graph), us per layer; without the first
-        layer where that one launches other kernels."""
+        """Each kernel timed alone (all its launches across a stack in one graph), us per layer; without the first
+        layer where that one launches other kernels. Under the cold policy a kernel's stack is as deep as its own
+        weights need to hold 3x the L2 (layer.cold_weights): the whole layer's stack would keep QKV's and the
+        out-projection's weights in L2 from one replay to the next."""
         import torch
 
+        from tuner.layer import DecoderStack, cold_weights, kernel_weights
         from tuner.timing import capture, time_replay
 
         st = self._stack(cfg)
@@ -168,15 +182,22 @@ class GpuEvaluator:
         # Where the first layer runs other kernels (its QKV gathers the row sums no producer wrote), the layers after
         # it are the ones the figures describe.
         skip = st.first_layer_differs()
-        layers = self.n_layers - 1 if skip else self.n_layers
         out = {}
         for k in ("layer",) if cfg.fused else KERNELS:
-            launches = st.launches(k, skip_first=skip)
+            ks = st
+            if self.l2 == "cold":
+                w = cold_weights(self.weights, kernel_weights(k, st.bufs[-1]), self.esize, self.device.l2_bytes)
+                if len(w) > len(self.weights):
+                    ks = DecoderStack(self.shape, cfg, n_layers=len(w), dtype=self.dtype, weights=w)
+                    ks.run()  # (its buffers written once: the kernel alone reads what its producers left)
+                    torch.cuda.synchronize()
+            launches = ks.launches(k, skip_first=skip)
             if not launches:  # fused away: this kernel costs nothing of its own
                 out[k] = 0.0
                 continue
             g = capture(lambda: [f() for f in launches], warmup=1)
-            out[k] = time_replay(g.replay, layers, reps=self.reps, warmup=self.warmup).median_us
+            out[k] = time_replay(g.replay, ks.n_layers - int(skip), reps=self.reps, warmup=self.warmup).median_us
+            del g, ks
         return out
 
     def baselines(self, default: DecoderConfig, with_compile: bool = True) -> Baselines:
@@ -357,6 +378,10 @@ class ReplayEvaluator:
         return TrialResult(status, float(row["latency_us"]), float(row["spread_us"]),
                            reason=("replayed" + (", approximated" if approx else "") + (f": {reason}" if reason else "")),
                            approximated=approx)
+
+    def recheck(self, cfg, checks: int = 5) -> None:
+        """A recording cannot be checked again: nothing is run (the study asks for no re-check of a replay)."""
+        return None
 
     def remeasure(self, cfgs, rounds: int = 40):
         out = []

@@ -525,10 +525,57 @@ def layer_ref(shape: DecoderShape, w: LayerWeights, x: torch.Tensor) -> torch.Te
 
 
 def stack_depth(shape: DecoderShape, dtype_bytes: int, l2_bytes: int, l2_policy: str = "cold") -> int:
-    """Layers in the timed stack. Cold: weights >= 3x L2, so no layer finds its weights in L2 (DESIGN)."""
+    """Layers in the timed stack. Cold: weights >= 3x L2, so no layer finds its weights in L2 (DESIGN). Hot: the
+    model's own depth, for a model whose weights fit in the L2 (ValueError, hot_error's line, for one that does
+    not: its stack would be timed cold and labelled hot)."""
     if l2_policy == "hot":
+        why = hot_error(shape, dtype_bytes, l2_bytes)
+        if why:
+            raise ValueError(why)
         return shape.depth
     return max(2, math.ceil(3 * l2_bytes / shape.weight_bytes(dtype_bytes)))
+
+
+def hot_error(shape: DecoderShape, dtype_bytes: int, l2_bytes: int) -> str | None:
+    """Why ``--l2 hot`` cannot describe ``shape`` on a GPU with ``l2_bytes`` of L2: its ``depth`` layers' weights
+    do not fit there, so a forward never finds them in L2; None when they fit."""
+    total = shape.depth * shape.weight_bytes(dtype_bytes)
+    if total <= l2_bytes:
+        return None
+    return (f"--l2 hot: {shape.label}'s {shape.depth} layers hold {total / 1e6:.1f} MB of weights, "
+            f"{total / l2_bytes:.1f}x this GPU's {l2_bytes / 2**20:.0f} MiB L2, so a forward never finds them there; "
+            "hot is for a model whose weights stay in L2 (use --l2 cold, the default, or a shape file with its depth)")
+
+
+# The weight matrices each launch of the layer reads (LayerWeights' fields; a fused norm's folded copy of a matrix
+# has its size): what a kernel timed alone must find cold (kernel_weights).
+_LAUNCH_WEIGHTS = {"qkv": ("w_qkv",), "out": ("w_out",), "ffn1": ("w_ffn1",), "ffn2": ("w_ffn2",),
+                   "layer": ("w_qkv", "w_out", "w_ffn1", "w_ffn2")}
+
+
+def kernel_weights(kernel: str, b: "LayerBuffers") -> tuple[str, ...]:
+    """The weight matrices that the launch named ``kernel`` reads in a layer with buffers ``b`` (the one-kernel
+    feed-forward block, launched as FFN1, reads FFN2's and, with out.fuse, the out-projection's too); none for the
+    norms and the attention, which read activations and vectors only."""
+    names = _LAUNCH_WEIGHTS.get(kernel, ())
+    if kernel == "ffn1" and b.mlp:
+        names += ("w_ffn2",) + (("w_out",) if b.mlp_out else ())
+    return names
+
+
+def cold_weights(weights: list[LayerWeights], names: tuple[str, ...], dtype_bytes: int, l2_bytes: int
+                 ) -> list[LayerWeights]:
+    """``weights`` extended, where needed, so that the matrices ``names`` of all its layers hold at least 3x the L2:
+    the stack that times one kernel alone cold (a stack sized for the whole layer cycles too few bytes of one
+    kernel's weights to keep them out of L2). The added layers are copies of the stack's, with those matrices cloned
+    into memory of their own; their other tensors are shared (no launch of that kernel reads them)."""
+    per_layer = sum(getattr(weights[0], n).numel() for n in names) * dtype_bytes
+    if not per_layer:
+        return weights
+    need = math.ceil(3 * l2_bytes / per_layer)
+    return weights + [replace(weights[i % len(weights)], **{n: getattr(weights[i % len(weights)], n).clone()
+                                                           for n in names})
+                      for i in range(len(weights), need)]
 
 
 class DecoderStack:

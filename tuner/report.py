@@ -424,6 +424,16 @@ def _header_lines(run: Run, k: int) -> list[str]:
         pair = _num(ko.get("top1_latency_us"))
         beside = f" against {_us(pair)} us for the top-1 measured beside it" if pair is not None else ""
         facts.append(f"Top-1 with every (o,p) at (-1,-1), tiles kept: {_us(ko['latency_us'])} us{beside} ({verdict})")
+    rc = run.topk.get("recheck")
+    if isinstance(rc, dict) and isinstance(rc.get("failed"), list):
+        n = _num(rc.get("checks"))
+        if not n:
+            facts.append("Correctness of the top-k not re-checked" + (" (replayed)" if run.replayed else ""))
+        else:
+            left = "; ".join(f"trial {f.get('trial')} failed ({f.get('reason')}) and is left out"
+                             for f in rc["failed"] if isinstance(f, dict))
+            facts.append(f"Correctness re-checked {int(n)} more times on fresh input for each top-k configuration: "
+                         + (left or "all passed"))
     measured = []
     if run.l2_policy:
         measured.append(f"L2 {run.l2_policy}")

@@ -121,6 +121,9 @@ class StudyOptions:
     # TPE only: after every ``local_every``-th trial, queue a neighbour of the best trial so far (one
     # categorical parameter moved to an adjacent choice); 0 = off. See neighbour().
     local_every: int = 2
+    # Correctness checks of each top-k config before its re-measurement, on fresh input (0: none; a replay checks
+    # nothing). A trial is checked once; a race caught only part of the time passes one check often.
+    rechecks: int = 5
 
 
 def _record(trial, cfg: DecoderConfig, res: TrialResult):
@@ -717,7 +720,27 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     ok = ok.sort_values("latency_us")
     if ok.empty:
         raise StudyError(f"{shape.label}: no trial passed (statuses: {df['status'].value_counts().to_dict()})")
-    top = ok.head(opts.top_k)
+    # Each trial passed one correctness check; the fastest are checked again before they are ranked, since a race
+    # that one check missed is both fast and wrong. A config that fails is left out of the top-k and trials.csv
+    # says so; the next passing trial takes its place.
+    checks = 0 if evaluator.replayed else opts.rechecks
+    kept, failed = [], []
+    for n in ok["number"]:
+        if len(kept) == opts.top_k:
+            break
+        why = _recheck(evaluator, trial_cfg[int(n)], checks)
+        if why:
+            failed.append({"trial": int(n), "reason": why})
+            log(f"{shape.label}: trial {int(n)} failed its re-check ({why}): left out of the top-k")
+            at = df["number"] == n
+            df["reason"] = df["reason"].astype(object)
+            df.loc[at, "status"], df.loc[at, "reason"] = "incorrect", f"failed the final re-check: {why}"
+        else:
+            kept.append(n)
+    if not kept:
+        raise StudyError(f"{shape.label}: no trial passed its re-check (statuses: "
+                         f"{df['status'].value_counts().to_dict()})")
+    top = ok[ok["number"].isin(kept)]
     top_cfgs = [trial_cfg[int(n)] for n in top["number"]]
     log(f"{shape.label}: re-measuring top-{len(top_cfgs)} and the baseline, interleaved")
     meas = evaluator.remeasure(top_cfgs + [base_cfg], rounds=opts.remeasure_rounds)
@@ -744,6 +767,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     # beside it (knobs_off.top1_latency_us): each ratio from the measurements taken side by side.
     topk = {"baseline_us": base_us, "baseline_spread_us": base_spread, "compile_us": base.compile_us,
             "eager_us": base.eager_us, "replayed": evaluator.replayed, "rows": rows,
+            "recheck": {"checks": checks, "failed": failed},
             "knobs_off": {"latency_us": ko_us, "spread_us": ko_spread, "slowdown": ko_us / best_us,
                           "top1_latency_us": best_us, "top1_spread_us": best_spread, "config": knobs_off.to_dict()}}
     breakdown = None
@@ -805,6 +829,17 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     report.write_reports(run)
     os.replace(run, final)
     return final
+
+
+def _recheck(evaluator, cfg: DecoderConfig, checks: int) -> str | None:
+    """Why ``cfg`` fails ``checks`` more correctness checks (the evaluator's recheck); None when it passes or
+    nothing is checked (0 checks). A check that cannot run at all fails it too."""
+    if not checks:
+        return None
+    try:
+        return evaluator.recheck(cfg, checks)
+    except Exception as e:  # noqa: BLE001 - a config that no longer runs fails its re-check, not the study
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
 def _new_run_dir(parent: Path, suffix: str) -> Path:

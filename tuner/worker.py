@@ -168,6 +168,9 @@ class IsolatedEvaluator:
     def breakdown(self, cfg):
         return self._call("breakdown", cfg.to_dict(), timeout=self.call_timeout_s)
 
+    def recheck(self, cfg, checks: int = 5):
+        return self._call("recheck", cfg.to_dict(), checks, timeout=self.call_timeout_s)
+
     def baselines(self, default, with_compile: bool = True):
         return self._call("baselines", default.to_dict(), with_compile, timeout=self.call_timeout_s)
 
@@ -331,6 +334,8 @@ def _dispatch(ev, method: str, args: tuple):
         return ev.remeasure([cfg(d) for d in args[0]], rounds=args[1])
     if method == "breakdown":
         return ev.breakdown(cfg(args[0]))
+    if method == "recheck":
+        return ev.recheck(cfg(args[0]), args[1])
     if method == "baselines":
         return ev.baselines(cfg(args[0]), with_compile=args[1])
     if method == "invalid":
