@@ -13,6 +13,7 @@ import importlib.resources
 import io
 import json
 import os
+import random
 import shutil
 import sqlite3
 import subprocess
@@ -860,3 +861,37 @@ def test_the_shipped_recording_replays_by_name_from_any_folder(tmp_path, monkeyp
     assert_user_error(*tune("decoder", "--replay", "replay-nope", "--no-progress", "--out", tmp_path / "x"),
                       ["--replay replay-nope: no such file or folder", "replay-bert-base-h200"])
     assert not (tmp_path / "x").exists()
+
+
+def test_a_storage_damaged_inside_is_one_line(tmp_path):
+    # A SQLite file damaged in its pages passes the header check and failed in Optuna's queries (a traceback); a
+    # journal with a broken line in the middle named "line 1 column 31" of the one record the decoder was given.
+    out = tmp_path / "results"
+    assert decoder(out, 4)[0] == 0
+    db = out / "studies.db"
+    data = bytearray(db.read_bytes())
+    data[10 * 4096:20 * 4096] = random.Random(0).randbytes(10 * 4096)  # (its schema, on the first pages, reads)
+    db.write_bytes(bytes(data))
+    rc, stdout, stderr = decoder(out, 6)
+    assert rc == 1 and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert "cannot be read or written" in stderr and "move the damaged file aside" in stderr
+    journal = tmp_path / "j" / "studies.journal"
+    assert decoder(tmp_path / "j", 4, "--storage", f"journal:{journal}")[0] == 0
+    lines = journal.read_bytes().splitlines(keepends=True)
+    lines[len(lines) // 2] = lines[len(lines) // 2][:30] + b"\n"
+    journal.write_bytes(b"".join(lines))
+    rc, stdout, stderr = decoder(tmp_path / "j", 6, "--storage", f"journal:{journal}")
+    assert rc == 2 and f"its line {len(lines) // 2 + 1} of {len(lines)} is not a whole record" in stderr, stderr
+
+
+def test_an_unfinished_run_folder_is_refused(tmp_path):
+    # study.finish writes the run folder as NAME.partial and renames it when complete; a run stopped in between
+    # leaves the .partial folder, which `tune report` and `tune export` took as a run folder.
+    out = tmp_path / "results"
+    rc, stdout, stderr = decoder(out, 4)
+    run = run_folder(stdout)
+    partial = Path(shutil.copytree(run, run.with_name(run.name + ".partial")))
+    for argv in (["report", partial], ["export", partial], ["report", str(partial) + "/"]):
+        rc, stdout, stderr = tune(*argv)
+        assert rc == 2 and "the unfinished folder of a run" in stderr and "run the same `tune decoder`" in stderr
+    assert tune("export", run)[0] == 0

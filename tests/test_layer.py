@@ -262,3 +262,36 @@ def test_slowed_layer_kernel_refuses():
     st = DecoderStack(ODD, cfg, n_layers=1, dtype=torch.float32, device="cpu", seed=1)
     with pytest.raises(NotSlowable):
         layer_launches(ODD, cfg, st.weights[0], st.x, st.bufs[0], slow="qkv")
+
+
+@pytest.mark.gpu
+def test_the_final_phase_checks_and_breakdown_on_the_gpu():
+    # GpuEvaluator.recheck passes a correct config (its checks run the captured stack on fresh input), and the
+    # per-kernel breakdown times every kernel over its own cold stack (cold_weights): finite, and QKV's no faster
+    # than over the layer's stack, whose QKV weights fit in the L2.
+    import math
+
+    from tuner.evaluate import GpuEvaluator
+    from tuner.timing import capture, time_replay
+
+    shape = resolve("bert-base")
+    ev = GpuEvaluator(shape, reps=20, warmup=3)
+    cfg = hand_picked(shape)
+    assert ev.recheck(cfg, 3) is None
+    b = ev.breakdown(cfg)
+    assert all(math.isfinite(v) and v >= 0 for v in b.values()) and b["qkv"] > 0 and b["out"] > 0
+    st = ev._stack(cfg)
+    launches = st.launches("qkv", skip_first=st.first_layer_differs())
+    g = capture(lambda: [f() for f in launches], warmup=1)
+    hot = time_replay(g.replay, len(launches), reps=20, warmup=3).median_us
+    assert b["qkv"] > 0.95 * hot, (b["qkv"], hot)
+
+
+@pytest.mark.gpu
+def test_hot_is_refused_on_the_gpu_for_a_model_larger_than_its_l2(tmp_path):
+    from tuner.cli import main
+
+    for argv in (["decoder", "--shape", "bert-base", "--l2", "hot", "--out", tmp_path],
+                 ["bench", "--shape", "bert-large", "--l2", "hot", "--out", tmp_path]):
+        assert main([str(a) for a in argv]) == 2
+    assert not list(tmp_path.iterdir())

@@ -153,3 +153,66 @@ def test_heartbeat_retries_the_trial_of_a_lost_host(tmp_path):
     assert retry.user_attrs["is_baseline"] and trial_status(retry) == "ok"
     assert retry.user_attrs[OWNER_ATTR]["pid"] == os.getpid()  # not the lost owner, copied over
     assert sum(t.state.is_finished() and trial_status(t) != "interrupted" for t in trials) == 5
+
+
+def test_ctrl_c_mid_trial_then_resume_retries_that_trial(tmp_path):
+    """Ctrl-C (SIGINT) mid-trial: Optuna fails the trial itself (no process is left dead to find), and the next run
+    retried none of it before. The interrupted trial is retried once, as after a kill; the baseline included."""
+    out, storage = tmp_path / "results", f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"
+    proc = tune_decoder(out, storage, "--no-isolation", sleep_s=1.0)
+    watch = open_storage(storage)
+    wait_until(lambda: trials_midway(watch), 60, "two finished trials and one running")
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout[-2000:]
+    [killed] = [t for t in load(storage).get_trials(deepcopy=False) if t.state == TrialState.FAIL]
+    assert trial_status(killed) == "interrupted"
+
+    rerun = tune_decoder(out, storage, "--no-isolation")
+    stdout, _ = rerun.communicate(timeout=120)
+    assert rerun.returncode == 0 and f"trial(s) {killed.number} were interrupted" in stdout, stdout[-3000:]
+    trials = load(storage).get_trials(deepcopy=False)
+    [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == killed.number]
+    assert retry.state.is_finished() and trial_status(retry) == "ok"
+    assert sum(t.state.is_finished() and trial_status(t) != "interrupted" for t in trials) == BUDGET
+    assert sum(bool(t.user_attrs.get("is_baseline")) and trial_status(t) == "ok" for t in trials) == 1
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_an_interrupted_trial_is_retried_once_only(tmp_path):
+    # recover_orphans queues one retry of a FAIL trial with no measurement, and none for the retry itself.
+    from tuner.storage import recover_orphans
+
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"))
+    first = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
+    study.tell(first, state=TrialState.FAIL)  # what Optuna records for a trial that Ctrl-C interrupted
+    done = study.ask()
+    done.set_user_attr("status", "ok")  # (a failed trial with a measurement is the candidate's own failure)
+    study.tell(done, state=TrialState.FAIL)
+    assert recover_orphans(study) == [first.number] and recover_orphans(study) == []
+    retry = study.ask()  # the queued copy
+    assert study.trials[retry.number].system_attrs.get("failed_trial") == first.number
+    assert retry.params == first.params
+    study.tell(retry, state=TrialState.FAIL)
+    assert recover_orphans(study) == []
+
+
+@pytest.mark.parametrize("queued", [0, 3])
+def test_a_study_whose_creator_died_before_seeding_it_gets_its_seeds(tmp_path, queued):
+    """A run killed right after it created the study (0 seeds queued), or while it queued them (3): the next run
+    queued none before, and the study ran without its baseline and hand-picked seeds for good (tiny's replay: 9.63
+    us against 7.36 from a clean start). The next process to open it queues the missing ones."""
+    storage = open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}")
+    replay = ReplayEvaluator(REPLAY)
+    opts = StudyOptions(trials=BUDGET, storage=storage, progress=False, sampler="random")
+    clean = open_study(replay.shape, replay, space.load(), opts, tmp_path / "a", log=lambda *a: None)
+    seeds = [t.system_attrs["fixed_params"] for t in clean.get_trials(deepcopy=False)]
+    name = clean.study_name + "-killed"
+    died = optuna.create_study(study_name=name, storage=storage)
+    for p in seeds[:queued]:
+        died.enqueue_trial(p, user_attrs={"is_baseline": True} if p == seeds[0] else None)
+    study = open_study(replay.shape, replay, space.load(), StudyOptions(**{**opts.__dict__, "study_name": name}),
+                       tmp_path / "b", log=lambda *a: None)
+    got = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False)]
+    assert got == seeds and study.user_attrs["seeded"]
+    assert sum(bool(t.user_attrs.get("is_baseline")) for t in study.get_trials(deepcopy=False)) == 1

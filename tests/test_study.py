@@ -850,3 +850,52 @@ def test_a_config_is_benched_as_this_dtype_and_gpu_can_run_it():
         best = tuner.load_config(root / run / "best.json", gpu="NVIDIA H200")
         shape = PRESETS[run.split("/")[0]]
         assert as_run_here(best, shape, 2, H200) == (best, ""), run
+
+
+# ------------------------------------------------------------------------------------------------
+# The final re-check of the top-k
+# ------------------------------------------------------------------------------------------------
+
+class _RecheckedReplay(ReplayEvaluator):
+    """The recording's timings, with the final phase's re-check answered per config: the study's handling of a
+    top-k config that fails it (on a GPU, GpuEvaluator.recheck runs the checks; tests/test_layer.py)."""
+
+    def __init__(self, path, fails):
+        from tuner.device import DeviceInfo
+
+        super().__init__(path)
+        self.fails, self.asked = fails, []
+        self.replayed = False  # (so that the study asks: a replay is never re-checked)
+        g = self.manifest["gpu"]  # (an older manifest's names)
+        self.device = DeviceInfo(g["name"], tuple(g["capability"]), g["sms"], g["l2_bytes"], 232448)
+
+    def recheck(self, cfg, checks=5):
+        self.asked.append(cfg)
+        if cfg in self.fails:
+            if self.fails[cfg] == "raise":
+                raise RuntimeError("the launch failed")
+            return self.fails[cfg]
+        return None
+
+
+def test_a_top_config_that_fails_its_recheck_is_left_out(tmp_path, replay):
+    clean = run(tmp_path / "a", replay, top_k=3)
+    first = json.loads((clean / "topk.json").read_text())["rows"]
+    assert json.loads((clean / "topk.json").read_text())["recheck"] == {"checks": 0, "failed": []}  # a replay
+    assert "not re-checked (replayed)" in (clean / "topk.md").read_text()
+    top1, top2 = (DecoderConfig.from_dict(r["config"]) for r in first[:2])
+    ev = _RecheckedReplay(REPLAY, {top1: "rel. error inf > 0.01 in check 3 of 5", top2: "raise"})
+    got = run(tmp_path / "b", ev, top_k=3)
+    topk = json.loads((got / "topk.json").read_text())
+    assert [r["trial"] for r in topk["rows"]][:1] == [first[2]["trial"]]  # the third is now the top-1
+    assert len(topk["rows"]) == 3 and len(ev.asked) == 5  # two more asked to fill the top-3
+    assert topk["recheck"]["checks"] == 5
+    assert [f["trial"] for f in topk["recheck"]["failed"]] == [first[0]["trial"], first[1]["trial"]]
+    assert "RuntimeError: the launch failed" in topk["recheck"]["failed"][1]["reason"]
+    trials = pd.read_csv(got / "trials.csv").set_index("number")
+    for f in topk["recheck"]["failed"]:
+        assert trials.loc[f["trial"], "status"] == "incorrect"
+        assert trials.loc[f["trial"], "reason"].startswith("failed the final re-check: ")
+    assert json.loads((got / "best.json").read_text())["config"] == topk["rows"][0]["config"]
+    md = (got / "topk.md").read_text()
+    assert f"trial {first[0]['trial']} failed (rel. error inf > 0.01 in check 3 of 5) and is left out" in md

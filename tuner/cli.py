@@ -523,8 +523,42 @@ def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
                        f"{redact(url)}: run the same command again to write the run folder") from None
     except WorkerError as e:
         raise RunError(str(e)) from None
+    except Exception as e:  # the study storage failed under Optuna, which may raise something else on top
+        os_err = _in_chain(e, OSError)
+        if os_err is not None:  # e.g. a full disk under a journal: Optuna's handling of it ends in an AssertionError
+            raise RunError(f"{os_err.filename or redact(url)}: {_why(os_err)} while the study storage was written; "
+                           f"the trials completed before it are kept in {redact(url)}: run the same command again "
+                           "once that is mended") from None
+        if _storage_failure(e):  # e.g. a SQLite file damaged inside its pages (its header passed _check_storage)
+            raise RunError(f"the study storage {redact(url)} cannot be read or written ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:200]}); move the damaged file aside to start a new study"
+                           ) from None
+        raise
     finally:
         _close(ev)
+
+
+def _in_chain(e: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type ``kind`` among ``e`` and the exceptions it was raised from or while handling."""
+    return next((x for x in _chain(e) if isinstance(x, kind)), None)
+
+
+def _storage_failure(e: BaseException) -> bool:
+    """Whether ``e`` (or what it was raised from) is the study storage's own failure: Optuna's storage errors and
+    SQLAlchemy's."""
+    import optuna
+
+    return (_in_chain(e, optuna.exceptions.StorageInternalError) is not None
+            or any(type(x).__module__.startswith("sqlalchemy") for x in _chain(e)))
+
+
+def _chain(e: BaseException):
+    """``e``, then what it was raised from or while handling, and so on."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def _search_only(args, shape, space, opts, gpu) -> int:
@@ -553,6 +587,9 @@ def _run_dir(path: str) -> Path:
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"{path}: not a run folder (expected results/<shape>/<run-id>/)")
+    if p.resolve().name.endswith(".partial"):  # (study.finish writes a run folder under this name, then renames it)
+        raise UserError(f"{path}: the unfinished folder of a run stopped while it wrote its results; its trials are "
+                        "kept in the study storage: run the same `tune decoder` command again for the whole run folder")
     return p
 
 

@@ -185,6 +185,9 @@ class GpuEvaluator:
         out = {}
         for k in ("layer",) if cfg.fused else KERNELS:
             ks = st
+            if not st.launches(k, skip_first=skip):  # fused away: this kernel costs nothing of its own
+                out[k] = 0.0
+                continue
             if self.l2 == "cold":
                 w = cold_weights(self.weights, kernel_weights(k, st.bufs[-1]), self.esize, self.device.l2_bytes)
                 if len(w) > len(self.weights):
@@ -192,34 +195,42 @@ class GpuEvaluator:
                     ks.run()  # (its buffers written once: the kernel alone reads what its producers left)
                     torch.cuda.synchronize()
             launches = ks.launches(k, skip_first=skip)
-            if not launches:  # fused away: this kernel costs nothing of its own
-                out[k] = 0.0
-                continue
             g = capture(lambda: [f() for f in launches], warmup=1)
             out[k] = time_replay(g.replay, ks.n_layers - int(skip), reps=self.reps, warmup=self.warmup).median_us
             del g, ks
         return out
 
     def baselines(self, default: DecoderConfig, with_compile: bool = True) -> Baselines:
+        """The torch eager and torch.compile stacks on the same weights, each checked and timed, and the DRAM floor
+        (``default`` is the study's to measure, beside its top-k)."""
         import torch
 
         from tuner.baselines import TorchStack
+        from tuner.layer import rel_tolerance
         from tuner.timing import copy_bandwidth_bytes_per_s
 
-        [(b, bs)] = self.remeasure([default])
         reps = self.TORCH_REPS_FACTOR * self.reps
-        eager = TorchStack(self.shape, self.weights, self.dtype).time(reps, self.warmup).median_us
-        comp = None
-        if with_compile:
+        extra, times = {}, {}
+        for name, compiled in (("eager", False), ("compile", True)) if with_compile else (("eager", False),):
             try:
-                comp = TorchStack(self.shape, self.weights, self.dtype, compiled=True).time(
-                    reps, self.warmup).median_us
+                ts = TorchStack(self.shape, self.weights, self.dtype, compiled=compiled)
+                # checked as every candidate is: a torch figure beside ours is the same layer, computed right
+                extra[f"{name}_rel_error"] = err = ts.check(self.seed)
+                if not err < rel_tolerance(self.dtype):
+                    print(f"torch {name} baseline: rel. error {err:.3g} > {rel_tolerance(self.dtype):g} against the "
+                          "fp32 reference (timed anyway; manifest baselines.extra)")
+                times[name] = ts.time(reps, self.warmup).median_us
+                del ts
             except Exception as e:  # noqa: BLE001 - a baseline that cannot compile is reported, not fatal
+                if not compiled:
+                    raise
                 print(f"torch.compile baseline failed: {type(e).__name__}: {e}")
         torch.cuda.synchronize()
         bw = copy_bandwidth_bytes_per_s()
-        return Baselines(b, bs, eager, comp, self.shape.weight_bytes(self.esize) / bw * 1e6,
-                         {"copy_bandwidth_bytes_per_s": bw})
+        extra["copy_bandwidth_bytes_per_s"] = bw
+        # (the default config's own figure, baseline_us, is the study's: measured interleaved with the top-k)
+        return Baselines(math.nan, math.nan, times["eager"], times.get("compile"),
+                         self.shape.weight_bytes(self.esize) / bw * 1e6, extra)
 
 
 class ReplayEvaluator:

@@ -186,6 +186,19 @@ def _set_aside_torn_record(path: Path) -> None:
           f"in {aside.name}; every complete record is kept", file=sys.stderr)
 
 
+def _damaged_record(path: Path) -> str | None:
+    """Which record (line) of a journal file is not JSON, as "its line N of M"; None when every line is."""
+    import json
+
+    lines = path.read_bytes().splitlines()
+    for i, line in enumerate(lines, 1):
+        try:
+            json.loads(line)
+        except ValueError:
+            return f"its line {i} of {len(lines)} is not a whole record"
+    return None
+
+
 def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, grace_period_s: int = GRACE_PERIOD_S):
     """The Optuna storage object for ``url``. A folder missing for a SQLite or journal file is created;
     if the storage then fails to open, whatever was created here is removed again (StorageError)."""
@@ -224,6 +237,11 @@ def open_storage(url: str, *, heartbeat_interval_s: int = HEARTBEAT_INTERVAL_S, 
         if isinstance(e, StorageError):
             raise
         first = " ".join(str(e).split()).replace(url, redact(url))[:200]
+        if url.startswith(JOURNAL_PREFIX) and isinstance(e, ValueError) and (bad := _damaged_record(path)):
+            # (the decoder's own "line 1 column 31" counts within the one record it was given, not in the file)
+            raise StorageError(f"--storage {redact(url)!r}: cannot open it: {bad}, which no reader can parse, so "
+                               "none of the study's records can be read; move the file aside to start a new study"
+                               ) from None
         hint = " (pip install psycopg2-binary)" if url.startswith("postgresql") and isinstance(e, ImportError) else ""
         raise StorageError(f"--storage {redact(url)!r}: cannot open it ({type(e).__name__}: {first}){hint}") from None
 
@@ -297,8 +315,11 @@ def owner_alive(owner: dict) -> bool | None:
 
 
 def recover_orphans(study: optuna.Study) -> list[int]:
-    """Fail the RUNNING trials whose owner process on this host is dead, and queue each for one retry.
-    Returns their numbers. Safe to run from several processes: only the one whose FAIL lands retries."""
+    """Fail the RUNNING trials whose owner process on this host is dead, and queue each for one retry; queue one
+    retry, too, for each trial that Optuna failed when its process was interrupted mid-trial (Ctrl-C: a FAIL with no
+    measurement recorded, ``status``) and that has none yet. Returns their numbers. Safe to run from several
+    processes: only the one whose FAIL lands retries a RUNNING trial (an interrupted one retried twice at once is
+    measured once: its copies launch the same kernels)."""
     lost = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER_ATTR)
@@ -312,4 +333,13 @@ def recover_orphans(study: optuna.Study) -> list[int]:
             warnings.simplefilter("ignore")
             _retry_callback()(study, study.trials[t.number])
         lost.append(t.number)
-    return lost
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.system_attrs.get("failed_trial") for t in trials}
+    for t in trials:
+        if (t.state == TrialState.FAIL and "status" not in t.user_attrs and t.number not in retried
+                and t.system_attrs.get("failed_trial") is None):  # (a retry is not retried again)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _retry_callback()(study, t)
+            lost.append(t.number)
+    return sorted(lost)

@@ -263,7 +263,9 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
         seeds.insert(1, (hand_picked_many(shape), None))
     if num_sms and (wide := hand_picked_wide(shape, num_sms)) is not None:
         seeds.insert(1, (wide if pdl else wide.without_knobs(), None))
-    study.set_user_attr("seeded", True)
+    # (a seed already in the study, queued by a process that died before it marked the study seeded, is not queued
+    # again)
+    queued = [t.params or t.system_attrs.get("fixed_params") or {} for t in study.get_trials(deepcopy=False)]
     enqueued = 0
     for cfg, attrs in seeds:
         if budget is not None and enqueued >= budget:  # never more seeds than the budget: none is left waiting
@@ -275,11 +277,13 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
                 if not name.startswith("layer.") and dim.choices is not None and params[name] not in dim.choices:
                     params[name] = dim.choices[0]
         if space.contains(params, pdl):
-            study.enqueue_trial(params, user_attrs=attrs)
+            if params not in queued:
+                study.enqueue_trial(params, user_attrs=attrs)
             enqueued += 1
         elif attrs:
             log(f"{shape.label}: the baseline's tiles are outside {space.source}: it is measured in the final "
                 "phase only")
+    study.set_user_attr("seeded", True)  # (last: a process killed before this leaves the study to the next one)
 
 
 def _space_cannot_run(shape: DecoderShape, space: SearchSpace, pdl: bool) -> str | None:
@@ -323,14 +327,17 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     _check_identity(study, ident)
     lost = recover_orphans(study)
     if lost:
-        log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died): "
-            "marked failed, retried once")
-    # The first trials are queued by the process that created the study: processes started together
-    # on several hosts would otherwise all see none queued yet and queue them once each. A study whose
-    # creator died before queueing them gets them from the next process that finds none.
+        log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died or was "
+            "stopped mid-trial): marked failed, retried once")
+    # The first trials are queued by the process that created the study, and the study is marked seeded once they
+    # all are. A study whose creator died before that (killed right after it started) gets the missing ones from the
+    # next process that opens it; one that finds the creator still queueing (processes started together on several
+    # hosts) queues only what is missing so far, and a seed queued twice is measured once (config_hash).
     trials = study.get_trials(deepcopy=False)
-    seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") for t in trials)
-    if created or (trials and not seeded):
+    # (a study from before the "seeded" mark has its baseline measured; one killed while queueing has it waiting)
+    seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") and t.state.is_finished()
+                                                   for t in trials)
+    if created or not seeded:
         dev = _device_dict(evaluator)
         _enqueue_first_trials(study, shape, pdl, space, log, budget=search_budget(space, pdl, opts),
                               l2_bytes=dev.get("l2_bytes"), num_sms=dev.get("num_sms"))
