@@ -267,12 +267,14 @@ def test_slowed_layer_kernel_refuses():
 @pytest.mark.gpu
 def test_the_final_phase_checks_and_breakdown_on_the_gpu():
     # GpuEvaluator.recheck passes a correct config (its checks run the captured stack on fresh input), and the
-    # per-kernel breakdown times every kernel over its own cold stack (cold_weights): finite, and QKV's no faster
-    # than over the layer's stack, whose QKV weights fit in the L2.
+    # per-kernel breakdown times every kernel over its own cold stack (cold_weights): finite, and alone each kernel
+    # pays its whole boundary, so that the kernels add up to at least most of the layer. (Over a deeper stack a
+    # kernel's figure also carries less of the replay's fixed cost: H100, bert-base's QKV 5.36 us alone over its 45
+    # layers against 5.65 over the layer's 12; perf notes 54.)
     import math
 
     from tuner.evaluate import GpuEvaluator
-    from tuner.timing import capture, time_replay
+    from tuner.timing import time_replay
 
     shape = resolve("bert-base")
     ev = GpuEvaluator(shape, reps=20, warmup=3)
@@ -280,11 +282,8 @@ def test_the_final_phase_checks_and_breakdown_on_the_gpu():
     assert ev.recheck(cfg, 3) is None
     b = ev.breakdown(cfg)
     assert all(math.isfinite(v) and v >= 0 for v in b.values()) and b["qkv"] > 0 and b["out"] > 0
-    st = ev._stack(cfg)
-    launches = st.launches("qkv", skip_first=st.first_layer_differs())
-    g = capture(lambda: [f() for f in launches], warmup=1)
-    hot = time_replay(g.replay, len(launches), reps=20, warmup=3).median_us
-    assert b["qkv"] > 0.95 * hot, (b["qkv"], hot)
+    layer = time_replay(ev._stack(cfg).replay, ev.n_layers, reps=20, warmup=3).median_us
+    assert 0.9 * layer < sum(b.values()) < 1.5 * layer, (b, layer)
 
 
 @pytest.mark.gpu
