@@ -216,3 +216,18 @@ def test_a_study_whose_creator_died_before_seeding_it_gets_its_seeds(tmp_path, q
     got = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False)]
     assert got == seeds and study.user_attrs["seeded"]
     assert sum(bool(t.user_attrs.get("is_baseline")) for t in study.get_trials(deepcopy=False)) == 1
+
+
+def test_a_study_continued_with_another_sampler_says_so(tmp_path):
+    # The same study goes on under another --sampler or --seed (its trials stay comparable); the run says so, since
+    # the manifest names only the sampler of the run that wrote it.
+    storage = open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}")
+    replay = ReplayEvaluator(REPLAY)
+    said = []
+    opts = StudyOptions(trials=BUDGET, storage=storage, progress=False, sampler="tpe")
+    open_study(replay.shape, replay, space.load(), opts, tmp_path, log=said.append)
+    open_study(replay.shape, replay, space.load(), opts, tmp_path, log=said.append)
+    assert not [s for s in said if "began with" in s]
+    again = StudyOptions(**{**opts.__dict__, "sampler": "random", "seed": 5})
+    open_study(replay.shape, replay, space.load(), again, tmp_path, log=said.append)
+    assert [s for s in said if "began with --sampler tpe --seed 0" in s and "--sampler random --seed 5" in s]

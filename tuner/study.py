@@ -325,6 +325,15 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     if evaluator.replayed:
         ident["recording"] = getattr(evaluator, "fingerprint", None)
     _check_identity(study, ident)
+    # Another sampler or seed may continue a study (its trials stay comparable), but the run says so: the manifest
+    # names only this run's.
+    drawn = {"sampler": opts.sampler, "seed": opts.seed}
+    first = study.user_attrs.get("drawn_by")
+    if first is None:
+        study.set_user_attr("drawn_by", drawn)
+    elif first != drawn and opts.worker_index == 0:
+        log(f"{shape.label}: this study began with --sampler {first.get('sampler')} --seed {first.get('seed')}; "
+            f"its trials from now on are drawn with --sampler {opts.sampler} --seed {opts.seed}")
     lost = recover_orphans(study)
     if lost:
         log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died or was "
