@@ -19,8 +19,8 @@ from optuna.trial import TrialState
 
 from tuner import faults, space
 from tuner.evaluate import ReplayEvaluator
-from tuner.storage import OWNER_ATTR, open_storage
-from tuner.study import StudyOptions, open_study, search, trial_status
+from tuner.storage import OWNER_ATTR, open_storage, this_owner
+from tuner.study import SEEDING_ATTR, StudyOptions, open_study, search, trial_status
 
 REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
 BUDGET = 8
@@ -209,6 +209,9 @@ def test_a_study_whose_creator_died_before_seeding_it_gets_its_seeds(tmp_path, q
     seeds = [t.system_attrs["fixed_params"] for t in clean.get_trials(deepcopy=False)]
     name = clean.study_name + "-killed"
     died = optuna.create_study(study_name=name, storage=storage)
+    if queued:  # (killed after it wrote who it was: a process of this host that is gone; else it never wrote it)
+        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        died.set_user_attr(SEEDING_ATTR, {**this_owner(), "pid": int(gone.stdout), "start": None})
     for p in seeds[:queued]:
         died.enqueue_trial(p, user_attrs={"is_baseline": True} if p == seeds[0] else None)
     study = open_study(replay.shape, replay, space.load(), StudyOptions(**{**opts.__dict__, "study_name": name}),
@@ -216,6 +219,18 @@ def test_a_study_whose_creator_died_before_seeding_it_gets_its_seeds(tmp_path, q
     got = [t.system_attrs["fixed_params"] for t in study.get_trials(deepcopy=False)]
     assert got == seeds and study.user_attrs["seeded"]
     assert sum(bool(t.user_attrs.get("is_baseline")) for t in study.get_trials(deepcopy=False)) == 1
+
+
+def test_a_creator_still_queueing_the_seeds_is_left_to_it(tmp_path):
+    # Processes started together (on several hosts, or here): the one that finds the study created by a live
+    # process that has not marked it seeded yet queues nothing (tests/test_postgres.py: one baseline between two).
+    storage = open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}")
+    replay = ReplayEvaluator(REPLAY)
+    opts = StudyOptions(trials=BUDGET, storage=storage, progress=False, sampler="random", study_name="busy")
+    busy = optuna.create_study(study_name="busy", storage=storage)
+    busy.set_user_attr(SEEDING_ATTR, this_owner())  # this process: alive
+    study = open_study(replay.shape, replay, space.load(), opts, tmp_path, log=lambda *a: None)
+    assert study.get_trials(deepcopy=False) == [] and not study.user_attrs.get("seeded")
 
 
 def test_a_study_continued_with_another_sampler_says_so(tmp_path):

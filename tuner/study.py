@@ -32,7 +32,8 @@ from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
-from tuner.storage import OWNER_ATTR, default_url, open_storage, recover_orphans, redact, this_owner
+from tuner.storage import (OWNER_ATTR, default_url, open_storage, owner_alive, recover_orphans, redact,
+                           this_owner)
 from tuner.worker import WorkerStartError
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
@@ -317,6 +318,7 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     sampler = make_sampler(opts.sampler, opts.seed + opts.worker_index, space, pdl, parallel=opts.workers > 1)
     try:
         study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler)
+        study.set_user_attr(SEEDING_ATTR, this_owner())  # (first: another process then knows who queues the seeds)
         created = True
     except optuna.exceptions.DuplicatedStudyError:
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
@@ -338,19 +340,38 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     if lost:
         log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died or was "
             "stopped mid-trial): marked failed, retried once")
-    # The first trials are queued by the process that created the study, and the study is marked seeded once they
-    # all are. A study whose creator died before that (killed right after it started) gets the missing ones from the
-    # next process that opens it; one that finds the creator still queueing (processes started together on several
-    # hosts) queues only what is missing so far, and a seed queued twice is measured once (config_hash).
+    # The first trials are queued by the process that created the study (processes started together on several
+    # hosts would otherwise queue them once each), and the study is marked seeded once they all are. A study whose
+    # creator died before that (killed right after it started) gets the missing ones from the next process that
+    # opens it (_creator_gone).
     trials = study.get_trials(deepcopy=False)
     # (a study from before the "seeded" mark has its baseline measured; one killed while queueing has it waiting)
     seeded = study.user_attrs.get("seeded") or any(t.user_attrs.get("is_baseline") and t.state.is_finished()
                                                    for t in trials)
-    if created or not seeded:
+    if created or (not seeded and _creator_gone(study)):
         dev = _device_dict(evaluator)
         _enqueue_first_trials(study, shape, pdl, space, log, budget=search_budget(space, pdl, opts),
                               l2_bytes=dev.get("l2_bytes"), num_sms=dev.get("num_sms"))
     return study
+
+
+SEEDING_ATTR = "seeding"  # the study's user attribute: the owner (tuner.storage.this_owner) of its creator
+
+
+def _creator_gone(study, wait_s: float = 2.0) -> bool:
+    """Whether the process that created ``study`` died before it marked the study seeded: its owner, written right
+    after the study, is a dead process of this host, or was never written (``wait_s`` allows for a creator between
+    the two). A creator on another host, or alive, is left to queue the seeds itself."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        attrs = study.user_attrs
+        if attrs.get("seeded"):
+            return False
+        if SEEDING_ATTR in attrs:
+            return owner_alive(attrs[SEEDING_ATTR]) is False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
 
 
 def _repairer(shape: DecoderShape, evaluator):
