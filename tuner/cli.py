@@ -277,12 +277,12 @@ def _check_hot(l2: str, shapes, dtype, gpu: str | None) -> None:
     """--l2 hot only for shapes whose whole model's weights fit in the L2 of the GPU that measures them."""
     import torch
 
+    from tuner.device import DeviceInfo
     from tuner.layer import hot_error
 
     if l2 != "hot":
         return
-    l2_bytes = torch.cuda.get_device_properties(int(gpu) if gpu is not None else torch.cuda.current_device()
-                                                ).L2_cache_size
+    l2_bytes = DeviceInfo.from_torch(f"cuda:{gpu}" if gpu is not None else None).l2_bytes  # (GpuEvaluator's source)
     esize = torch.empty(0, dtype=dtype).element_size()
     for shape in shapes:
         why = hot_error(shape, esize, l2_bytes)
@@ -548,8 +548,8 @@ def _storage_failure(e: BaseException) -> bool:
     SQLAlchemy's."""
     import optuna
 
-    return (_in_chain(e, optuna.exceptions.StorageInternalError) is not None
-            or any(type(x).__module__.startswith("sqlalchemy") for x in _chain(e)))
+    return any(isinstance(x, optuna.exceptions.StorageInternalError) or type(x).__module__.startswith("sqlalchemy")
+               for x in _chain(e))
 
 
 def _chain(e: BaseException):

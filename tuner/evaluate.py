@@ -137,10 +137,9 @@ class GpuEvaluator:
                 st.capture()
             else:
                 st = self._stack(cfg)
-            self._checks += 1
-            err = st.check(seed=self.seed * 100003 + self._checks)  # fresh random input every check
-            if not err < st.tolerance():
-                return TrialResult("incorrect", reason=f"rel. error {err:.3g} > {st.tolerance():g}", rel_error=err)
+            err, why = self._check(st)
+            if why:
+                return TrialResult("incorrect", reason=why, rel_error=err)
             t = time_replay(st.replay, self.n_layers, reps=self.reps, warmup=self.warmup)
             return TrialResult("ok", t.median_us, t.spread_us, rel_error=err)
         except Exception as e:  # a failing candidate fails its trial, never the study
@@ -152,11 +151,17 @@ class GpuEvaluator:
         input with every buffer poisoned first (DecoderStack.check); None when all pass."""
         st = self._stack(cfg)
         for i in range(1, checks + 1):
-            self._checks += 1
-            err = st.check(seed=self.seed * 100003 + self._checks)
-            if not err < st.tolerance():
-                return f"rel. error {err:.3g} > {st.tolerance():g} in check {i} of {checks}"
+            _, why = self._check(st)
+            if why:
+                return f"{why} in check {i} of {checks}"
         return None
+
+    def _check(self, st) -> tuple[float, str | None]:
+        """One correctness check of ``st`` on fresh random input (a new seed every check): its relative error, and
+        why it fails (None when within the tolerance)."""
+        self._checks += 1
+        err = st.check(seed=self.seed * 100003 + self._checks)
+        return err, (None if err < st.tolerance() else f"rel. error {err:.3g} > {st.tolerance():g}")
 
     def remeasure(self, cfgs: list[DecoderConfig], rounds: int = 40) -> list[tuple[float, float]]:
         """Interleaved A B A B re-measurement with more repetitions."""
@@ -184,8 +189,8 @@ class GpuEvaluator:
         skip = st.first_layer_differs()
         out = {}
         for k in ("layer",) if cfg.fused else KERNELS:
-            ks = st
-            if not st.launches(k, skip_first=skip):  # fused away: this kernel costs nothing of its own
+            ks, launches = st, st.launches(k, skip_first=skip)
+            if not launches:  # fused away: this kernel costs nothing of its own
                 out[k] = 0.0
                 continue
             if self.l2 == "cold":
@@ -194,7 +199,7 @@ class GpuEvaluator:
                     ks = DecoderStack(self.shape, cfg, n_layers=len(w), dtype=self.dtype, weights=w)
                     ks.run()  # (its buffers written once: the kernel alone reads what its producers left)
                     torch.cuda.synchronize()
-            launches = ks.launches(k, skip_first=skip)
+                    launches = ks.launches(k, skip_first=skip)
             g = capture(lambda: [f() for f in launches], warmup=1)
             out[k] = time_replay(g.replay, ks.n_layers - int(skip), reps=self.reps, warmup=self.warmup).median_us
             del g, ks

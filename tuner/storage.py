@@ -329,17 +329,20 @@ def recover_orphans(study: optuna.Study) -> list[int]:
             study.tell(t.number, state=TrialState.FAIL)
         except Exception:  # noqa: BLE001 - another process failed (or finished) it first
             continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            _retry_callback()(study, study.trials[t.number])
+        _retry(study, study.trials[t.number])
         lost.append(t.number)
     trials = study.get_trials(deepcopy=False)
     retried = {t.system_attrs.get("failed_trial") for t in trials}
     for t in trials:
         if (t.state == TrialState.FAIL and "status" not in t.user_attrs and t.number not in retried
                 and t.system_attrs.get("failed_trial") is None):  # (a retry is not retried again)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                _retry_callback()(study, t)
+            _retry(study, t)
             lost.append(t.number)
     return sorted(lost)
+
+
+def _retry(study: optuna.Study, trial) -> None:
+    """Queue one retry of the failed ``trial`` (_retry_callback)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _retry_callback()(study, trial)

@@ -34,10 +34,11 @@ from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config
 from tuner.storage import (OWNER_ATTR, default_url, open_storage, owner_alive, recover_orphans, redact,
                            this_owner)
-from tuner.worker import WorkerStartError
+from tuner.worker import WorkerStartError, one_line
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
 MAX_GRID = 1_000_000
+SEEDING_ATTR = "seeding"  # the study's user attribute: the owner (tuner.storage.this_owner) of its creator
 
 
 class StudyError(ValueError):
@@ -353,9 +354,6 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
         _enqueue_first_trials(study, shape, pdl, space, log, budget=search_budget(space, pdl, opts),
                               l2_bytes=dev.get("l2_bytes"), num_sms=dev.get("num_sms"))
     return study
-
-
-SEEDING_ATTR = "seeding"  # the study's user attribute: the owner (tuner.storage.this_owner) of its creator
 
 
 def _creator_gone(study, wait_s: float = 2.0) -> bool:
@@ -770,7 +768,6 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
             failed.append({"trial": int(n), "reason": why})
             log(f"{shape.label}: trial {int(n)} failed its re-check ({why}): left out of the top-k")
             at = df["number"] == n
-            df["reason"] = df["reason"].astype(object)
             df.loc[at, "status"], df.loc[at, "reason"] = "incorrect", f"failed the final re-check: {why}"
         else:
             kept.append(n)
@@ -876,7 +873,7 @@ def _recheck(evaluator, cfg: DecoderConfig, checks: int) -> str | None:
     try:
         return evaluator.recheck(cfg, checks)
     except Exception as e:  # noqa: BLE001 - a config that no longer runs fails its re-check, not the study
-        return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        return one_line(e)
 
 
 def _new_run_dir(parent: Path, suffix: str) -> Path:

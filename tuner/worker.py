@@ -289,7 +289,7 @@ def serve(fd: int) -> None:
         ev = spec.build()
         conn.send(("ok", _describe(ev)))
     except Exception as e:  # noqa: BLE001 - reported to the study process, which raises it there
-        conn.send(("error", _one_line(e)))
+        conn.send(("error", one_line(e)))
         return
     while True:
         try:
@@ -301,11 +301,11 @@ def serve(fd: int) -> None:
         try:
             reply = ("ok", _dispatch(ev, method, args))
         except Exception as e:  # noqa: BLE001 - a failing call fails that call, not the worker
-            reply = ("error", _one_line(e))
+            reply = ("error", one_line(e))
         conn.send(reply)
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
