@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import json
 import statistics
 from dataclasses import replace
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -357,6 +359,31 @@ def test_write_reports_creates_files(tmp_path):
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(run_dir.rglob("*.tmp"))
+
+
+def test_plots_are_written_with_a_palette_that_keeps_what_they_show(tmp_path):
+    from PIL import Image
+
+    fig = report._figure(6, 4)
+    ax = fig.add_subplot()
+    grid = np.linspace(0, 1, 64).reshape(8, 8)
+    ax.imshow(grid, cmap="RdYlGn")
+    for i in range(8):
+        ax.text(i, i, f"{grid[i, i]:.2f}", ha="center", va="center", fontsize=7)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    full = buf.getvalue()
+    path = report._save(fig, tmp_path / "plot.png")
+    small = path.read_bytes()
+    assert len(small) < 0.6 * len(full)
+    with Image.open(io.BytesIO(full)) as a, Image.open(path) as b:
+        assert b.mode == "P" and a.size == b.size
+        diff = np.abs(np.asarray(a.convert("RGB"), dtype=int) - np.asarray(b.convert("RGB"), dtype=int)).max(axis=2)
+    assert (diff > 8).mean() < 0.01 and diff.max() < 64
+    clear = io.BytesIO()
+    Image.new("RGBA", (4, 4), (255, 0, 0, 0)).save(clear, format="PNG")
+    assert report.compact_png(clear.getvalue()) == clear.getvalue()  # transparency is kept as it is
+    assert report.compact_png(small) == small
 
 
 def test_write_reports_skips_plots_without_data(tmp_path):

@@ -678,12 +678,29 @@ def _title(run: Run, what: str) -> str:
         " (replayed)" if run.replayed else "")
 
 
+def compact_png(data: bytes) -> bytes:
+    """An opaque PNG re-encoded with a 256-colour palette.
+
+    Our plots are flat colours and text on white: the palette changes no cell or label one can read (the median cut
+    moves 0.3% of a ratio plane's pixels by more than 8 of 255), and the file is ~2.7x smaller. Every run folder keeps
+    five plots and the repository commits ~150 folders. An image with any transparency is returned as it is.
+    """
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(io.BytesIO(data)) as im:
+        if im.mode == "P" or (im.mode == "RGBA" and im.getchannel("A").getextrema()[0] < 255):
+            return data
+        out = io.BytesIO()
+        im.convert("RGB").quantize(256, method=Image.Quantize.MEDIANCUT).save(out, format="PNG", optimize=True)
+    return out.getvalue()
+
+
 def _save(fig, path) -> Path:
-    """PNG bytes written to a temporary name and renamed (tuner.manifest.write_bytes_atomic)."""
+    """PNG bytes (compact_png) written to a temporary name and renamed (tuner.manifest.write_bytes_atomic)."""
     path = Path(path)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    write_bytes_atomic(path, buf.getvalue())
+    write_bytes_atomic(path, compact_png(buf.getvalue()))
     return path
 
 
