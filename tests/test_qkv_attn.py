@@ -83,6 +83,12 @@ def test_layer_rules():
     long = DecoderShape(1, 256, 768, 12, 3072, name="256-tokens")
     assert "seq <= 128" in check_config(cfg, long)["qkv"] and repair_config(cfg, long).qkv.fuse == 0
     assert "it must be 0 here" in check_config(replace(cfg, ffn1=replace(cfg.ffn1, fuse=1)), base)["ffn1"]
+    # the row sums it reads (norm1.fuse 2) come in at most 32 parts: an unsplit FFN2 of 32-wide tiles on d_model 2048
+    # writes 64 (the launcher refused it, so the trial crashed instead of being invalid)
+    wide = DecoderShape(1, 128, 2048, 32, 8192, name="d2048")
+    many = replace(cfg, ffn2=replace(cfg.ffn2, fuse=0, block_n=32, split_k=1))
+    assert "1..32 parts, not 64" in check_config(many, wide)["qkv"] and repair_config(many, wide).qkv.fuse == 0
+    assert "qkv" not in check_config(replace(many, ffn2=replace(many.ffn2, block_n=64)), wide)
     # the clustered seed computes the attention in QKV's kernel where the fused block does not
     assert hand_picked_cluster(base).qkv.fuse == 1 and hand_picked_cluster(base, qkv_attn=False).qkv.fuse == 0
     assert hand_picked_cluster(tiny).qkv.fuse == 0 and hand_picked_cluster(tiny, attn_in=False).qkv.fuse == 1

@@ -92,7 +92,8 @@ def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo |
         return "needs attn.fuse 0 (with attn.fuse 1 the attention is computed by FFN1's kernel)"
     if cfg.norm1.fuse == 1:
         return "needs norm1.fuse 0 or 2 (the row sums from the previous layer), not 1"
-    return (qkv_attn.error(shape.seq, shape.head_dim, shape.d_model, gemm_k.cluster_stages(cfg.qkv),
+    parts = ln_parts(shape, cfg, dtype_bytes, device).get("qkv")  # the previous layer's FFN2's (norm1.fuse 2)
+    return (qkv_attn.error(shape.seq, shape.head_dim, shape.d_model, gemm_k.cluster_stages(cfg.qkv), parts,
                            smem_limit=smem_limit(device))
             or hopper_error(device))
 
