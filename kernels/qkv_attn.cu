@@ -232,7 +232,10 @@ __global__ void __launch_bounds__(THREADS, 1) qkv_attn_kernel(const __grid_const
 
   const int warp = tid / 32, lane = tid % 32;
   const int r_lo = (warp % 4) * 16 + lane / 4, c_lo = (lane % 4) * 2;  // the thread's rows r, r + 8 and columns
-  float* const red = reinterpret_cast<float*>(smem_raw + (a_smem - raw));  // the second share, over the idle stages
+  // The second share (36 x 128 floats, 18 KB), over the stages, idle by (A): the K loop has consumed every chunk. With
+  // 2 stages of one 8 KB tile it runs 2 KB past the A ring into the B ring; the two rings are >= 32 KB.
+  static_assert(36 * CONSUMERS * sizeof(float) <= 2 * 2 * TILE, "the second share must fit in the stages");
+  float* const red = reinterpret_cast<float*>(smem_raw + (a_smem - raw));
   if (tid >= ATTENDERS) {
     if (tid == ATTENDERS) {  // producer: one thread issues the loads (cluster_gemm.cu's loop, one split)
       const int pref = (p.n_pref + KC - 1) / KC;  // chunks of weights requested before the wait
