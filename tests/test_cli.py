@@ -18,6 +18,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import optuna
@@ -882,6 +883,25 @@ def test_a_storage_damaged_inside_is_one_line(tmp_path):
     journal.write_bytes(b"".join(lines))
     rc, stdout, stderr = decoder(tmp_path / "j", 6, "--storage", f"journal:{journal}")
     assert rc == 2 and f"its line {len(lines) // 2 + 1} of {len(lines)} is not a whole record" in stderr, stderr
+
+
+def test_a_storage_failing_only_in_its_heartbeat_thread_is_one_line(tmp_path, monkeypatch):
+    # Optuna beats in a thread of each trial (RDB storages); a storage that failed only there (a SQLite file damaged
+    # in that table) printed a thread's traceback a trial while the study went on.
+    from tuner import cli
+
+    def broken(self, trial_id):
+        raise optuna.exceptions.StorageInternalError("database disk image is malformed")
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "record_heartbeat", broken)
+    monkeypatch.setattr(cli, "_THREAD_FAILURES", set())
+    rc, stdout, stderr = decoder(tmp_path / "results", 4)
+    assert rc == 0 and "Traceback" not in stderr, stderr
+    said = [ln for ln in stderr.splitlines() if "heartbeat" in ln]
+    assert len(said) == 1 and said[0].startswith("tune: warning: the study storage failed in a background thread")
+    assert "database disk image is malformed; the run goes on" in said[0]
+    assert len(finished(study_of(run_folder(stdout)))) == 4
+    assert threading.excepthook is not cli._thread_failed  # (main puts the interpreter's back)
 
 
 def test_an_unfinished_run_folder_is_refused(tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -801,6 +802,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse already printed its one-line error (_Parser), or --help
         return int(e.code or 0)
     args.argv = argv
+    hook = threading.excepthook
+    threading.excepthook = _thread_failed
     try:
         return int(args.func(args) or 0)
     except UserError as e:
@@ -816,6 +819,27 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"tune: error: {where}{_why(e)}", file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        threading.excepthook = hook
+
+
+_THREAD_FAILURES: set[str] = set()
+
+
+def _thread_failed(args: threading.ExceptHookArgs) -> None:
+    """A background thread's exception in one line, not a traceback; the run goes on. The thread is Optuna's
+    heartbeat (RDB storages: a storage that fails only there, e.g. a SQLite file damaged in that table) or a
+    progress or pipe reader; the main thread reports its own failures."""
+    from tuner.worker import one_line
+
+    if args.exc_type is SystemExit or args.exc_value is None or one_line(args.exc_value) in _THREAD_FAILURES:
+        return
+    _THREAD_FAILURES.add(one_line(args.exc_value))  # (a heartbeat thread a trial: said once)
+    what = (f"the study storage failed in a background thread ({args.thread.name if args.thread else '?'}): "
+            "other hosts may take this process's running trial as stale"
+            if _storage_failure(args.exc_value) else
+            f"a background thread ({args.thread.name if args.thread else '?'}) failed")
+    print(f"tune: warning: {what}: {one_line(args.exc_value)}; the run goes on", file=sys.stderr)
 
 
 if __name__ == "__main__":
