@@ -11,7 +11,7 @@ import torch
 from tuner.bench import hand_picked, hand_picked_fused
 from tuner.layer import REDUCE, DecoderStack
 from tuner.shapes import DecoderShape, resolve
-from tuner.verify import format_report, launch_pdl_census
+from tuner.verify import format_report, launch_pdl_census, waits
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "verify" / "bert-large"
 
@@ -122,8 +122,39 @@ def test_census_names_every_launch_and_whether_it_has_pdl():
         c = launch_pdl_census(DecoderStack(shape, cfg, n_layers=2, dtype=torch.float16))
         assert c["launches"] >= 2 and c["with_pdl"] == (c["launches"] if pdl else 0), (cfg.layer.fuse, c)
         assert not any(k.startswith("unknown") for k in c["by_kernel"]), c
+        assert c["pdl_without_wait"] == [], c  # every Triton kernel launched with PDL has gdc_wait in its code
         if cfg.fused:
             assert c["launches"] == 2
+
+
+@pytest.mark.gpu
+def test_a_kernel_launched_with_pdl_that_never_waits_is_named():
+    # The census reads each compiled kernel's PTX: a kernel launched with PDL and no griddepcontrol.wait (the chain
+    # broken: its successor's wait covers only it) is named in verify.json and verify.md
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def no_wait(x_ptr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+        tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+    @triton.jit
+    def with_wait(x_ptr, USE_PDL: tl.constexpr):
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+        tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+    x = torch.zeros(1, device="cuda")
+    assert not waits(no_wait[(1,)](x, USE_PDL=True, launch_pdl=True))
+    assert waits(with_wait[(1,)](x, USE_PDL=True, launch_pdl=True))
+    res = json.loads((RESULTS / "20261127-071259" / "verify.json").read_text())
+    res["census"]["pdl_without_wait"] = ["no_wait"]
+    assert "Launched with PDL but never waiting (no `griddepcontrol.wait` in the kernel's code): " \
+           "hand-picked, norm kernels kept: no_wait." in format_report(res, "t")
+    assert "never waiting" not in format_report(json.loads((RESULTS / "20261127-071259" / "verify.json").read_text()),
+                                                "t")
 
 
 @pytest.mark.gpu

@@ -39,11 +39,13 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
     """Run the stack once (eagerly) and count launches with and without the PDL attribute per kernel."""
     stack.run()  # compile everything first
     torch.cuda.synchronize()
-    fn_pdl = {}
+    fn_pdl, no_wait = {}, set()
     for jf in _jit_functions():
         for cache in jf.device_caches.values():
             for k in cache[0].values():
                 fn_pdl[k.function] = (k.name, bool(k.metadata.launch_pdl))
+                if k.metadata.launch_pdl and not waits(k):
+                    no_wait.add(k.function)
     launched = []
     # The CUDA kernel of cluster_gemm.cu is launched through ctypes, not Triton's launcher: its own hook names it
     # and whether it was launched with PDL.
@@ -61,13 +63,23 @@ def launch_pdl_census(stack: DecoderStack) -> dict:
             qkv_attn.launch_enter_hook) = None
     torch.cuda.synchronize()
     census = collections.Counter()
+    unsynced = sorted({fn_pdl[f][0] for f in launched if f in no_wait})
     for f in launched:
         name, pdl = f if isinstance(f, tuple) else fn_pdl.get(f, ("unknown", False))
         census[(name, pdl)] += 1
     total = len(launched)
     with_pdl = sum(n for (_, p), n in census.items() if p)
     return {"launches": total, "with_pdl": with_pdl,
-            "by_kernel": {f"{name} pdl={p}": n for (name, p), n in sorted(census.items())}}
+            "by_kernel": {f"{name} pdl={p}": n for (name, p), n in sorted(census.items())},
+            "pdl_without_wait": unsynced}
+
+
+def waits(kernel) -> bool:
+    """Whether a compiled Triton kernel's code holds ``griddepcontrol.wait`` (gdc_wait). Launched with PDL it must:
+    it may start before its predecessor ends, and a successor's wait covers only this kernel, so one that never
+    waits breaks the chain even where it reads nothing of its predecessor's. (The CUDA kernels wait unconditionally
+    in their source.)"""
+    return "griddepcontrol.wait" in kernel.asm.get("ptx", "")
 
 
 def held_predecessor(stack: DecoderStack, layer: int, kernel: str) -> tuple[int, str] | None:
@@ -143,7 +155,7 @@ def format_report(res: dict, title: str) -> str:
     """verify.json's result as markdown: each checked stack's PDL census and its race checks, one row a racy kernel."""
     lines = [f"# {title}", "", "| configuration | launches with PDL | racy kernel (layer) | caught | false alarms | "
              "predecessor held |", "|---|---:|---|---:|---:|---|"]
-    missed, held = [], False
+    missed, held, unsynced = [], False, []
     # every checked configuration, in CHECKED's order; one that CHECKED has no label for yet under its key
     keys = list(CHECKED) + [k for k, v in res.items() if k not in CHECKED and isinstance(v, dict) and "races" in v]
     for key in keys:
@@ -154,6 +166,7 @@ def format_report(res: dict, title: str) -> str:
         held = held or any(r.get("slowed") for r in part["races"])
         c = part["census"]
         pdl = f"{c['with_pdl']} of {c['launches']}"
+        unsynced += [f"{label}: {name}" for name in c.get("pdl_without_wait", [])]  # (older verify.json: not counted)
         for i, r in enumerate(part["races"]):
             first = (label, pdl) if i == 0 else ("", "")
             lines.append(f"| {first[0]} | {first[1]} | {r['kernel']} ({r['layer']}) | {r['caught']} of {r['trials']} | "
@@ -166,4 +179,7 @@ def format_report(res: dict, title: str) -> str:
                  "both runs." if held else ""),
               "", "Every check caught its race, with no false alarm." if not missed else
               "Not caught every time, or a false alarm: " + "; ".join(missed) + "."]
+    if unsynced:
+        lines += ["", "Launched with PDL but never waiting (no `griddepcontrol.wait` in the kernel's code): "
+                  + "; ".join(unsynced) + "."]
     return "\n".join(lines) + "\n"
