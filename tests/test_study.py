@@ -94,9 +94,31 @@ def test_samplers_are_the_six_names():
 @pytest.mark.filterwarnings("ignore:QMCSampler is experimental")
 @pytest.mark.parametrize("name", SAMPLERS)
 def test_make_sampler(name):
-    # Grid enumerates every combination up front: only the small space (no PDL ratios) is enumerable.
-    sp, pdl = (grid_space(), False) if name == "grid" else (space.load(), True)
+    # Grid enumerates every combination up front: only the small space (no PDL ratios) is enumerable. CMA-ES and QMC
+    # draw numeric ranges only: a space with a continuous ratio.
+    sp, pdl = ((grid_space(), False) if name == "grid" else (continuous_space(), True) if name in ("cmaes", "qmc")
+               else (space.load(), True))
     assert isinstance(make_sampler(name, 0, sp, pdl), SAMPLER_CLASSES[name])
+
+
+@pytest.mark.parametrize("name", ["cmaes", "qmc"])
+def test_a_numeric_sampler_is_refused_on_a_space_of_choices_only(name):
+    # The shipped space is all lists of choices: Optuna's CMA-ES and QMC samplers then drew every parameter with
+    # their independent sampler (random), and the run said "sampler cmaes"
+    with pytest.raises(StudyError, match=f"--sampler {name} draws only numeric ranges, .* Use tpe, gp or random"):
+        make_sampler(name, 0, space.load(), True)
+
+
+@pytest.mark.parametrize("name, package", [("gp", "scipy"), ("qmc", "scipy"), ("cmaes", "cmaes")])
+def test_a_sampler_whose_package_is_missing_is_refused(name, package, monkeypatch):
+    # (else each trial failed in the sampler with ModuleNotFoundError, and the study went on to its end)
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == package else real(m, *a))
+    with pytest.raises(StudyError, match=f"--sampler {name} needs the Python package {package} "
+                                         rf"\(pip install {package}\)"):
+        make_sampler(name, 0, continuous_space(), True)
 
 
 def test_grid_rejects_continuous_ranges():
@@ -135,7 +157,8 @@ def test_every_sampler_runs_a_replayed_study(tmp_path, replay, name):
     status, and the run folder is written."""
     if name == "grid":
         replay.pdl = False  # the grid space is only enumerable without the ratios
-    folder = run(tmp_path, replay, grid_space() if name == "grid" else None, sampler=name)
+    sp = grid_space() if name == "grid" else continuous_space() if name in ("cmaes", "qmc") else None
+    folder = run(tmp_path, replay, sp, sampler=name)
     trials = pd.read_csv(folder / "trials.csv")
     assert len(trials) == 6 and trials["number"].tolist() == list(range(6))
     assert trials.loc[0, "is_baseline"] and trials["is_baseline"].sum() == 1

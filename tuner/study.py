@@ -14,6 +14,7 @@ trial that does not count and one retry of it (tuner.storage).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -37,6 +38,10 @@ from tuner.storage import (OWNER_ATTR, default_url, open_storage, owner_alive, r
 from tuner.worker import WorkerStartError, one_line
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
+# Samplers that draw only FloatDistribution/IntDistribution parameters together; a categorical one goes to their
+# independent sampler (random). And the packages Optuna's samplers import when they first draw.
+NUMERIC_ONLY = ("cmaes", "qmc")
+NEEDS = {"cmaes": ("cmaes",), "qmc": ("scipy",), "gp": ("scipy",)}
 MAX_GRID = 1_000_000
 SEEDING_ATTR = "seeding"  # the study's user attribute: the owner (tuner.storage.this_owner) of its creator
 
@@ -60,6 +65,14 @@ def _sampler(name: str, seed: int, space: SearchSpace, pdl: bool, parallel: bool
         return optuna.samplers.TPESampler(seed=seed, multivariate=True, n_startup_trials=10, constant_liar=parallel)
     if name == "random":
         return optuna.samplers.RandomSampler(seed=seed)
+    if name in NUMERIC_ONLY and all(d.choices is not None for d in space.params(pdl).values()):
+        raise StudyError(f"--sampler {name} draws only numeric ranges, and every parameter of this search space is a "
+                         "list of choices: Optuna would draw them all at random. Use tpe, gp or random, or a "
+                         "--search-space with {low, high} ratio ranges")
+    missing = [m for m in NEEDS.get(name, ()) if importlib.util.find_spec(m) is None]
+    if missing:  # (else every trial fails in the sampler: ModuleNotFoundError)
+        raise StudyError(f"--sampler {name} needs the Python package {' and '.join(missing)} (pip install "
+                         f"{' '.join(missing)})")
     if name == "qmc":
         return optuna.samplers.QMCSampler(seed=seed, warn_independent_sampling=False)
     if name == "cmaes":
