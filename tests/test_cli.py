@@ -139,6 +139,7 @@ def test_manifest_says_replayed(first):
     assert m["gpu"]["name"] == "NVIDIA H200"  # the GPU the recording was made on
     assert m["shape"]["name"] == "bert-base" and m["n_trials"] == BUDGET
     assert str(REPLAY) in json.dumps(m)  # where the timings came from
+    assert m["pdl_tune"] == tuner.__version__  # (an installed copy's provenance, where its git revision is unknown)
 
 
 def test_trials_csv(first):
@@ -367,6 +368,10 @@ BAD_DECODER = [
     ("shape-file-name-climbs-out", ["--shape-file", "{climb}"], ["name '../../escaped'", "letters, digits"]),
     ("shape-file-name-not-text", ["--shape-file", "{number}"], ["name 42"]),
     ("shape-file-batch-true", ["--shape-file", "{boolean}"], ["batch=True", "positive integer"]),
+    ("shape-file-key-missing", ["--shape-file", "{partial}"], ["shapes[0]: missing heads, ffn",
+                                                               "a shape needs batch, seq, d_model, heads, ffn"]),
+    ("shape-file-key-unknown", ["--shape-file", "{extra}"], ["shapes[0]: unknown key layers", "a shape takes batch"]),
+    ("sampler-cmaes-over-choices", ["--sampler", "cmaes"], ["--sampler cmaes draws only numeric ranges"]),
 ]
 SPACE_TEXT = {"space-bad-yaml": "version: 1\ngemm: [16, 32\nnorm: {}\n"}
 SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_list, "space-ratio-1.5": _ratio_1_5,
@@ -377,6 +382,8 @@ SHAPE_FILES = {  # (the recording's shape, so that the shape file is the only mi
     "{climb}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, name: ../../escaped}\n",
     "{number}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, name: 42}\n",
     "{boolean}": "shapes:\n  - {batch: true, seq: 128, d_model: 768, heads: 12, ffn: 3072}\n",
+    "{partial}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768}\n",  # (a TypeError's text about __init__ before)
+    "{extra}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, layers: 12}\n",
 }
 
 
@@ -434,8 +441,14 @@ def test_decoder_without_gpu_points_to_replay(tmp_path):
         pytest.skip("a GPU is visible: `tune decoder` would start a real study")
     out = tmp_path / "results"
     rc, stdout, stderr = tune("decoder", "--shape", "tiny", "--trials", "3", "--out", out)
-    assert_user_error(rc, stdout, stderr, ["CUDA GPU", "--replay"])
+    assert_user_error(rc, stdout, stderr, ["CUDA GPU", "`tune decoder --replay replay-bert-base-h200` replays the "
+                                                       "recording shipped with the package"])
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_tune_without_a_command_names_what_is_missing_in_the_user_s_words():
+    rc, stdout, stderr = tune()
+    assert rc == 2 and stderr == "tune: error: the following arguments are required: COMMAND (see tune --help)\n"
 
 
 def test_report_on_a_folder_without_trials_csv(run_copy):

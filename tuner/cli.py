@@ -40,7 +40,7 @@ def _shapes(values: list[str] | None, shape_file: str | None = None):
 
 
 def _read_shape_file(path: str):
-    from tuner.shapes import DecoderShape, ShapeError
+    from tuner.shapes import DecoderShape, ShapeError, keys_error
     from tuner.space import read_yaml
 
     data = read_yaml(path, "shape", UserError)
@@ -52,10 +52,11 @@ def _read_shape_file(path: str):
     for i, it in enumerate(items):
         if not isinstance(it, dict):
             raise UserError(f"--shape-file {path}: shapes[{i}] must be a mapping with batch, seq, d_model, heads, ffn")
+        why = keys_error(it)
+        if why:
+            raise UserError(f"--shape-file {path}: shapes[{i}]: {why}")
         try:
             out.append(DecoderShape(**it))
-        except TypeError as e:
-            raise UserError(f"--shape-file {path}: shapes[{i}]: {e}") from None
         except ShapeError as e:
             raise UserError(f"--shape-file {path}: shapes[{i}]: {e}") from None
     return out
@@ -73,7 +74,8 @@ def _need_gpu(what: str):
     import torch
 
     if not torch.cuda.is_available():
-        raise UserError(f"{what} needs a CUDA GPU and none is visible; without one, use `tune decoder --replay FILE`")
+        raise UserError(f"{what} needs a CUDA GPU and none is visible; without one, `tune decoder --replay "
+                        "replay-bert-base-h200` replays the recording shipped with the package (or give a run folder)")
 
 
 def cmd_shapes(args) -> int:
@@ -366,8 +368,7 @@ def _decoder_inputs(args):
         space = space_mod.load(args.search_space)
     except space_mod.SpaceError as e:
         raise UserError(str(e)) from None
-    if args.sampler == "grid":
-        _check_grid(space)
+    _check_sampler(args.sampler, space)
     # A worker of a --workers run is already pinned (CUDA_VISIBLE_DEVICES) and is one of --workers.
     gpus = [None] if args.search_only else _gpus(args)
     if args.search_only and len(shapes) > 1:
@@ -469,11 +470,13 @@ def _write_summary(runs: list[Path], out_root: Path) -> None:
     print(f"summary: {path} (and {out_root / 'summary.md'})")
 
 
-def _check_grid(space) -> None:
+def _check_sampler(name: str, space) -> None:
+    """The sampler's own refusals (a grid too large to list, a numeric-only sampler over choices, a package missing),
+    before anything is written."""
     from tuner.study import StudyError, make_sampler
 
     try:
-        make_sampler("grid", 0, space, pdl=True)
+        make_sampler(name, 0, space, pdl=True)
     except StudyError as e:
         raise UserError(str(e)) from None
 
@@ -626,7 +629,7 @@ def cmd_export(args) -> int:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
     if best.get("shape") is not None:  # a configuration that cannot run its own shape is not exported
         from tuner.layer import check_config, element_bytes
-        from tuner.shapes import DecoderShape, ShapeError
+        from tuner.shapes import DecoderShape, ShapeError, keys_error
 
         try:
             shape = DecoderShape.from_dict(best["shape"])
@@ -683,7 +686,8 @@ def cmd_notebook(args) -> int:
         raise UserError(f"{dest}: cannot write it ({_why(e)})") from None
     print(f"written {dest}\n"
           f"it reads the runs under the nearest results/ folder at or above {out.absolute()} (tune decoder's default "
-          f"--out), or the run folder in its RUN_DIR (or $PDL_TUNE_RUN); open it with: jupyter lab {dest}")
+          f"--out), or the run folder in its RUN_DIR (or $PDL_TUNE_RUN); open it with: jupyter lab {dest} "
+          "(JupyterLab is not a dependency of pdl-tune: pip install jupyterlab)")
     return 0
 
 
@@ -701,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
                 "transformer layer's kernels on the GPU, each candidate checked and timed as a whole layer stack in a "
                 "CUDA graph. `tune COMMAND --help` explains each command.")
     p.add_argument("--version", action="version", version=f"pdl-tune {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     s = sub.add_parser("shapes", help="list the shape presets")
     s.set_defaults(func=cmd_shapes)

@@ -105,8 +105,11 @@ def environment() -> dict:
     import torch
     import triton
 
-    env = {"python": sys.version.split()[0], "torch": torch.__version__, "triton": triton.__version__,
-           "cuda": torch.version.cuda}
+    import tuner
+
+    # (pdl_tune: the package's own version, the provenance an installed copy has where git_revision is "unknown")
+    env = {"pdl_tune": tuner.__version__, "python": sys.version.split()[0], "torch": torch.__version__,
+           "triton": triton.__version__, "cuda": torch.version.cuda}
     try:
         import optuna
 

@@ -83,10 +83,26 @@ class DecoderShape:
     def from_dict(cls, d: dict) -> "DecoderShape":
         if not isinstance(d, dict):
             raise ShapeError(f"a shape must be a mapping of batch, seq, d_model, heads, ffn, not {type(d).__name__}")
-        try:
-            return cls(**d)
-        except TypeError as e:  # a key missing or unknown
-            raise ShapeError(f"shape {d}: {str(e).split('() ', 1)[-1]}") from None
+        why = keys_error(d)
+        if why:
+            raise ShapeError(f"shape {d}: {why}")
+        return cls(**d)
+
+
+def keys_error(d: dict) -> str | None:
+    """Why a mapping's keys are not a shape's (a required one missing, or one a shape does not have); None if they
+    are."""
+    from dataclasses import MISSING, fields
+
+    names = [f.name for f in fields(DecoderShape)]
+    required = [f.name for f in fields(DecoderShape) if f.default is MISSING]
+    missing = [k for k in required if k not in d]
+    unknown = [str(k) for k in d if k not in names]
+    if missing:
+        return f"missing {', '.join(missing)} (a shape needs {', '.join(required)})"
+    if unknown:
+        return f"unknown key {', '.join(unknown)} (a shape takes {', '.join(names)})"
+    return None
 
 
 PRESETS: dict[str, DecoderShape] = {
