@@ -211,6 +211,7 @@ def test_verify_catches_the_racy_qkv_phase():
 
     shape = resolve("bert-base")
     res = run_verify(shape, hand_picked_fused(shape), n_layers=3, race_trials=6)
-    assert res["census"] == {"launches": 3, "with_pdl": 3, "by_kernel": {"_layer_kernel pdl=True": 3}}
+    assert res["census"] == {"launches": 3, "with_pdl": 3, "by_kernel": {"_layer_kernel pdl=True": 3},
+                             "pdl_without_wait": []}
     (r,) = res["races"]
     assert r["kernel"] == "qkv" and r["slowed"] is None and r["false_alarms"] == 0 and r["caught"] >= 3, r
