@@ -629,7 +629,7 @@ def cmd_export(args) -> int:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
     if best.get("shape") is not None:  # a configuration that cannot run its own shape is not exported
         from tuner.layer import check_config, element_bytes
-        from tuner.shapes import DecoderShape, ShapeError, keys_error
+        from tuner.shapes import DecoderShape, ShapeError
 
         try:
             shape = DecoderShape.from_dict(best["shape"])
