@@ -165,6 +165,11 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
         raise ValueError(f"layer kernel: racy={racy!r} is not a phase ({', '.join(PHASES)})")
     if x.dtype not in HALF_DTYPES:  # (its tiles are 16-bit words: fp32 would be read as garbage)
         raise ValueError(f"layer kernel: x is {x.dtype}; the kernel takes 16-bit operands (fp16 or bf16)")
+    if getattr(scratch, "grid", grid) != grid:
+        # Each CTA counts its launches in its own generation word of scratch.sync: under another grid the CTAs'
+        # counts part, and a CTA behind would take the flags of an earlier launch as ready (stale tiles).
+        raise ValueError(f"layer kernel: this scratch was launched with a grid of {scratch.grid} CTAs, not {grid}: "
+                         "its sync words count each CTA's launches; give each grid its own LayerScratch")
     M, D = x.shape
     F = w.w_ffn1.shape[0]
     c = config
@@ -189,3 +194,4 @@ def launch(x, w, scratch, out, *, seq: int, heads: int, config, eps: float, grid
         grid, trigger, pf, flags, eps, maps.data_ptr(), stream, err, len(err))
     if rc != 0:
         raise RuntimeError(err.value.decode(errors="replace"))
+    scratch.grid = grid

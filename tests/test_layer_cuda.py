@@ -109,6 +109,16 @@ def test_fp32_runs_the_triton_kernel_and_the_cuda_launcher_refuses_it(device):
         layer_cuda.launch(torch.zeros(64, 64), None, None, None, seq=64, heads=1, config=CUDA2, eps=1e-5, grid=1)
 
 
+def test_a_scratch_launched_under_one_grid_refuses_another():
+    # The kernel counts each CTA's launches in its own generation word of the scratch's sync ints: launched under
+    # another grid, a CTA behind would take an earlier launch's flags as ready (the race audit; no caller does it)
+    from types import SimpleNamespace
+
+    x = torch.zeros(64, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="launched with a grid of 132 CTAs, not 66: .* its own LayerScratch"):
+        layer_cuda.launch(x, None, SimpleNamespace(grid=132), None, seq=64, heads=1, config=CUDA2, eps=1e-5, grid=66)
+
+
 gpu = pytest.mark.gpu
 hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                             reason="needs a Hopper GPU")
