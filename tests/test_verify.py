@@ -157,6 +157,27 @@ def test_a_kernel_launched_with_pdl_that_never_waits_is_named():
                                                 "t")
 
 
+@pytest.mark.parametrize("source", ["cluster_gemm", "mlp_cluster", "qkv_attn", "layer_kernel"])
+def test_every_cuda_kernel_waits_in_its_compiled_code(source, tmp_path):
+    # The census reads the Triton kernels' PTX (verify.waits); the CUDA kernels' launchers set the PDL attribute from
+    # the knob, and their kernels must wait: every entry of each source's PTX (nvcc, default build) holds a
+    # griddepcontrol.wait. Needs nvcc, not a GPU.
+    import re
+    import subprocess
+
+    from tuner.kernels import _nvcc
+
+    nvcc = _nvcc.nvcc()
+    if nvcc is None:
+        pytest.skip("needs nvcc (the CUDA toolkit) to compile the kernels to PTX")
+    ptx = tmp_path / f"{source}.ptx"
+    r = subprocess.run([nvcc, "-ptx", "-std=c++17", "-gencode=arch=compute_90a,code=compute_90a", "-diag-suppress=177",
+                        "-o", str(ptx), str(_nvcc.HERE / f"{source}.cu")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = re.split(r"(?m)^(?:\.visible\s+)?\.entry\s+", ptx.read_text())[1:]
+    assert entries and all("griddepcontrol.wait" in e for e in entries), [e.split("(")[0] for e in entries]
+
+
 @pytest.mark.gpu
 def test_racy_split_k_reduction_is_caught_behind_its_held_gemm():
     # The hand-picked FFN2 splits K four ways on the Triton kernels: its reduction kernel, reading the partials before
