@@ -35,6 +35,8 @@ CLUSTER_POLICY: int | None = None
 # (scripts/timeline.py's sync_domain=N): whether a kernel's end waits on its early-launched successor's traffic.
 MEM_SYNC_DOMAIN: int | None = None
 # The two switches' defines, tagged in a build's file name (one value under either define is another build).
+# The language and warnings of every build (build; tests/test_verify.py compiles the same sources to PTX with them).
+FLAGS = ("-std=c++17", "-diag-suppress=177")
 AB_TAGS = {"HOPPER_CLUSTER_POLICY": "cp", "HOPPER_MEM_SYNC_DOMAIN": "sd"}
 
 
@@ -90,9 +92,8 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
-        cmd = [compiler, "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler",
-               "-fPIC", "-diag-suppress=177", *extra, *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp,
-               str(source)]
+        cmd = [compiler, "-O3", *FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
+               *extra, *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)

@@ -375,9 +375,9 @@ plt.show()
 #
 # `breakdown_data`: each kernel of the best configuration and of the baseline timed alone (its own
 # CUDA graph, per layer, over a stack deep enough that the kernel's own weights are 3x the L2; runs before
-# session 43 used the layer's stack, where small kernels' weights stayed in L2), then their sum. Below them the whole layer as it really runs
-# (one chain, which is what PDL shortens) and the floor: the layer's weights read once at the measured
-# copy bandwidth.
+# session 43 used the layer's stack, where small kernels' weights stayed in L2), then their sum. Below
+# them the whole layer as it really runs (one chain, which is what PDL shortens) and the floor: the
+# layer's weights read once at the measured copy bandwidth.
 
 # %%
 bd = report.breakdown_data(run)

@@ -836,14 +836,16 @@ def _thread_failed(args: threading.ExceptHookArgs) -> None:
     progress or pipe reader; the main thread reports its own failures."""
     from tuner.worker import one_line
 
-    if args.exc_type is SystemExit or args.exc_value is None or one_line(args.exc_value) in _THREAD_FAILURES:
+    if args.exc_type is SystemExit or args.exc_value is None:
         return
-    _THREAD_FAILURES.add(one_line(args.exc_value))  # (a heartbeat thread a trial: said once)
-    what = (f"the study storage failed in a background thread ({args.thread.name if args.thread else '?'}): "
-            "other hosts may take this process's running trial as stale"
-            if _storage_failure(args.exc_value) else
-            f"a background thread ({args.thread.name if args.thread else '?'}) failed")
-    print(f"tune: warning: {what}: {one_line(args.exc_value)}; the run goes on", file=sys.stderr)
+    line = one_line(args.exc_value)
+    if line in _THREAD_FAILURES:  # (a heartbeat thread a trial: said once)
+        return
+    _THREAD_FAILURES.add(line)
+    thread = args.thread.name if args.thread else "?"
+    what = (f"the study storage failed in a background thread ({thread}): other hosts may take this process's running "
+            "trial as stale" if _storage_failure(args.exc_value) else f"a background thread ({thread}) failed")
+    print(f"tune: warning: {what}: {line}; the run goes on", file=sys.stderr)
 
 
 if __name__ == "__main__":
