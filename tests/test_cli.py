@@ -659,6 +659,24 @@ def test_replay_of_a_best_json_is_refused(first, tmp_path):
     assert_user_error(rc, stdout, stderr, ["best.json", "trials.csv"])
 
 
+def test_replay_of_a_replayed_run_is_refused(run_copy, tmp_path):
+    # A replay's figures were served, most from the nearest recorded configuration: replayed again, they would come
+    # back as the recording's own (and say "recorded on" the GPU of a run that never ran there).
+    out = tmp_path / "results"
+    rc, stdout, stderr = tune("decoder", "--replay", run_copy, "--trials", "3", "--no-progress", "--out", out)
+    assert_user_error(rc, stdout, stderr, ["is itself a replay", "replay-bert-base-h200", "the GPU run"])
+    assert stderr.count(str(run_copy)) == 1, stderr
+    man = json.loads((run_copy / "manifest.json").read_text())  # its trials.csv alone, with a manifest that says not
+    (run_copy / "manifest.json").write_text(json.dumps(dict(man, replayed=False)))
+    rc, stdout, stderr = tune("decoder", "--replay", run_copy / "trials.csv", "--trials", "3", "--no-progress",
+                              "--out", out)
+    assert_user_error(rc, stdout, stderr, ["trials.csv", "approximated"])
+    partial = Path(shutil.copytree(REPLAY, tmp_path / "run.partial"))
+    rc, stdout, stderr = tune("decoder", "--replay", partial, "--trials", "3", "--no-progress", "--out", out)
+    assert_user_error(rc, stdout, stderr, [".partial", "never ended"])
+    assert not out.exists()
+
+
 BAD_RUNS = {  # what is wrong with a copy of a run folder -> the words of `tune report`'s refusal
     "rows-are-text": (lambda r: _edit_json(r / "topk.json", _set("rows", "none")), ["'rows' is not a list"]),
     "row-without-latency": (lambda r: _edit_json(r / "topk.json", lambda d: dict(d, rows=[{"rank": 1}])),

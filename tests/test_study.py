@@ -242,6 +242,28 @@ def test_study_of_another_space_or_recording_refuses_to_continue(tmp_path, repla
     assert len(load_study(tmp_path, name).trials) == 4
 
 
+@pytest.mark.parametrize("stored", ["measured", "measured-before-the-key"])
+def test_replayed_and_measured_timings_never_share_a_study(tmp_path, replay, stored):
+    # A study of measured timings, with the identity a GPU run writes (one older than the key names no recording):
+    # a replay under its name must not add served timings to it, nor a measured run continue a replay's study.
+    from tuner.study import _check_identity
+
+    url = f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"
+    measured = optuna.create_study(study_name="gpu", storage=url)
+    ident = {"shape": BERT_BASE.spec, "dtype": "float16", "gpu": "NVIDIA H200", "l2": "cold",
+             "space": space.load().fingerprint()}
+    measured.set_user_attr("identity", dict(ident, recording=None) if stored == "measured" else ident)
+    measured.add_trial(optuna.trial.create_trial(value=20.0))
+    with pytest.raises(StudyError, match="'gpu' holds measured timings and this process replays a recording") as e:
+        run(tmp_path, replay, study_name="gpu", trials=3)
+    assert "--out" in str(e.value) and "\n" not in str(e.value)
+    assert [t.value for t in load_study(tmp_path, "gpu").trials] == [20.0]
+    run(tmp_path, replay, study_name="replayed", trials=3)
+    with pytest.raises(StudyError, match="'replayed' holds replayed .* timings and this process measures"):
+        _check_identity(load_study(tmp_path, "replayed"), dict(ident, recording=None))
+    assert len(load_study(tmp_path, "replayed").trials) == 3
+
+
 def test_same_identity_continues(tmp_path, replay):
     run(tmp_path, replay, study_name="shared", trials=3)
     run(tmp_path, replay, study_name="shared", trials=5)

@@ -502,7 +502,8 @@ def _check_replay(args, shape):
     try:
         return ReplayEvaluator(args.replay, shape)
     except (ValueError, OSError, KeyError) as e:
-        raise UserError(f"--replay {args.replay}: {str(e).splitlines()[0]}") from None
+        why = str(e).splitlines()[0]
+        raise UserError(f"--replay {args.replay}: {why.removeprefix(f'replay recording {args.replay}: ')}") from None
 
 
 def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):

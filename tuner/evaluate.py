@@ -263,7 +263,7 @@ class ReplayEvaluator:
         self.source = str(path)
 
         def bad(what: str, reason: str) -> ValueError:
-            return ValueError(f"replay recording {path}: {what} {reason}")
+            return ValueError(f"replay recording {path}: {what + ' ' if what else ''}{reason}")
 
         def read(f: Path):
             try:
@@ -271,6 +271,8 @@ class ReplayEvaluator:
             except ValueError as e:
                 raise bad(f"{f.name}:", str(e)) from None
 
+        if folder.name.endswith(".partial"):
+            raise bad("", "is a run folder whose writing never ended (.partial); replay a whole run's folder")
         self.manifest = read(man)
         try:
             df, table = read_table(csv, with_bytes=True)  # (read once: parsed, and hashed below)
@@ -315,6 +317,11 @@ class ReplayEvaluator:
             raise bad(csv.name, f"has no {', '.join(missing)} column(s) (is it a run's trials.csv?)")
         if df.empty:
             raise bad(csv.name, "has no trials")
+        if m.get("replayed"):  # its figures were served, the approximated ones from other configurations
+            raise bad("", f"is itself a replay (of {m.get('replay_source') or 'a recording'}): replay the GPU run it "
+                          "was served from")
+        if "approximated" in df.columns and df["approximated"].astype(str).str.lower().isin(("true", "1")).any():
+            raise bad(csv.name, "holds trials a replay approximated: replay the GPU run it was served from")
         cut = trials_cut_short(table, df, m)
         if cut:
             raise bad(csv.name, cut)

@@ -210,6 +210,13 @@ def _check_identity(study, ident: dict) -> None:
     study's: its trials would not be comparable, or (another space) Optuna would fail every one of them. A study
     written before a key was recorded takes this process's value for it."""
     old = study.user_attrs.get("identity") or {}
+    if "recording" not in old and (old or study.get_trials(deepcopy=False)):
+        old = {**old, "recording": None}  # (a replay's identity names its recording: one that does not, measured)
+    if (old.get("recording") is None) != (ident.get("recording") is None) and "recording" in old:
+        held, here = (("measured", "replays a recording") if old["recording"] is None else
+                      ("replayed (served from a recording)", "measures on the GPU"))
+        raise StudyError(f"study {study.study_name!r} holds {held} timings and this process {here}: the two are "
+                         "never mixed in one study; its trials are kept; give another --out or --study-name")
     diff = {k: v for k, v in ident.items() if k in old and old[k] != v}
     if not diff:
         if {**old, **ident} != old:
@@ -338,8 +345,8 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
         study = optuna.load_study(study_name=name, storage=storage, sampler=sampler)
         created = False
     ident = {"shape": shape.spec, "dtype": opts.dtype, "gpu": dev_name, "l2": opts.l2, "space": space.fingerprint()}
-    if evaluator.replayed:
-        ident["recording"] = getattr(evaluator, "fingerprint", None)
+    # (None: measured; a replay's is never None, so that the two never share a study)
+    ident["recording"] = (getattr(evaluator, "fingerprint", None) or "unnamed") if evaluator.replayed else None
     _check_identity(study, ident)
     # Another sampler or seed may continue a study (its trials stay comparable), but the run says so: the manifest
     # names only this run's.
