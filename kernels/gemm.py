@@ -32,6 +32,10 @@ from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, ho
                       launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper,
                       prefetch_count, prefetch_l2, ratio_error, smem_limit, spin_ns, stamp, tile_cap, trigger_index)
 
+# Offsets into a tensor are 32-bit in these kernels (as in Triton's tutorials): no tensor they index, the split-K
+# workspace included, may hold 2**31 elements or more. tuner.shapes refuses layers whose activations would.
+OFFSET_LIMIT = 2**31
+
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
 # GELU through the hardware tanh (tanh.approx.f32) where inline asm runs (not in the interpreter): 6
@@ -234,6 +238,9 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
         return f"split_k={c.split_k} exceeds the {k_tiles} K tiles of K={p.k} at block_k={c.block_k}"
     if empty_split(k_tiles, c.split_k):
         return f"split_k={c.split_k} leaves a split without K tiles (K tiles={k_tiles})"
+    if c.split_k > 1 and c.split_k * p.m * p.n >= OFFSET_LIMIT:
+        return (f"split_k={c.split_k}: the partials' workspace, split_k*M*N = {c.split_k * p.m * p.n} elements, is "
+                "past the 32-bit offsets the kernels index with")
     acc_regs = c.block_m * c.block_n // (32 * c.num_warps)
     if acc_regs > 256:
         return f"accumulator needs {acc_regs} registers per thread (block_m*block_n/(32*num_warps) > 256)"
@@ -318,12 +325,16 @@ def repair(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None =
 
 
 def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
-    """Shrink tiles that exceed the problem, reduce split_k until every split has K tiles, and load
-    with cp.async where rows are not 16-byte multiples (no TMA descriptor can describe them)."""
+    """Shrink tiles that exceed the problem, reduce split_k until every split has K tiles (and the partials'
+    workspace is within 32-bit offsets), and load with cp.async where rows are not 16-byte multiples (no TMA
+    descriptor can describe them)."""
     caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
     tma = c.tma if (problem.k * problem.dtype_bytes) % 16 == 0 else 0
-    return replace(c, split_k=fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k)), tma=tma)
+    split = fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k))
+    while split > 1 and split * problem.m * problem.n >= OFFSET_LIMIT:  # (a workspace past 32-bit offsets)
+        split = fit_split_k(split // 2, triton.cdiv(problem.k, c.block_k))
+    return replace(c, split_k=split, tma=tma)
 
 
 @triton.jit

@@ -94,14 +94,15 @@ def rel(p) -> str:
 # %% [markdown]
 # ## Which run
 #
-# Committed run folders are the `results/<shape>/<run-id>/` folders that hold a `topk.json` (the
-# `results/bench` and `results/verify` folders hold other kinds of run). A replay is made in a scratch
+# Committed run folders are the folders under `results/` that hold a `topk.json`: `results/<shape>/<run-id>/`, and
+# the same under another `--out` such as `results/h100/` (the `bench` and `verify` folders hold other kinds of run). A replay is made in a scratch
 # folder with its own study storage, so it never joins a real study.
 
 # %%
 def committed_runs(results: Path = RESULTS) -> list[Path]:
     """Every complete decoder run folder under results/, oldest first (run ids start with a time stamp)."""
-    runs = [p.parent for p in results.glob("*/*/topk.json") if not p.parent.name.endswith(".partial")]
+    runs = [p.parent for p in results.rglob("topk.json")
+            if not any(part.endswith(".partial") for part in p.relative_to(results).parts)]
     return sorted(runs, key=lambda p: (json.loads((p / "manifest.json").read_text()).get("created", ""), p.name))
 
 
@@ -166,7 +167,8 @@ unknown = set(trials["status"]) - ALLOWED_STATUSES
 assert not unknown, f"statuses outside {sorted(ALLOWED_STATUSES)}: {sorted(unknown)}"
 
 baseline_trials = trials[trials["is_baseline"] & (trials["status"] == "ok")]
-assert len(baseline_trials) >= 1, "no completed baseline trial (-1,-1) in trials.csv"
+if baseline_trials.empty:  # (a space without the baseline's config, e.g. --search-space layer-kernel: the speedups
+    print("no baseline trial in this study's space: speedups are over the baseline re-measured at the end")
 ratio_cols = [c for c in trials.columns if c.endswith((".overlap_ratio", ".prefetch_ratio"))]
 assert (baseline_trials[ratio_cols].astype(float) < 0).all().all(), "the baseline trial has a knob switched on"
 assert run.baseline_us is not None, "no baseline latency in topk.json or the manifest"
@@ -196,18 +198,24 @@ top[report.TOPK_COLUMNS]
 # %% [markdown]
 # ## Summary across shapes
 #
-# The seed's summary table over the committed runs of one GPU model (the newest run per shape and
-# dtype); timings of different GPU models are never mixed in one table.
+# The seed's summary table over the committed runs beside this one (the same `--out` folder, as
+# `tune decoder --shape all` writes them) on the same GPU model: this run for its shape and dtype, the
+# newest run for each other; timings of different GPU models are never mixed in one table.
 
 # %%
 def summary_runs(primary: report.Run) -> list[report.Run]:
     if primary.replayed and not any(not report.load_run(p).replayed for p in COMMITTED):
         return [primary]  # nothing committed yet: the replayed run alone, labelled
+    root = RESULTS if primary.replayed else primary.path.parent.parent  # (the --out its run folder sits in)
     newest = {}
     for p in COMMITTED:  # oldest first: the newest per (shape, dtype) wins
+        if p.parent.parent.resolve() != root.resolve():
+            continue
         r = report.load_run(p)
         if r.gpu_name == primary.gpu_name and not r.replayed:
             newest[(r.shape_name, r.dtype)] = r
+    if not primary.replayed:
+        newest[(primary.shape_name, primary.dtype)] = primary
     return sorted(newest.values(), key=lambda r: (r.shape.get("d_model", 0), r.shape.get("ffn", 0), r.dtype))
 
 
@@ -384,9 +392,11 @@ bd = report.breakdown_data(run)
 if bd.empty:
     print("no breakdown.json in this run")
 else:
-    assert list(bd["kernel"])[-1] == "sum" and set(bd["kernel"][:-1]) <= set(report.KERNELS)
+    # (the seven kernels, or "layer" for a one-kernel layer: --search-space fused-layer or layer-kernel)
+    assert list(bd["kernel"])[-1] == "sum" and set(bd["kernel"][:-1]) <= set(report.KERNELS) | {"layer"}
     best_us = float(run.best["latency_us"])
-    extra = pd.DataFrame({"kernel": ["layer (one chain, re-measured)", "floor (weights read once)"],
+    chain = "layer (one chain, served by the replay)" if run.replayed else "layer (one chain, re-measured)"
+    extra = pd.DataFrame({"kernel": [chain, "floor (weights read once)"],
                           "best_us": [best_us, run.floor_us], "baseline_us": [run.baseline_us, run.floor_us]})
     table = pd.concat([bd, extra], ignore_index=True)
     table["saved_us"] = table["baseline_us"] - table["best_us"]
@@ -398,18 +408,23 @@ else:
               f"baseline {run.baseline_us / run.floor_us:.1f}x")
 
 # %% [markdown]
-# The committed `tune bench` table of the same shape on the same GPU model, when there is one: our layer
-# at hand-picked tiles against PyTorch eager, torch.compile and the floor.
+# The newest committed `tune bench` table of the same shape on the same GPU model, dtype and L2 policy, when there is
+# one: our layer at hand-picked tiles against PyTorch eager, torch.compile and the floor.
 
 # %%
-bench = sorted((RESULTS / "bench" / run.shape_name).glob("*/bench.md")) if run.shape_name else []
-bench = [b for b in bench if json.loads((b.parent / "manifest.json").read_text()).get("gpu", {}).get("name")
-         == run.gpu_name]
+def same_setup(bench_md: Path) -> bool:
+    m = json.loads((bench_md.parent / "manifest.json").read_text())
+    return ((m.get("gpu") or {}).get("name") == run.gpu_name and m.get("dtype", "float16") == run.dtype
+            and (m.get("policy") or {}).get("l2", "cold") == (run.l2_policy or "cold"))
+
+
+bench = [b for b in RESULTS.rglob("bench.md") if b.parent.parent.name == run.shape_name and same_setup(b)]
+bench.sort(key=lambda b: json.loads((b.parent / "manifest.json").read_text()).get("created", ""))
 if bench:
     print(rel(bench[-1]))
     display(Markdown(bench[-1].read_text()))
 else:
-    print(f"no committed bench of {run.shape_name} on {run.gpu_name}")
+    print(f"no committed bench of {run.shape_name} on {run.gpu_name} in {run.dtype}, L2 {run.l2_policy}")
 
 # %% [markdown]
 # ## Two runs side by side
@@ -429,6 +444,10 @@ def setup(r: report.Run) -> tuple:
 def what_differs(a: report.Run, b: report.Run) -> str:
     names = ("GPU", "sampler", "dtype")
     diff = [n for n, x, y in zip(names, setup(a), setup(b)) if x != y]
+    for name, key in (("L2 policy", lambda r: r.l2_policy), ("search space", lambda r: r.manifest.get("search_space")),
+                      ("tuner revision", lambda r: r.manifest.get("git_revision"))):
+        if key(a) != key(b):
+            diff.append(name)
     if a.replayed != b.replayed:
         diff.append("measured against replayed")
     return ", ".join(diff) or "nothing but the run (same setup twice)"
@@ -443,7 +462,7 @@ def pick_pair(primary: report.Run) -> tuple[report.Run, report.Run, str]:
         return primary, other, "given"
     real = [r for r in (report.load_run(p) for p in COMMITTED) if not r.replayed]
     for a in ([] if primary.replayed else [primary]) + real:
-        for b in real:
+        for b in reversed(real):  # the newest such run
             if b.path != a.path and b.dims == a.dims and setup(b) != setup(a):
                 return a, b, "two committed runs of one shape"
     if primary.replayed:

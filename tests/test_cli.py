@@ -30,6 +30,7 @@ import tuner
 from tuner import space as space_mod
 from tuner.cli import main
 from tuner.config import DecoderConfig
+from tuner.export import ConfigMismatchWarning
 from tuner.layer import default_config
 from tuner.report import REPLAYED_LINE
 from tuner.shapes import PRESETS
@@ -39,7 +40,7 @@ BUDGET = 25
 STATUSES = {"ok", "invalid", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed"}
 SEED_HEADERS = ["Rank", "Latency(us)", "±", "Speedup", "QKV(o,p)", "Output(o,p)", "FFN1(o,p)", "FFN2(o,p)", "tiles"]
 TOPK_COLUMNS = ["rank", "trial", "latency_us", "spread_us", "speedup", "tie", "qkv_op", "out_op", "ffn1_op",
-                "ffn2_op", "tiles", "replayed"]
+                "ffn2_op", "tiles", "replayed", "approximated"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -230,10 +231,15 @@ def test_export(first, tmp_path):
     _, run, _, _ = first
     target = tmp_path / "exported" / "best.json"
     rc, stdout, stderr = tune("export", run, "-o", target)
-    assert rc == 0 and stderr == "" and str(target) in stdout
+    # (a replayed run: exported, with a note on stderr that its timings were served, the top-1's approximated)
+    assert rc == 0 and str(target) in stdout
+    assert stderr == (f"tune: note: {run} was replayed: its timings were served from a recording, the top-1's from "
+                      "the nearest recorded configuration, not measured\n")
     exported = json.loads(target.read_text())
     assert exported == json.loads((run / "best.json").read_text())
-    cfg = tuner.load_config(target, shape="bert-base", gpu="NVIDIA H200", strict=True)
+    assert exported["replayed"] is True and exported["approximated"] is True
+    with pytest.warns(ConfigMismatchWarning, match="chosen in a replay: .* served from a recording .*nearest"):
+        cfg = tuner.load_config(target, shape="bert-base", gpu="NVIDIA H200", strict=True)
     assert isinstance(cfg, DecoderConfig) and cfg.to_dict() == exported["config"]
     # Without -o the JSON goes to stdout.
     rc, stdout, _ = tune("export", run)
@@ -334,6 +340,9 @@ BAD_DECODER = [
     ("shape-heads-do-not-divide", ["--shape", "1x128x770x12x3072"], ["d_model=770", "heads=12"]),
     ("shape-head-dim-16", ["--shape", "1x128x256x16x1024"], ["head dim 16"]),
     ("shape-head-dim-256", ["--shape", "1x128x1024x4x4096"], ["head dim 256"]),
+    ("shape-attention-grid", ["--shape", "4096x16x512x16x512"], ["batch*heads = 65536", "65535"]),
+    ("shape-32-bit-offsets", ["--shape", "2048x128x2048x8x8192"], ["tokens*max(3*d_model, ffn) = 2147483648",
+                                                                   "32-bit offsets"]),
     ("trials-0", ["--trials", "0"], ["--trials 0"]),
     ("trials-negative", ["--trials", "-3"], ["--trials -3"]),
     ("unknown-sampler", ["--sampler", "anneal"], ["--sampler anneal", "tpe, random, grid, cmaes, gp, qmc"]),

@@ -89,12 +89,22 @@ def test_linear_big_tile_small_problem(device):
         (GemmConfig(overlap_ratio=1.5), GemmProblem(128, 768, 768), "overlap_ratio"),
         (GemmConfig(prefetch_ratio=float("nan")), GemmProblem(128, 768, 768), "prefetch_ratio"),
         (GemmConfig(hints=3), GemmProblem(128, 768, 768), "hints=3 must be 0 or 1"),
+        (GemmConfig(split_k=8), GemmProblem(32768, 12288, 4096), "split_k*M*N = 3221225472"),  # a 7B QKV prefill
     ],
-    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan", "hints3"],
+    ids=["bm48", "bk8", "warps3", "splitk>tiles", "empty-split", "smem", "bm>M", "regs", "overlap", "nan", "hints3",
+         "workspace>int32"],
 )
 def test_check_rejects(cfg, problem, needle):
     why = check(cfg, problem, DeviceInfo.interpreter())
     assert why is not None and needle in why, why
+
+
+def test_fit_keeps_the_split_k_workspace_within_32_bit_offsets():
+    from tuner.kernels.gemm import fit
+
+    qkv = GemmProblem(32768, 12288, 4096)  # 7B-class prefill (32x1024 tokens): split 8 would index 3.2e9 partials
+    assert fit(GemmConfig(split_k=8), qkv).split_k == 4 and check(fit(GemmConfig(split_k=8), qkv), qkv) is None
+    assert fit(GemmConfig(split_k=8), GemmProblem(128, 768, 3072)).split_k == 8  # (small M: untouched)
 
 
 def test_check_accepts_defaults_and_linear_refuses_invalid(device):

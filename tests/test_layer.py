@@ -149,9 +149,20 @@ def test_presets_and_custom_shapes():
     assert abs(PRESETS["bert-base"].weight_bytes(2) / 1e6 - 14.2) < 0.1  # DESIGN: 14.2 MB
     for bad, needle in [("gpt9", "unknown shape"), ("1x0x768x12x3072", "positive"),
                         ("1x128x770x12x3072", "not divisible"), ("1x128x768x48x3072", "head dim"),
-                        ("1x128x768x12", "BxSxDxHxF"), ("1xax768x12x3072", "five integers")]:
+                        ("1x128x768x12", "BxSxDxHxF"), ("1xax768x12x3072", "five integers"),
+                        ("65536x1x64x1x64", "attention kernel's grid"), ("1x262144x4096x32x8192", "32-bit offsets")]:
         with pytest.raises(ShapeError, match=needle):
             resolve(bad)
+
+
+def test_a_stack_beyond_the_gpus_memory_is_refused():
+    # 2x32 tokens of a 64-wide layer: ~7,500 layers to hold 3x an H200's L2 in weights, each with its activations.
+    from tuner.layer import memory_error
+
+    why = memory_error(resolve("65535x2x32x1x64"), 2, 60 * 2**20, "cold", 140 * 2**30)
+    assert why and "11046 layers" in why and "more than this GPU's 140 GiB" in why, why
+    for shape in ("tiny", "bert-base", "bert-large", "32x1024x4096x32x11008"):  # (the 7B-class prefill fits)
+        assert memory_error(resolve(shape), 2, 60 * 2**20, "cold", 80 * 2**30) is None
 
 
 def test_stack_depth_cold_is_three_l2():

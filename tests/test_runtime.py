@@ -1,7 +1,8 @@
-"""tuner.runtime.TunedLayer (a tuned layer in the user's PyTorch code), and the README snippet that uses it.
+"""tuner.runtime.TunedLayer and TunedStack (tuned layers in the user's PyTorch code), and the README snippet that uses
+them.
 
 The snippet is the fenced block ```python title="load-best"``` of README.md, executed as written except
-for its three setting lines (which best.json, which shape, which device), so the README cannot drift
+for its four setting lines (which best.json, which shape, which device, how many layers), so the README cannot drift
 from the API. Without a GPU it runs through the Triton interpreter on a small custom shape.
 """
 
@@ -19,13 +20,14 @@ import torch
 from torch import nn
 
 import tuner
+import tuner.layer
 
 from tuner.bench import hand_picked
 from tuner.config import ConfigError, DecoderConfig
 from tuner.export import ConfigMismatchWarning
 from tuner.kernels._common import rel_tolerance
 from tuner.layer import LayerWeights, check_config
-from tuner.runtime import MODULE_NAMES, TunedLayer, WeightsError
+from tuner.runtime import MODULE_NAMES, TunedLayer, TunedStack, WeightsError
 from tuner.shapes import DecoderShape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,6 +233,74 @@ def test_captured_graph_matches_direct_launches():
 
 
 # ------------------------------------------------------------------------------------------------
+# TunedStack: the model's layers chained as the tuner timed them
+# ------------------------------------------------------------------------------------------------
+
+def _chained(norm1_fuse=2) -> DecoderConfig:
+    """The run of record's pattern: LayerNorm 1 read from the previous layer's FFN2 row sums, LayerNorm 2 from the
+    out-projection's (norm.fuse 2)."""
+    c = hand_picked(SMALL)
+    return replace(c, norm1=replace(c.norm1, fuse=norm1_fuse), norm2=replace(c.norm2, fuse=2))
+
+
+def test_a_stack_chains_the_row_sums_from_layer_to_layer(device, monkeypatch):
+    layers = [_module(seed) for seed in range(3)]
+    stack = TunedStack(_chained(), SMALL, layers, dtype=torch.float16, device=device)
+    assert len(stack) == 3 and stack.stack.first_layer_differs()
+    # Layers 2 and 3 are handed the row sums the previous layer's FFN2 wrote; the first, none (it gathers its own).
+    handed = []
+    launches = tuner.layer.layer_launches
+    monkeypatch.setattr(tuner.layer, "layer_launches", lambda *a, x_stats=None, **kw: handed.append(x_stats)
+                        or launches(*a, x_stats=x_stats, **kw))
+    x = torch.randn(SMALL.batch, SMALL.seq, SMALL.d_model, dtype=torch.float16, device=device)
+    y = stack(x)
+    assert y.shape == x.shape and y.dtype == torch.float16
+    assert len(handed) == 3 and handed[0] is None
+    assert all(s is b.y_stats for s, b in zip(handed[1:], stack.stack.bufs))
+    monkeypatch.undo()
+    tol = rel_tolerance(torch.float16)
+    # Each layer against the fp32 reference on the input it received, and the whole stack against the fp32 chain.
+    ins = [x.view(SMALL.tokens, SMALL.d_model)] + stack.outputs()[:-1]
+    for w, xi, yi in zip(stack.weights, ins, stack.outputs()):
+        assert _rel(yi, tuner.layer.layer_ref(SMALL, w, xi)) < tol
+    assert _rel(y, stack.reference(x)) < 3 * tol
+    # The same layers one TunedLayer each (the first layer's path everywhere) give the same model.
+    h = x
+    for m in layers:
+        h = TunedLayer(_chained(), SMALL, m, dtype=torch.float16, device=device)(h).clone()
+    assert _rel(y, h) < 3 * tol
+
+
+def test_stack_arguments_are_checked(device):
+    with pytest.raises(TypeError, match="list of each layer's weights"):
+        TunedStack(_chained(), SMALL, _module(), device=device)
+    with pytest.raises(ValueError, match="empty"):
+        TunedStack(_chained(), SMALL, [], device=device)
+    bad = _module(1).state_dict()
+    bad["ffn2.weight"] = bad["ffn2.weight"][:, :-1]
+    with pytest.raises(WeightsError, match="w_ffn2"):
+        TunedStack(_chained(), SMALL, [_module(0), bad], device=device)
+    stack = TunedStack(_chained(), SMALL, [_module(0)], dtype=torch.float32, device=device)
+    with pytest.raises(ValueError, match=r"TunedStack: x \(3, 64\) must be"):
+        stack(torch.zeros(3, 64, device=device))
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match="CUDA"):
+            stack.capture()
+
+
+@pytest.mark.gpu
+def test_a_captured_stack_matches_its_direct_launches():
+    stack = TunedStack(_chained(), SMALL, [_module(s) for s in range(4)], dtype=torch.float16, device="cuda")
+    x = torch.randn(SMALL.tokens, SMALL.d_model, dtype=torch.float16, device="cuda")
+    direct = stack(x).clone()
+    stack.capture()
+    for _ in range(3):  # replays read the new input each time
+        x2 = torch.randn_like(x)
+        assert _rel(stack(x2), stack.reference(x2)) < 3 * rel_tolerance(torch.float16)
+    assert _rel(stack(x), direct) < 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
 # The README snippet
 # ------------------------------------------------------------------------------------------------
 
@@ -238,6 +308,7 @@ SETTINGS = {  # line prefix in the snippet -> what the test runs instead
     "best_json = ": "best_json = {best!r}",
     "shape = ": "shape = DecoderShape(1, 24, 64, 2, 96)  # a small custom shape (the interpreter is slow)",
     "device, dtype = ": "device, dtype = {device!r}, torch.float16",
+    "n_layers = ": "n_layers = 2",
 }
 
 
@@ -275,7 +346,7 @@ def test_readme_snippet_runs(best_json, device):
     with pytest.warns(ConfigMismatchWarning, match="tuned for shape"), contextlib.redirect_stdout(out):
         scope = {"DecoderShape": DecoderShape}
         exec(compile(code, f"{README.name} (load-best)", "exec"), scope)
-    assert isinstance(scope["layer"], TunedLayer)
+    assert isinstance(scope["model"], TunedStack) and len(scope["model"]) == 2
     assert scope["y"].shape == (1, 24, 64)
     printed = re.search(r"rel\. error against the fp32 reference: (\S+)", out.getvalue())
     assert printed, out.getvalue()

@@ -274,6 +274,30 @@ def test_same_identity_continues(tmp_path, replay):
 # The enqueued baseline and the replay
 # ------------------------------------------------------------------------------------------------
 
+def test_a_replay_serves_a_breakdown_only_for_the_kernels_it_timed(tmp_path, replay):
+    # The recording's breakdown.json timed its baseline and its best configuration: another configuration gets none
+    # (a replayed run's breakdown used to show the norm kernels of a best that launches none).
+    from tuner.space import to_config
+
+    recorded = json.loads((REPLAY / "breakdown.json").read_text())
+    assert replay.breakdown(default_config(BERT_BASE)) == recorded["baseline"]
+    row = replay.rows[replay.rows["status"] == "ok"].sort_values("latency_us").iloc[0]  # (no best.json: its fastest)
+    best = to_config({k: int(row[k]) if float(row[k]).is_integer() else float(row[k]) for k in replay.params})
+    assert replay.breakdown(best) == recorded["best"]
+    other = replace(best, ffn1=replace(best.ffn1, num_warps=8 if best.ffn1.num_warps == 4 else 4))
+    assert replay.breakdown(other) is None
+    folder = run(tmp_path, replay, trials=12)
+    top = json.loads((folder / "topk.json").read_text())
+    assert all(isinstance(r["approximated"], bool) for r in top["rows"])
+    exported = json.loads((folder / "best.json").read_text())
+    assert exported["approximated"] == top["rows"][0]["approximated"]
+    assert (folder / "breakdown.json").is_file() == (replay.breakdown(DecoderConfig.from_dict(exported["config"]))
+                                                       is not None)
+    marked = sum("≈" in ln.split("|")[1] for ln in (folder / "topk.md").read_text().splitlines()
+                 if ln.startswith("|") and ln.split("|")[1].strip()[:1].isdigit())
+    assert marked == sum(r["approximated"] for r in top["rows"])
+
+
 def test_first_trial_is_the_enqueued_baseline(tmp_path, replay):
     folder = run(tmp_path, replay, sampler="random", trials=7)
     name = study_name(BERT_BASE, "float16", "NVIDIA H200", "cold", replayed=True)

@@ -126,8 +126,13 @@ def cmd_bench(args) -> int:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
         print(f"bench {shape.label} ...", flush=True)
-        res = bench.run_bench(shape, dtype=dtype, l2=args.l2, reps=args.reps, seed=args.seed, extra_configs=extra,
-                              compile_baseline=not args.no_compile)
+        try:
+            res = bench.run_bench(shape, dtype=dtype, l2=args.l2, reps=args.reps, seed=args.seed, extra_configs=extra,
+                                  compile_baseline=not args.no_compile)
+        except (RuntimeError, ValueError, MemoryError) as e:  # (torch.OutOfMemoryError and CUDA's errors among them)
+            from tuner.worker import one_line
+
+            raise RunError(f"tune bench {shape.label}: {type(e).__name__}: {one_line(e)}") from None
         out = bench.save(res, Path(args.out) / "bench" / shape.label / stamp, ["tune"] + (args.argv or []))
         print(bench.format_table(res))
         print(f"written to {out}")
@@ -277,18 +282,20 @@ def _check_gpu_indices(gpus: list[str | None]) -> None:
 
 
 def _check_hot(l2: str, shapes, dtype, gpu: str | None) -> None:
-    """--l2 hot only for shapes whose whole model's weights fit in the L2 of the GPU that measures them."""
+    """--l2 hot only for shapes whose whole model's weights fit in the L2 of the GPU that measures them; and every
+    shape's timed stack within the GPU's memory."""
     import torch
 
     from tuner.device import DeviceInfo
-    from tuner.layer import hot_error
+    from tuner.layer import hot_error, memory_error
 
-    if l2 != "hot":
-        return
-    l2_bytes = DeviceInfo.from_torch(f"cuda:{gpu}" if gpu is not None else None).l2_bytes  # (GpuEvaluator's source)
+    dev = f"cuda:{gpu}" if gpu is not None else None
+    l2_bytes = DeviceInfo.from_torch(dev).l2_bytes  # (GpuEvaluator's source)
     esize = torch.empty(0, dtype=dtype).element_size()
+    total = torch.cuda.get_device_properties(torch.device(dev or "cuda")).total_memory
     for shape in shapes:
-        why = hot_error(shape, esize, l2_bytes)
+        why = (hot_error(shape, esize, l2_bytes) if l2 == "hot" else None) or memory_error(shape, esize, l2_bytes, l2,
+                                                                                            total)
         if why:
             raise UserError(why)
 
@@ -661,6 +668,10 @@ def cmd_export(args) -> int:
         print(f"written {args.output}")
     else:
         print(json.dumps(best, indent=2))
+    if best.get("replayed"):  # (stderr: the JSON on stdout stays whole)
+        print(f"tune: note: {run} was replayed: its timings were served from a recording"
+              + (", the top-1's from the nearest recorded configuration" if best.get("approximated") else "")
+              + ", not measured", file=sys.stderr)
     return 0
 
 

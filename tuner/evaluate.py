@@ -355,6 +355,14 @@ class ReplayEvaluator:
         self._breakdown = read(bpath) if bpath.is_file() else None
         if self._breakdown is not None and (why := breakdown_problem(self._breakdown)):
             raise bad(bpath.name, why)
+        # Whose breakdown "best" is: the recording's best.json, else (a bare trials.csv) its fastest trial.
+        self._best_key = None
+        try:
+            best = read_json(folder / "best.json") if (folder / "best.json").is_file() else None
+            self._best_key = (self._key(from_config(DecoderConfig.from_dict(best["config"]))) if best else
+                              self._key(df[df["status"] == "ok"].sort_values("latency_us").iloc[0].to_dict()))
+        except (ValueError, KeyError, TypeError):  # (then no breakdown is served for any config but the baseline)
+            pass
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         self.pdl = bool(g) and (g.get("capability") or [0])[0] >= 9
 
@@ -414,10 +422,16 @@ class ReplayEvaluator:
         return out
 
     def breakdown(self, cfg):
-        """The recorded per-kernel breakdown: the baseline's for the default config, the best's for any other."""
+        """The recorded per-kernel breakdown: the baseline's for the default config, the best's for the recording's
+        best configuration; None for any other (a breakdown belongs to the kernels it timed)."""
         from tuner.layer import default_config
+        from tuner.space import from_config
 
-        return (self._breakdown or {}).get("baseline" if cfg == default_config(self.shape) else "best")
+        if cfg == default_config(self.shape):
+            return (self._breakdown or {}).get("baseline")
+        if self._best_key is not None and self._key(from_config(cfg)) == self._best_key:
+            return (self._breakdown or {}).get("best")
+        return None
 
     def baselines(self, default, with_compile: bool = True) -> Baselines:
         b = self.manifest.get("baselines", {})

@@ -13,7 +13,8 @@ BEST_SCHEMA_VERSION = 1
 
 
 class ConfigMismatchWarning(UserWarning):
-    """best.json was tuned for another shape or GPU model: it runs, but its timings do not transfer."""
+    """best.json was tuned for another shape or GPU model (it runs, but its timings do not transfer), or chosen in a
+    replay (its timing was served, not measured)."""
 
 
 def read_best(path: str | Path) -> dict:
@@ -69,6 +70,10 @@ def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gp
     tuned_gpu = (d.get("gpu") or {}).get("name")
     if gpu and tuned_gpu and gpu != tuned_gpu:
         problems.append(f"tuned on {tuned_gpu}, loaded on {gpu}")
+    if d.get("replayed"):
+        warnings.warn(f"{path}: chosen in a replay: its timing was served from a recording"
+                      + (" (the nearest recorded configuration's)" if d.get("approximated") else "")
+                      + ", not measured", ConfigMismatchWarning, stacklevel=2)
     if problems:
         msg = f"{path}: " + "; ".join(problems) + " (the config runs correctly, but its timings do not transfer)"
         if strict:

@@ -537,6 +537,21 @@ def stack_depth(shape: DecoderShape, dtype_bytes: int, l2_bytes: int, l2_policy:
     return max(2, math.ceil(3 * l2_bytes / shape.weight_bytes(dtype_bytes)))
 
 
+def memory_error(shape: DecoderShape, dtype_bytes: int, l2_bytes: int, l2_policy: str, gpu_bytes: int) -> str | None:
+    """Why the timed stack of ``shape`` cannot fit in a GPU of ``gpu_bytes``; None when it may. Counted low: each
+    layer's weights with the LayerNorm-folded copies of QKV's and FFN1's, and its seven activations; not the split-K
+    workspaces, the torch baselines' stacks or the fp32 reference, so a stack that passes may still run out (the
+    trial then fails as out of memory, never the study)."""
+    n = stack_depth(shape, dtype_bytes, l2_bytes, l2_policy)
+    m, d, f = shape.tokens, shape.d_model, shape.ffn
+    need = n * (shape.weight_params + 3 * d * d + d * f + m * (8 * d + f)) * dtype_bytes
+    if need <= gpu_bytes:
+        return None
+    return (f"shape {shape.spec}: its timed stack of {n} layers (each layer's weights and activations; {l2_policy} L2: "
+            f"{'weights at least 3x the L2' if l2_policy == 'cold' else 'the model depth'}) needs at least "
+            f"{need / 2**30:.1f} GiB, more than this GPU's {gpu_bytes / 2**30:.0f} GiB")
+
+
 def hot_error(shape: DecoderShape, dtype_bytes: int, l2_bytes: int) -> str | None:
     """Why ``--l2 hot`` cannot describe ``shape`` on a GPU with ``l2_bytes`` of L2: its ``depth`` layers' weights
     do not fit there, so a forward never finds them in L2; None when they fit."""

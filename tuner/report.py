@@ -362,7 +362,7 @@ def _status_counts(run: Run) -> str:
 # ----------------------------------------------------------------------------------------------
 
 TOPK_COLUMNS = ["rank", "trial", "latency_us", "spread_us", "speedup", "tie",
-                "qkv_op", "out_op", "ffn1_op", "ffn2_op", "tiles", "replayed"]
+                "qkv_op", "out_op", "ffn1_op", "ffn2_op", "tiles", "replayed", "approximated"]
 
 
 def topk_frame(run: Run) -> pd.DataFrame:
@@ -379,6 +379,7 @@ def topk_frame(run: Run) -> pd.DataFrame:
             rec[f"{g}_op"] = gemm_op(kernels, g)
         rec["tiles"] = format_tiles(kernels)
         rec["replayed"] = run.replayed  # topk.csv read on its own still says its timings were not measured now
+        rec["approximated"] = bool(r.get("approximated", False))  # (replayed: served a nearest recorded config's)
         for k in list(KERNELS) + sorted(set(kernels) - set(KERNELS)):
             for field, value in (kernels.get(k) or {}).items():
                 rec[f"{k}.{field}"] = value
@@ -422,7 +423,8 @@ def _header_lines(run: Run, k: int) -> list[str]:
             if gap <= within:
                 verdict += "; within the combined spread: the (o,p) knobs make no measurable difference"
         pair = _num(ko.get("top1_latency_us"))
-        beside = f" against {_us(pair)} us for the top-1 measured beside it" if pair is not None else ""
+        beside = (f" against {_us(pair)} us for the top-1 {'served' if run.replayed else 'measured'} beside it"
+                  if pair is not None else "")
         facts.append(f"Top-1 with every (o,p) at (-1,-1), tiles kept: {_us(ko['latency_us'])} us{beside} ({verdict})")
     rc = run.topk.get("recheck")
     if isinstance(rc, dict) and isinstance(rc.get("failed"), list):
@@ -444,6 +446,10 @@ def _header_lines(run: Run, k: int) -> list[str]:
     if n_approx:
         measured.append(f"{n_approx} trials approximated by the replay (nearest recorded configuration)")
     facts.append("Run: " + ", ".join(measured))
+    n_rows = sum(bool(r.get("approximated")) for r in run.rows)
+    if n_rows:
+        facts.append(f"≈: {n_rows} of these rows are configurations the recording does not hold, each served the "
+                     "timing of its nearest recorded configuration (not its own)")
     if run.l2_policy == "hot":
         facts.append("L2 hot: the weights stay in L2 between layers; a model larger than L2 will not see "
                      "these latencies")
@@ -459,7 +465,8 @@ def topk_markdown(run: Run) -> str:
     headers = ["Rank", "Latency(us)", "±", "Speedup"] + [f"{GEMM_TITLES[g]}(o,p)" for g in GEMMS] + ["tiles"]
     rows = []
     for _, r in df.iterrows():
-        rank = f"{int(r['rank'])} (tie)" if r["tie"] else str(int(r["rank"]))
+        marks = ", ".join(m for m, on in (("tie", r["tie"]), ("≈", r["approximated"])) if on)
+        rank = f"{int(r['rank'])} ({marks})" if marks else str(int(r["rank"]))
         rows.append([rank, _us(r["latency_us"]), _us(r["spread_us"]), _times(r["speedup"])]
                     + [r[f"{g}_op"] for g in GEMMS] + [r["tiles"]])
     if rows:

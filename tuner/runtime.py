@@ -1,4 +1,5 @@
-"""A tuned layer in your own PyTorch code: ``TunedLayer(config, shape, weights)(x)``.
+"""A tuned layer in your own PyTorch code: ``TunedLayer(config, shape, weights)(x)``, and your model's layers
+chained as the tuner timed them: ``TunedStack(config, shape, [weights, ...])(x)``.
 
 The configuration comes from a run's ``best.json`` (``tuner.load_config``); the weights are yours. The
 layer is the one the tuner timed (``tuner.layer``): a pre-LN causal decoder layer
@@ -107,6 +108,51 @@ def as_layer_weights(weights, shape: DecoderShape, *, dtype=None, device=None) -
                                             copy=True) for n, t in picked.items()})
 
 
+def _shape(shape) -> DecoderShape:
+    return shape if isinstance(shape, DecoderShape) else resolve(shape)  # (ShapeError: neither preset nor BxSxDxHxF)
+
+
+def _runnable(config, shape: DecoderShape, w: LayerWeights, who: str) -> DecoderConfig:
+    """``config`` (a DecoderConfig, or the path of a best.json or run folder) as it runs ``shape`` on ``w``'s device
+    and dtype: repaired as the search repairs (tiles shrunk to the shape, what does not fit moved to the nearest
+    config that runs), then checked (ConfigError for what still does not run)."""
+    if isinstance(config, (str, os.PathLike)):
+        from tuner.export import load_config
+
+        config = load_config(config, shape=shape)
+    elif not isinstance(config, DecoderConfig):
+        raise TypeError(f"{who}: config is a {type(config).__name__}; give a DecoderConfig "
+                        "(tuner.load_config(path)) or the path of a best.json")
+    dev = w.w_qkv.device
+    info = DeviceInfo.from_torch(dev) if dev.type == "cuda" else DeviceInfo.interpreter()
+    config = repair_config(config, shape, w.w_qkv.element_size(), info)
+    bad = check_config(config, shape, w.w_qkv.element_size(), info)
+    if bad:
+        raise ConfigError(f"config does not run shape {shape.spec}: "
+                          + "; ".join(f"{k}: {why}" for k, why in bad.items()))
+    return config
+
+
+def _fold(config: DecoderConfig, w: LayerWeights) -> None:
+    """Fold each LayerNorm the config fuses into the next GEMM's weights: a torch op, done once, never in a graph."""
+    if config.norm1.fuse or config.fused:
+        w.folded("qkv")
+    if config.norm2.fuse or config.fused:
+        w.folded("ffn1")
+
+
+def _rows(x, shape: DecoderShape, dtype, device, who: str) -> torch.Tensor:
+    s = shape
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{who}: x is a {type(x).__name__}, not a torch.Tensor")
+    if tuple(x.shape) not in ((s.batch, s.seq, s.d_model), (s.tokens, s.d_model)):
+        raise ValueError(f"{who}: x {tuple(x.shape)} must be [{s.batch}, {s.seq}, {s.d_model}] or "
+                         f"[{s.tokens}, {s.d_model}] (shape {s.spec})")
+    if x.dtype != dtype or x.device != device:
+        raise ValueError(f"{who}: x is {x.dtype} on {x.device}, the layer is {dtype} on {device}")
+    return x.reshape(s.tokens, s.d_model).contiguous()
+
+
 class TunedLayer:
     """One decoder layer on our kernels with a tuned configuration and your weights.
 
@@ -127,43 +173,18 @@ class TunedLayer:
 
     def __init__(self, config: DecoderConfig | str | os.PathLike, shape: DecoderShape | str, weights, *, dtype=None,
                  device=None):
-        if not isinstance(shape, DecoderShape):
-            shape = resolve(shape)  # (ShapeError for what is neither a preset nor BxSxDxHxF)
-        self.shape = shape
-        if isinstance(config, (str, os.PathLike)):
-            from tuner.export import load_config
-
-            config = load_config(config, shape=shape)
-        elif not isinstance(config, DecoderConfig):
-            raise TypeError(f"TunedLayer: config is a {type(config).__name__}; give a DecoderConfig "
-                            "(tuner.load_config(path)) or the path of a best.json")
+        self.shape = _shape(shape)
         self.weights = as_layer_weights(weights, self.shape, dtype=dtype, device=device)
         self.dtype, self.device = self.weights.w_qkv.dtype, self.weights.w_qkv.device
-        info = DeviceInfo.from_torch(self.device) if self.device.type == "cuda" else DeviceInfo.interpreter()
-        self.config = repair_config(config, self.shape, self.weights.w_qkv.element_size(), info)
-        bad = check_config(self.config, self.shape, self.weights.w_qkv.element_size(), info)
-        if bad:
-            raise ConfigError(f"config does not run shape {self.shape.spec}: "
-                              + "; ".join(f"{k}: {why}" for k, why in bad.items()))
+        self.config = _runnable(config, self.shape, self.weights, "TunedLayer")
         # Folding LayerNorm into the next GEMM's weights is a torch op: done once here, never in a graph.
-        if self.config.norm1.fuse:
-            self.weights.folded("qkv")
-        if self.config.norm2.fuse:
-            self.weights.folded("ffn1")
+        _fold(self.config, self.weights)
         self.buffers = LayerBuffers(self.shape, self.config, self.dtype, self.device)
         self._x = torch.empty((self.shape.tokens, self.shape.d_model), dtype=self.dtype, device=self.device)
         self.graph = None
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.shape
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"TunedLayer: x is a {type(x).__name__}, not a torch.Tensor")
-        if tuple(x.shape) not in ((s.batch, s.seq, s.d_model), (s.tokens, s.d_model)):
-            raise ValueError(f"TunedLayer: x {tuple(x.shape)} must be [{s.batch}, {s.seq}, {s.d_model}] or "
-                             f"[{s.tokens}, {s.d_model}] (shape {s.spec})")
-        if x.dtype != self.dtype or x.device != self.device:
-            raise ValueError(f"TunedLayer: x is {x.dtype} on {x.device}, the layer is {self.dtype} on {self.device}")
-        return x.reshape(s.tokens, s.d_model).contiguous()
+        return _rows(x, self.shape, self.dtype, self.device, "TunedLayer")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = self._rows(x)
@@ -191,3 +212,69 @@ class TunedLayer:
         """The same layer in fp32 PyTorch from the same weights (what the tuner's correctness gate compares
         against); fp32, in x's shape."""
         return layer_ref(self.shape, self.weights, self._rows(x)).view(x.shape)
+
+
+class TunedStack:
+    """Your model's decoder layers on our kernels, chained as the tuner timed them: one tuned configuration for
+    every layer, each layer's weights yours, and on a GPU all of them in one CUDA graph in which each layer's first
+    kernel waits under PDL for the previous layer's last one.
+
+    ``layers``: a list of weights, one per layer, each as :func:`as_layer_weights` takes it (an ``nn.Module`` with
+    ``ln1``, ``qkv``, ``out``, ``ln2``, ``ffn1``, ``ffn2``, a state dict, ...); copied. ``config``, ``shape``,
+    ``dtype``, ``device`` and the input as for :class:`TunedLayer`.
+
+    Use it rather than one :class:`TunedLayer` a layer: with ``norm1.fuse: 2`` (every run of record's best) layer
+    *i*'s FFN2 writes the row sums of its output for layer *i+1*'s QKV, which has no norm kernel of its own, and with
+    ``qkv.fuse: 1`` or a clustered QKV that QKV then runs the kernel the tuner timed. A lone layer, like this stack's
+    first, has no such producer: its QKV gathers the row sums itself, on the Triton GEMM (and with ``qkv.fuse: 1`` the
+    attention runs as a kernel of its own), as the first layer of the tuner's stack does.
+    """
+
+    def __init__(self, config: DecoderConfig | str | os.PathLike, shape: DecoderShape | str, layers, *, dtype=None,
+                 device=None):
+        from tuner.layer import DecoderStack
+
+        self.shape = _shape(shape)
+        if isinstance(layers, (torch.nn.Module, LayerWeights, dict)) or not hasattr(layers, "__len__"):
+            raise TypeError(f"TunedStack: layers is a {type(layers).__name__}; give a list of each layer's weights "
+                            "(for one layer, TunedLayer)")
+        if not len(layers):
+            raise ValueError("TunedStack: layers is empty; give each layer's weights")
+        first = as_layer_weights(layers[0], self.shape, dtype=dtype, device=device)
+        self.dtype, self.device = first.w_qkv.dtype, first.w_qkv.device
+        self.weights = [first] + [as_layer_weights(w, self.shape, dtype=self.dtype, device=self.device)
+                                  for w in layers[1:]]
+        self.config = _runnable(config, self.shape, first, "TunedStack")
+        for w in self.weights:
+            _fold(self.config, w)
+        self.stack = DecoderStack(self.shape, self.config, n_layers=len(self.weights), dtype=self.dtype,
+                                  device=self.device, weights=self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output for ``x``: its buffer, which the next call overwrites (``.clone()`` to keep it)."""
+        self.stack.x.copy_(_rows(x, self.shape, self.dtype, self.device, "TunedStack"))
+        self.stack.replay()  # (the graph where captured, else each kernel launched in turn)
+        return self.stack.out.view(x.shape)
+
+    def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
+        """Record every layer's kernels in one CUDA graph (the chain the tuner timed); later calls replay it."""
+        if self.device.type != "cuda":
+            raise RuntimeError("TunedStack.capture: CUDA graphs need a CUDA device; call the stack directly")
+        with torch.cuda.device(self.device):
+            return self.stack.capture(warmup=warmup)
+
+    def outputs(self) -> list[torch.Tensor]:
+        """Each layer's output buffer after the last call, in order (overwritten by the next call)."""
+        return [b.y for b in self.stack.bufs]
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same layers in fp32 PyTorch from the same weights, each fed the previous one's fp32 output; fp32, in
+        x's shape. Over many layers the 16-bit stack drifts from it as a 16-bit model drifts from its fp32 twin; the
+        tuner's gate compares each layer on the input it really received (``DecoderStack.check``)."""
+        h = _rows(x, self.shape, self.dtype, self.device, "TunedStack")
+        for w in self.weights:
+            h = layer_ref(self.shape, w, h)
+        return h.view(x.shape)

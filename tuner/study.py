@@ -210,7 +210,7 @@ def _check_identity(study, ident: dict) -> None:
     study's: its trials would not be comparable, or (another space) Optuna would fail every one of them. A study
     written before a key was recorded takes this process's value for it."""
     old = study.user_attrs.get("identity") or {}
-    if "recording" not in old and (old or study.get_trials(deepcopy=False)):
+    if "recording" not in old and (old or study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))):
         old = {**old, "recording": None}  # (a replay's identity names its recording: one that does not, measured)
     if (old.get("recording") is None) != (ident.get("recording") is None) and "recording" in old:
         held, here = (("measured", "replays a recording") if old["recording"] is None else
@@ -680,7 +680,8 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
     study.add_trial(optuna.trial.create_trial(
         params=params, distributions={n: best.distributions[n] for n in params}, value=value,
         state=TrialState.COMPLETE if value is not None else TrialState.FAIL, user_attrs=dict(attrs)))
-    log(f"{shape.label}: trial {best.number}'s twin with every pair at (-1, -1) measured: "
+    log(f"{shape.label}: trial {best.number}'s twin with every pair at (-1, -1) "
+        f"{'served from the recording' if evaluator.replayed else 'measured'}: "
         + (f"{value:.2f} us" if value is not None else attrs["status"]))
     return True
 
@@ -796,7 +797,8 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
                          f"{df['status'].value_counts().to_dict()})")
     top = ok[ok["number"].isin(kept)]
     top_cfgs = [trial_cfg[int(n)] for n in top["number"]]
-    log(f"{shape.label}: re-measuring top-{len(top_cfgs)} and the baseline, interleaved")
+    log(f"{shape.label}: " + (f"serving top-{len(top_cfgs)} and the baseline from the recording" if evaluator.replayed
+                              else f"re-measuring top-{len(top_cfgs)} and the baseline, interleaved"))
     meas = evaluator.remeasure(top_cfgs + [base_cfg], rounds=opts.remeasure_rounds)
     base = evaluator.baselines(base_cfg)
     # The baseline of the speedups: the interleaved re-measurement of (-1,-1) default tiles.
@@ -811,6 +813,8 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
             tie = abs(lat - prev["latency_us"]) <= spr + prev["spread_us"]
         rows.append({"rank": rank, "trial": int(top["number"].iloc[i]), "latency_us": lat, "spread_us": spr,
                      "speedup": base_us / lat, "tie": tie, "config": top_cfgs[i].to_dict()})
+        if evaluator.replayed:  # served the timing of the nearest recorded configuration, not its own
+            rows[-1]["approximated"] = bool(top["approximated"].iloc[i])
     best_cfg = DecoderConfig.from_dict(rows[0]["config"])
     # Do the knobs pay? The re-measured top-1 against itself with every pair at (-1,-1), tiles kept,
     # interleaved A B A B in one process (the seed's 1.01x was this comparison).
@@ -874,7 +878,8 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
         manifest.write_json_atomic(run / "importance.json", importance)
     best = {"schema_version": 1, "kind": "pdl-tune best configuration", "shape": shape.to_dict(), "dtype": opts.dtype,
             "gpu": dev, "versions": {k: man.get(k) for k in ("torch", "triton", "optuna", "cuda")},
-            "replayed": evaluator.replayed, "config": best_cfg.to_dict(), "latency_us": rows[0]["latency_us"],
+            "replayed": evaluator.replayed, **({"approximated": rows[0]["approximated"]} if evaluator.replayed else {}),
+            "config": best_cfg.to_dict(), "latency_us": rows[0]["latency_us"],
             "spread_us": rows[0]["spread_us"], "baseline_us": base_us, "speedup": rows[0]["speedup"],
             "compile_us": base.compile_us, "knobs_off_us": ko_us, "policy": man["policy"]}
     manifest.write_json_atomic(run / "best.json", best)
