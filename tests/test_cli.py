@@ -341,7 +341,7 @@ BAD_DECODER = [
     ("shape-head-dim-16", ["--shape", "1x128x256x16x1024"], ["head dim 16"]),
     ("shape-head-dim-256", ["--shape", "1x128x1024x4x4096"], ["head dim 256"]),
     ("shape-attention-grid", ["--shape", "4096x16x512x16x512"], ["batch*heads = 65536", "65535"]),
-    ("shape-32-bit-offsets", ["--shape", "2048x128x2048x8x8192"], ["tokens*max(3*d_model, ffn) = 2147483648",
+    ("shape-32-bit-offsets", ["--shape", "2048x128x2048x16x8192"], ["tokens*max(3*d_model, ffn) = 2147483648",
                                                                    "32-bit offsets"]),
     ("trials-0", ["--trials", "0"], ["--trials 0"]),
     ("trials-negative", ["--trials", "-3"], ["--trials -3"]),
@@ -375,6 +375,10 @@ BAD_DECODER = [
     ("storage-sqlite-not-a-database", ["--storage", "sqlite:///{notes}"], ["{notes}", "not a SQLite database"]),
     ("shape-file-empty", ["--shape-file", "{empty}"], ["{empty}", "it is empty"]),
     ("shape-file-name-climbs-out", ["--shape-file", "{climb}"], ["name '../../escaped'", "letters, digits"]),
+    ("shape-file-preset-name", ["--shape-file", "{posing}"], ["name 'bert-base' is the preset 1x128x768x12x3072's",
+                                                                "1x64x768x12x3072", "another name"]),
+    ("shape-underscore", ["--shape", "1x1_28x768x12x3072"], ["five integers"]),
+    ("shape-negative-first", ["--shape=-1x128x768x12x3072"], ["batch=-1", "positive"]),
     ("shape-file-name-not-text", ["--shape-file", "{number}"], ["name 42"]),
     ("shape-file-batch-true", ["--shape-file", "{boolean}"], ["batch=True", "positive integer"]),
     ("shape-file-key-missing", ["--shape-file", "{partial}"], ["shapes[0]: missing heads, ffn",
@@ -389,6 +393,7 @@ SPACE_EDIT = {"space-unknown-key": _unknown_gemm_key, "space-non-list": _non_lis
 SHAPE_FILES = {  # (the recording's shape, so that the shape file is the only mistake)
     "{empty}": "shapes: []\n",
     "{climb}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, name: ../../escaped}\n",
+    "{posing}": "shapes:\n  - {batch: 1, seq: 64, d_model: 768, heads: 12, ffn: 3072, name: bert-base}\n",
     "{number}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768, heads: 12, ffn: 3072, name: 42}\n",
     "{boolean}": "shapes:\n  - {batch: true, seq: 128, d_model: 768, heads: 12, ffn: 3072}\n",
     "{partial}": "shapes:\n  - {batch: 1, seq: 128, d_model: 768}\n",  # (a TypeError's text about __init__ before)

@@ -40,7 +40,7 @@ def _shapes(values: list[str] | None, shape_file: str | None = None):
 
 
 def _read_shape_file(path: str):
-    from tuner.shapes import DecoderShape, ShapeError, keys_error
+    from tuner.shapes import PRESETS, DecoderShape, ShapeError, keys_error
     from tuner.space import read_yaml
 
     data = read_yaml(path, "shape", UserError)
@@ -56,9 +56,14 @@ def _read_shape_file(path: str):
         if why:
             raise UserError(f"--shape-file {path}: shapes[{i}]: {why}")
         try:
-            out.append(DecoderShape(**it))
+            shape = DecoderShape(**it)
         except ShapeError as e:
             raise UserError(f"--shape-file {path}: shapes[{i}]: {e}") from None
+        preset = PRESETS.get(shape.name.lower())
+        if preset is not None and preset.spec != shape.spec:  # its runs would sit among the preset's (<out>/<name>/)
+            raise UserError(f"--shape-file {path}: shapes[{i}]: name {shape.name!r} is the preset {preset.spec}'s, "
+                            f"not {shape.spec}'s; give it another name")
+        out.append(shape)
     return out
 
 

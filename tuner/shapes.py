@@ -127,10 +127,9 @@ def parse_spec(text: str) -> DecoderShape:
     parts = text.lower().split("x")
     if len(parts) != 5:
         raise ShapeError(f"shape {text!r}: expected a preset ({', '.join(PRESETS)}) or BxSxDxHxF, e.g. 1x128x768x12x3072")
-    try:
-        b, s, d, h, f = (int(p) for p in parts)
-    except ValueError:
-        raise ShapeError(f"shape {text!r}: BxSxDxHxF needs five integers, e.g. 1x128x768x12x3072") from None
+    if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):  # (not int()'s "1_28" or "+128")
+        raise ShapeError(f"shape {text!r}: BxSxDxHxF needs five integers, e.g. 1x128x768x12x3072")
+    b, s, d, h, f = (int(p) for p in parts)
     return DecoderShape(b, s, d, h, f)
 
 
@@ -143,7 +142,7 @@ def resolve(text: str, *, also: tuple[str, ...] = ()) -> DecoderShape:
     key = text.strip().lower()
     if key in PRESETS:
         return PRESETS[key]
-    if "x" in key and key[:1].isdigit():
+    if "x" in key and (key[:1].isdigit() or key[:1] == "-"):  # (-1x...: its own message, a positive integer)
         return parse_spec(key)
     names = ", ".join([*PRESETS, *(repr(a) for a in also)])
     raise ShapeError(f"unknown shape {text!r}: choose one of {names}, or BxSxDxHxF")
