@@ -210,6 +210,8 @@ def fit(config: FusedLayerConfig, problem: LayerProblem, device: DeviceInfo | No
     from dataclasses import replace
 
     c, p = config, problem
+    if c.fuse == 2 and layer_cuda.problem_error(p.tokens, p.seq, p.d_model, p.heads, p.ffn):
+        return fit(layer_cuda.triton_equivalent(c), p, device)  # (a shape the CUDA kernel cannot run: the Triton one)
     if c.fuse == 2:  # 64x64 tiles: only the splits (to divisors of the K tiles) and the ring depth move
         nd, nf = p.d_model // 64, p.ffn // 64
         div = lambda s, n: max([d for d in range(1, max(s, 1) + 1) if n > 0 and n % d == 0] or [1])  # noqa: E731

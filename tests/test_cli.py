@@ -960,3 +960,24 @@ def test_an_unfinished_run_folder_is_refused(tmp_path):
         rc, stdout, stderr = tune(*argv)
         assert rc == 2 and "the unfinished folder of a run" in stderr and "run the same `tune decoder`" in stderr
     assert tune("export", run)[0] == 0
+
+
+@pytest.mark.parametrize("error", ["triton", "cuda"])
+def test_a_kernel_failure_in_bench_is_one_line(error, monkeypatch, capsys, tmp_path):
+    # On the GPU (stood in for here: the GPU checks and the bench itself replaced) a kernel that fails, Triton's
+    # out-of-resources or a CUDA error as torch raises it, ends `tune bench` in one line, not a traceback.
+    import tuner.bench
+    import tuner.cli as cli
+    from triton.runtime.errors import OutOfResources
+
+    def fail(*a, **k):
+        raise (OutOfResources(300000, 232448, "shared memory") if error == "triton"
+               else RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ..."))
+
+    monkeypatch.setattr(cli, "_need_gpu", lambda *a: None)
+    monkeypatch.setattr(cli, "_check_hot", lambda *a: None)
+    monkeypatch.setattr(tuner.bench, "run_bench", fail)
+    assert main(["bench", "--shape", "tiny", "--no-compile", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tune: error: tune bench tiny: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    assert {"triton": "OutOfResources", "cuda": "illegal memory access"}[error] in err

@@ -146,11 +146,13 @@ def test_decoder_config_roundtrip_and_errors():
 def test_presets_and_custom_shapes():
     assert resolve("bert-base").spec == "1x128x768x12x3072"
     assert resolve("1x64x512x8x2048").head_dim == 64
+    assert resolve(" 1 x 128 x 768 x 12 x 3072 ").spec == "1x128x768x12x3072"  # (spaces as before; not '1_28')
     assert abs(PRESETS["bert-base"].weight_bytes(2) / 1e6 - 14.2) < 0.1  # DESIGN: 14.2 MB
     for bad, needle in [("gpt9", "unknown shape"), ("1x0x768x12x3072", "positive"),
                         ("1x128x770x12x3072", "not divisible"), ("1x128x768x48x3072", "head dim"),
                         ("1x128x768x12", "BxSxDxHxF"), ("1xax768x12x3072", "five integers"),
-                        ("65536x1x64x1x64", "attention kernel's grid"), ("1x262144x4096x32x8192", "32-bit offsets")]:
+                        ("65536x1x64x1x64", "attention kernel's grid"), ("1x262144x4096x32x8192", "32-bit offsets"),
+                        ("1x1x49152x384x49152", "largest weight")]:
         with pytest.raises(ShapeError, match=needle):
             resolve(bad)
 

@@ -271,8 +271,22 @@ def test_a_stack_chains_the_row_sums_from_layer_to_layer(device, monkeypatch):
     assert _rel(y, h) < 3 * tol
 
 
+def test_a_stack_takes_a_models_module_list_and_a_cuda_layer_kernel_config_elsewhere(device):
+    # model.layers as it is (an nn.ModuleList); and a best.json of the CUDA layer kernel (layer.fuse 2, head dim 64
+    # only) on a layer of head dim 32: its Triton equivalent runs, as a config tuned for another shape should.
+    from dataclasses import replace as rep
+
+    from tuner.kernels.fused_layer import FusedLayerConfig
+
+    cfg = rep(DecoderConfig(), layer=FusedLayerConfig(fuse=2, num_stages=8, out_split_k=4, ffn2_split_k=4))
+    stack = TunedStack(cfg, SMALL, nn.ModuleList([_module(0), _module(1)]), dtype=torch.float32, device=device)
+    assert stack.config.layer.fuse == 1 and len(stack) == 2
+    x = torch.randn(SMALL.tokens, SMALL.d_model, device=device)
+    assert _rel(stack(x), stack.reference(x)) < 5e-3
+
+
 def test_stack_arguments_are_checked(device):
-    with pytest.raises(TypeError, match="list of each layer's weights"):
+    with pytest.raises(TypeError, match=r"list of each layer's weights, e.g. list\(model.layers\)"):
         TunedStack(_chained(), SMALL, _module(), device=device)
     with pytest.raises(ValueError, match="empty"):
         TunedStack(_chained(), SMALL, [], device=device)

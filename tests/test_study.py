@@ -262,6 +262,11 @@ def test_replayed_and_measured_timings_never_share_a_study(tmp_path, replay, sto
     with pytest.raises(StudyError, match="'replayed' holds replayed .* timings and this process measures"):
         _check_identity(load_study(tmp_path, "replayed"), dict(ident, recording=None))
     assert len(load_study(tmp_path, "replayed").trials) == 3
+    # A replay's study from before the key: its trials say they were replayed, so the same replay continues it.
+    older = load_study(tmp_path, "replayed")
+    older.set_user_attr("identity", {k: v for k, v in older.user_attrs["identity"].items() if k != "recording"})
+    run(tmp_path, replay, study_name="replayed", trials=4)
+    assert len(load_study(tmp_path, "replayed").trials) == 4
 
 
 def test_same_identity_continues(tmp_path, replay):

@@ -128,13 +128,15 @@ def cmd_bench(args) -> int:
     extra = {}
     if args.config:
         extra[f"ours, {args.config}"] = _bench_config(args.config, gpu=None)  # None: this GPU's name
+    from triton.errors import TritonError
+
     stamp = time.strftime("%Y%m%d-%H%M%S")
     for shape in shapes:
         print(f"bench {shape.label} ...", flush=True)
         try:
             res = bench.run_bench(shape, dtype=dtype, l2=args.l2, reps=args.reps, seed=args.seed, extra_configs=extra,
                                   compile_baseline=not args.no_compile)
-        except (RuntimeError, ValueError, MemoryError) as e:  # (torch.OutOfMemoryError and CUDA's errors among them)
+        except (RuntimeError, ValueError, MemoryError, TritonError) as e:  # (torch's out of memory, CUDA's errors)
             from tuner.worker import one_line
 
             raise RunError(f"tune bench {shape.label}: {type(e).__name__}: {one_line(e)}") from None

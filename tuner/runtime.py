@@ -219,9 +219,9 @@ class TunedStack:
     every layer, each layer's weights yours, and on a GPU all of them in one CUDA graph in which each layer's first
     kernel waits under PDL for the previous layer's last one.
 
-    ``layers``: a list of weights, one per layer, each as :func:`as_layer_weights` takes it (an ``nn.Module`` with
-    ``ln1``, ``qkv``, ``out``, ``ln2``, ``ffn1``, ``ffn2``, a state dict, ...); copied. ``config``, ``shape``,
-    ``dtype``, ``device`` and the input as for :class:`TunedLayer`.
+    ``layers``: a list (or ``nn.ModuleList``) of weights, one per layer, each as :func:`as_layer_weights` takes it
+    (an ``nn.Module`` with ``ln1``, ``qkv``, ``out``, ``ln2``, ``ffn1``, ``ffn2``, a state dict, ...); copied.
+    ``config``, ``shape``, ``dtype``, ``device`` and the input as for :class:`TunedLayer`.
 
     Use it rather than one :class:`TunedLayer` a layer: with ``norm1.fuse: 2`` (every run of record's best) layer
     *i*'s FFN2 writes the row sums of its output for layer *i+1*'s QKV, which has no norm kernel of its own, and with
@@ -235,9 +235,11 @@ class TunedStack:
         from tuner.layer import DecoderStack
 
         self.shape = _shape(shape)
+        if isinstance(layers, (torch.nn.ModuleList, torch.nn.Sequential)):  # (a model's own list of layers)
+            layers = list(layers)
         if isinstance(layers, (torch.nn.Module, LayerWeights, dict)) or not hasattr(layers, "__len__"):
-            raise TypeError(f"TunedStack: layers is a {type(layers).__name__}; give a list of each layer's weights "
-                            "(for one layer, TunedLayer)")
+            raise TypeError(f"TunedStack: layers is a {type(layers).__name__}; give a list of each layer's weights, "
+                            "e.g. list(model.layers) (for one layer, TunedLayer)")
         if not len(layers):
             raise ValueError("TunedStack: layers is empty; give each layer's weights")
         first = as_layer_weights(layers[0], self.shape, dtype=dtype, device=device)

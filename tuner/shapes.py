@@ -55,6 +55,10 @@ class DecoderShape:
         if widest >= OFFSET_LIMIT:
             raise ShapeError(f"shape {self.spec}: its widest activation, tokens*max(3*d_model, ffn) = {widest} "
                              f"elements, is past the 32-bit offsets the kernels index with (< {OFFSET_LIMIT})")
+        weight = self.d_model * max(3 * self.d_model, self.ffn)
+        if weight >= OFFSET_LIMIT:
+            raise ShapeError(f"shape {self.spec}: its largest weight, d_model*max(3*d_model, ffn) = {weight} elements, "
+                             f"is past the 32-bit offsets the kernels index with (< {OFFSET_LIMIT})")
         if self.norm != "layernorm" or self.activation != "gelu":
             raise ShapeError(f"shape {self.spec}: only layernorm + gelu layers are implemented")
 
@@ -127,6 +131,7 @@ def parse_spec(text: str) -> DecoderShape:
     parts = text.lower().split("x")
     if len(parts) != 5:
         raise ShapeError(f"shape {text!r}: expected a preset ({', '.join(PRESETS)}) or BxSxDxHxF, e.g. 1x128x768x12x3072")
+    parts = [p.strip() for p in parts]
     if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):  # (not int()'s "1_28" or "+128")
         raise ShapeError(f"shape {text!r}: BxSxDxHxF needs five integers, e.g. 1x128x768x12x3072")
     b, s, d, h, f = (int(p) for p in parts)

@@ -208,10 +208,14 @@ _FINGERPRINTS = {"space": "another search space", "recording": "another replay r
 def _check_identity(study, ident: dict) -> None:
     """Refuse a process whose shape, dtype, GPU model, L2 policy, search space or replay recording differs from the
     study's: its trials would not be comparable, or (another space) Optuna would fail every one of them. A study
-    written before a key was recorded takes this process's value for it."""
+    written before a key was recorded takes this process's value for it; but for the recording, which its trials
+    tell (a replayed trial's reason says so): replayed and measured timings never share a study."""
     old = study.user_attrs.get("identity") or {}
-    if "recording" not in old and (old or study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))):
-        old = {**old, "recording": None}  # (a replay's identity names its recording: one that does not, measured)
+    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    if "recording" not in old and (old or done):  # (written before the key: what its trials say they are)
+        replayed = any(str(t.user_attrs.get("reason", "")).startswith("replayed") for t in done)
+        # (a replay's takes, as before the key, the recording of the process that continues it)
+        old = {**old, "recording": (ident.get("recording") or "unnamed") if replayed else None}
     if (old.get("recording") is None) != (ident.get("recording") is None) and "recording" in old:
         held, here = (("measured", "replays a recording") if old["recording"] is None else
                       ("replayed (served from a recording)", "measures on the GPU"))
