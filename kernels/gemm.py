@@ -26,15 +26,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tuner.device import DeviceInfo
+from tuner.shapes import OFFSET_LIMIT
 
 from . import cluster_gemm
 from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting,
                       launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper,
                       prefetch_count, prefetch_l2, ratio_error, smem_limit, spin_ns, stamp, tile_cap, trigger_index)
 
-# Offsets into a tensor are 32-bit in these kernels (as in Triton's tutorials): no tensor they index, the split-K
-# workspace included, may hold 2**31 elements or more. tuner.shapes refuses layers whose activations would.
-OFFSET_LIMIT = 2**31
+# (OFFSET_LIMIT: the kernels index with 32-bit offsets; tuner.shapes refuses layers whose tensors reach it, and check
+# and fit keep the split-K workspace below it.)
 
 ACTIVATIONS = (None, "gelu", "silu")
 _ACT_CODE = {None: 0, "gelu": 1, "silu": 2}
@@ -331,9 +331,10 @@ def fit(config: GemmConfig, problem: GemmProblem) -> GemmConfig:
     caps = {n: tile_cap(d) for n, d in (("block_m", problem.m), ("block_n", problem.n), ("block_k", problem.k))}
     c = replace(config, **{n: min(getattr(config, n), cap) for n, cap in caps.items()})
     tma = c.tma if (problem.k * problem.dtype_bytes) % 16 == 0 else 0
-    split = fit_split_k(c.split_k, triton.cdiv(problem.k, c.block_k))
+    k_tiles = triton.cdiv(problem.k, c.block_k)
+    split = fit_split_k(c.split_k, k_tiles)
     while split > 1 and split * problem.m * problem.n >= OFFSET_LIMIT:  # (a workspace past 32-bit offsets)
-        split = fit_split_k(split // 2, triton.cdiv(problem.k, c.block_k))
+        split = fit_split_k(split // 2, k_tiles)
     return replace(c, split_k=split, tma=tma)
 
 

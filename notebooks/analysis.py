@@ -95,8 +95,8 @@ def rel(p) -> str:
 # ## Which run
 #
 # Committed run folders are the folders under `results/` that hold a `topk.json`: `results/<shape>/<run-id>/`, and
-# the same under another `--out` such as `results/h100/` (the `bench` and `verify` folders hold other kinds of run). A replay is made in a scratch
-# folder with its own study storage, so it never joins a real study.
+# the same under another `--out` such as `results/h100/` (the `bench` and `verify` folders hold other kinds of run).
+# A replay is made in a scratch folder with its own study storage, so it never joins a real study.
 
 # %%
 def committed_runs(results: Path = RESULTS) -> list[Path]:
@@ -412,14 +412,14 @@ else:
 # one: our layer at hand-picked tiles against PyTorch eager, torch.compile and the floor.
 
 # %%
-def same_setup(bench_md: Path) -> bool:
-    m = json.loads((bench_md.parent / "manifest.json").read_text())
+def same_setup(m: dict) -> bool:
     return ((m.get("gpu") or {}).get("name") == run.gpu_name and m.get("dtype", "float16") == run.dtype
             and (m.get("policy") or {}).get("l2", "cold") == (run.l2_policy or "cold"))
 
 
-bench = [b for b in RESULTS.rglob("bench.md") if b.parent.parent.name == run.shape_name and same_setup(b)]
-bench.sort(key=lambda b: json.loads((b.parent / "manifest.json").read_text()).get("created", ""))
+benches = {b: json.loads((b.parent / "manifest.json").read_text()) for b in RESULTS.rglob("bench.md")
+           if b.parent.parent.name == run.shape_name}
+bench = sorted((b for b, m in benches.items() if same_setup(m)), key=lambda b: benches[b].get("created", ""))
 if bench:
     print(rel(bench[-1]))
     display(Markdown(bench[-1].read_text()))

@@ -30,7 +30,7 @@ def main(argv=None) -> int:
 
     import tuner
     from tuner.device import DeviceInfo
-    from tuner.layer import DecoderStack, stack_depth
+    from tuner.layer import DecoderStack, rel_error, stack_depth
     from tuner.runtime import TunedLayer, TunedStack
     from tuner.shapes import resolve
     from tuner.timing import time_interleaved
@@ -65,11 +65,9 @@ def main(argv=None) -> int:
 
     x = torch.randn(shape.batch, shape.seq, shape.d_model, dtype=dtype, device=dev)
     singles[0]._x.copy_(x.view(shape.tokens, shape.d_model))
-    y, ref = model(x).float(), model.reference(x)
-    err_stack = float((y - ref).norm() / ref.norm())
+    err_stack = rel_error(model(x), model.reference(x))
     ins = [x.view(shape.tokens, shape.d_model)] + model.outputs()[:-1]
-    err_layers = max(float((yi.float() - tuner.layer.layer_ref(shape, w, xi)).norm()
-                           / tuner.layer.layer_ref(shape, w, xi).norm())
+    err_layers = max(rel_error(yi, tuner.layer.layer_ref(shape, w, xi))
                      for w, xi, yi in zip(model.weights, ins, model.outputs()))
     t = time_interleaved([model.stack.graph.replay, tuned.graph.replay, chain], [n, n, n], rounds=args.rounds)
     print(f"{torch.cuda.get_device_name()}, {shape.label} ({shape.spec}), {n} layers, {args.best_json}")

@@ -975,7 +975,7 @@ def test_a_kernel_failure_in_bench_is_one_line(error, monkeypatch, capsys, tmp_p
                else RuntimeError("CUDA error: an illegal memory access was encountered\nCUDA kernel errors ..."))
 
     monkeypatch.setattr(cli, "_need_gpu", lambda *a: None)
-    monkeypatch.setattr(cli, "_check_hot", lambda *a: None)
+    monkeypatch.setattr(cli, "_check_fits", lambda *a: None)
     monkeypatch.setattr(tuner.bench, "run_bench", fail)
     assert main(["bench", "--shape", "tiny", "--no-compile", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err

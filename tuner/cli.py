@@ -124,7 +124,7 @@ def cmd_bench(args) -> int:
         for shape in shapes:
             _bench_config(args.config, shape=shape, gpu="")
     _need_gpu("tune bench")
-    _check_hot(args.l2, shapes, dtype, None)
+    _check_fits(args.l2, shapes, dtype, None)
     extra = {}
     if args.config:
         extra[f"ours, {args.config}"] = _bench_config(args.config, gpu=None)  # None: this GPU's name
@@ -288,7 +288,7 @@ def _check_gpu_indices(gpus: list[str | None]) -> None:
                         f"(indices 0..{count - 1})")
 
 
-def _check_hot(l2: str, shapes, dtype, gpu: str | None) -> None:
+def _check_fits(l2: str, shapes, dtype, gpu: str | None) -> None:
     """--l2 hot only for shapes whose whole model's weights fit in the L2 of the GPU that measures them; and every
     shape's timed stack within the GPU's memory."""
     import torch
@@ -391,7 +391,7 @@ def _decoder_inputs(args):
         args.dtype, args.l2 = args.dtype or "float16", args.l2 or "cold"
         _need_gpu("tune decoder")
         _check_gpu_indices(gpus)
-        _check_hot(args.l2, shapes, _dtype(args.dtype), gpus[0])
+        _check_fits(args.l2, shapes, _dtype(args.dtype), gpus[0])
         return shapes, space, gpus
     if len(shapes) > 1:
         raise UserError("--replay serves one recording, i.e. one shape: give one --shape")

@@ -247,8 +247,7 @@ class TunedStack:
         self.weights = [first] + [as_layer_weights(w, self.shape, dtype=self.dtype, device=self.device)
                                   for w in layers[1:]]
         self.config = _runnable(config, self.shape, first, "TunedStack")
-        for w in self.weights:
-            _fold(self.config, w)
+        # (DecoderStack folds each layer's LayerNorms into its GEMMs, once, outside any graph)
         self.stack = DecoderStack(self.shape, self.config, n_layers=len(self.weights), dtype=self.dtype,
                                   device=self.device, weights=self.weights)
 

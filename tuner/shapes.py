@@ -12,7 +12,8 @@ HEAD_DIM_RANGE = (32, 128)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 # The attention kernel's grid has a (sequence, head) pair a program on its second axis, at most 65535 (CUDA's limit).
 ATTN_GRID_LIMIT = 65535
-# The kernels index their tensors with 32-bit offsets (kernels/gemm.py, OFFSET_LIMIT).
+# The kernels index their tensors with 32-bit offsets (as in Triton's tutorials): no tensor they index, a split-K
+# workspace included (kernels/gemm.py), may hold this many elements.
 OFFSET_LIMIT = 2**31
 
 

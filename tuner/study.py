@@ -211,7 +211,7 @@ def _check_identity(study, ident: dict) -> None:
     written before a key was recorded takes this process's value for it; but for the recording, which its trials
     tell (a replayed trial's reason says so): replayed and measured timings never share a study."""
     old = study.user_attrs.get("identity") or {}
-    done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    done = [] if "recording" in old else study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
     if "recording" not in old and (old or done):  # (written before the key: what its trials say they are)
         replayed = any(str(t.user_attrs.get("reason", "")).startswith("replayed") for t in done)
         # (a replay's takes, as before the key, the recording of the process that continues it)
