@@ -14,6 +14,8 @@ import triton.language as tl
 from tuner.device import SMEM_DEFAULT_BYTES, DeviceInfo
 from tuner.manifest import is_number
 
+# CUDA launches at most this many programs along a grid's second and third axes (the first holds 2^31 - 1).
+GRID_YZ_LIMIT = 65535
 GPU_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # what the CUDA kernels (*.cu) take: their tiles are 16-bit words
 

@@ -178,8 +178,12 @@ def _attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
     USE_PDL: tl.constexpr, UPCAST: tl.constexpr, RACY_READ_BEFORE_WAIT: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    # One grid axis: CUDA's second holds 65535 programs, its first 2^31 - 1. The order is a (query tiles,
+    # batch * heads) grid's: the query tiles of one (sequence, head) pair are neighbours.
+    pid = tl.program_id(0)
+    m_tiles = tl.cdiv(seq, BLOCK_M)
+    pid_m = pid % m_tiles
+    pid_bh = pid // m_tiles
     b = pid_bh // heads
     h = pid_bh % heads
 
@@ -254,7 +258,7 @@ def attention(qkv: torch.Tensor, *, batch: int, seq: int, heads: int, head_dim: 
     mode = launch_mode(qkv)
     c = effective_config(config, qkv)
     use_pdl = c.overlap_ratio >= 0
-    grid = (triton.cdiv(seq, c.block_m), batch * heads)
+    grid = (triton.cdiv(seq, c.block_m) * batch * heads,)
     _attn_fwd_kernel[grid](
         qkv, out,
         seq, heads, head_dim, D,

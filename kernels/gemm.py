@@ -29,7 +29,7 @@ from tuner.device import DeviceInfo
 from tuner.shapes import OFFSET_LIMIT
 
 from . import cluster_gemm
-from ._common import (KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting,
+from ._common import (GRID_YZ_LIMIT, KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting,
                       launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper,
                       prefetch_count, prefetch_l2, ratio_error, smem_limit, spin_ns, stamp, tile_cap, trigger_index)
 
@@ -288,6 +288,8 @@ def _cluster_error(c: GemmConfig, p: GemmProblem, device: DeviceInfo | None) -> 
     why = cluster_gemm.split_error(c.split_k, bn)
     if why:
         return f"{name} {why}"
+    if triton.cdiv(p.m, bm) > GRID_YZ_LIMIT:  # (its grid: column tiles, row tiles, splits)
+        return f"{name} needs at most {GRID_YZ_LIMIT} row tiles (a grid axis), not {triton.cdiv(p.m, bm)}"
     if p.dtype_bytes != 2:
         return f"{name} needs 16-bit operands"
     st = cluster_stages(c)

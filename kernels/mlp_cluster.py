@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _nvcc
-from ._common import SMEM_DEFAULT_BYTES
+from ._common import GRID_YZ_LIMIT, SMEM_DEFAULT_BYTES
 
 SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
@@ -67,6 +67,9 @@ def error(m: int, d: int, f: int, dtype_bytes: int = 2, smem_limit: int = SMEM_D
         return f"needs the cluster ({f // fs} CTAs) a multiple of d_model / 64 = {d // 64} for the out-projection"
     if attn and (not out_proj or m > 64):
         return "needs the out-projection in the block and up to 64 tokens for the attention in it"
+    tiles = -(-m // token_tile(m))
+    if tiles > GRID_YZ_LIMIT:  # (its grid: column groups, token tiles, CTAs a cluster)
+        return f"needs at most {GRID_YZ_LIMIT} token tiles of {token_tile(m)} (a grid axis), not {tiles}"
     need = smem_bytes(d, f // fs, token_tile(m), fs, out_proj, attn)
     if need > smem_limit:
         return f"needs {need} B of shared memory (> {smem_limit})"

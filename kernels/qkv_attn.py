@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import _nvcc
-from ._common import HALF_DTYPES, SMEM_DEFAULT_BYTES
+from ._common import GRID_YZ_LIMIT, HALF_DTYPES, SMEM_DEFAULT_BYTES
 from .cluster_gemm import MAX_LN_PARTS, MAX_STAGES, _ptr
 
 SOURCE = Path(__file__).with_name("qkv_attn.cu")
@@ -89,8 +89,10 @@ def smem_bytes(stages: int, seq: int, kc: int = 1) -> int:
 
 
 def error(seq: int, head_dim: int, d_model: int, stages: int, ln_parts: int | None = None,
-          smem_limit: int = SMEM_DEFAULT_BYTES) -> str | None:
+          smem_limit: int = SMEM_DEFAULT_BYTES, batch: int = 1) -> str | None:
     """Why the kernel cannot run this shape and config; None when it can."""
+    if batch > GRID_YZ_LIMIT:  # (its grid: heads, batch, 3 x row tiles)
+        return f"needs batch <= {GRID_YZ_LIMIT} (a grid axis a sequence), not {batch}"
     if head_dim != 64:
         return f"needs head_dim 64, not {head_dim}"
     if seq > MAX_SEQ:
@@ -145,7 +147,7 @@ def launch(x, weight, bias, out, *, seq, stages=4, trigger_k=-1, n_pref=0, ln_st
     if x.dtype not in HALF_DTYPES or weight.dtype != x.dtype or out.dtype != x.dtype:
         raise ValueError(f"qkv_attn: x, weight and out are {x.dtype}, {weight.dtype}, {out.dtype}: the kernel takes "
                          "16-bit operands, one dtype")
-    why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None)
+    why = error(seq, 64, D, stages, ln_stats.shape[0] if ln_stats is not None else None, batch=M // seq)
     if why is None and (M % seq or weight.shape != (3 * D, D) or out.shape != (M, D)):
         why = f"shapes: x {tuple(x.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}, seq {seq}"
     if why is None and trace is not None and tuple(trace.shape) != (want := _trace_geometry(M, D, seq)[0]):

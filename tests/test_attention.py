@@ -117,6 +117,40 @@ def test_reads_qkv_in_place_and_writes_strided_out(device, monkeypatch):
     assert torch.all(obuf[:, :16] == -7.0)  # nothing written left of the slice
 
 
+@pytest.mark.parametrize("bm", [16, 32])
+def test_one_grid_axis_covers_every_tile_and_pair(bm, device, monkeypatch):
+    # The grid is one axis (a second holds 65535 programs, too few (sequence, head) pairs for large batches): its
+    # programs map onto every (query tile, batch, head), in the order of a (query tiles, pairs) grid.
+    b, s, h, d = 3, 41, 5, 32
+    qkv = _qkv(b, s, h, d, torch.float16, device, seed=9)
+    out = _poisoned(b, s, h, d, torch.float16, device)
+    grids = []
+    real = attn_mod._attn_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(attn_mod, "_attn_fwd_kernel", Spy())
+    attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=AttnConfig(block_m=bm, block_n=16), out=out)
+    assert grids == [(-(-s // bm) * b * h,)]
+    err = rel_error(out, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d))
+    assert err < rel_tolerance(torch.float16), err
+
+
+@pytest.mark.gpu
+def test_more_pairs_than_a_grid_axis_holds_gpu():
+    # 4,100 sequences x 16 heads = 65,600 (sequence, head) pairs: past a grid's second axis (65535), which the
+    # attention kernel used for them until session 46 (the shape was refused then).
+    b, s, h, d = 4100, 5, 16, 32
+    qkv = _qkv(b, s, h, d, torch.float16, "cuda", seed=12)
+    out = _poisoned(b, s, h, d, torch.float16, "cuda")
+    attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=AttnConfig(block_m=16, block_n=16), out=out)
+    err = rel_error(out, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d))
+    assert err < rel_tolerance(torch.float16), err
+
+
 def test_transposed_qkv_storage(device):
     # Column stride != 1 (qkv stored column-major): still read through its strides.
     b, s, h, d = 1, 17, 1, 32

@@ -340,7 +340,6 @@ BAD_DECODER = [
     ("shape-heads-do-not-divide", ["--shape", "1x128x770x12x3072"], ["d_model=770", "heads=12"]),
     ("shape-head-dim-16", ["--shape", "1x128x256x16x1024"], ["head dim 16"]),
     ("shape-head-dim-256", ["--shape", "1x128x1024x4x4096"], ["head dim 256"]),
-    ("shape-attention-grid", ["--shape", "4096x16x512x16x512"], ["batch*heads = 65536", "65535"]),
     ("shape-32-bit-offsets", ["--shape", "2048x128x2048x16x8192"], ["tokens*max(3*d_model, ffn) = 2147483648",
                                                                    "32-bit offsets"]),
     ("trials-0", ["--trials", "0"], ["--trials 0"]),
@@ -505,6 +504,17 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     best["config"]["kernels"]["ffn1"].update(block_m=-5, num_warps=3)
     (other / "best.json").write_text(json.dumps(best))
     assert_user_error(*tune("export", other), [str(other), "cannot run its shape 1x128x768x12x3072", "ffn1"])
+    # a best.json without its shape (edited) is checked against the run's manifest's: a tile past the problem is
+    # refused; a folder without a manifest either is exported with a note that nothing was checked
+    best = json.loads((run / "best.json").read_text())
+    best["config"]["kernels"]["qkv"]["block_m"] = 4096
+    del best["shape"]
+    (other / "best.json").write_text(json.dumps(best))
+    assert_user_error(*tune("export", other), [str(other), "cannot run its shape 1x128x768x12x3072", "qkv",
+                                               "block_m=4096"])
+    (other / "manifest.json").unlink()
+    rc, stdout, stderr = tune("export", other)
+    assert rc == 0 and json.loads(stdout) == best and "not checked against one" in stderr, stderr
     # a file of the user's named like the temporary of the atomic write is left alone
     (tmp_path / "mine.json.tmp").write_text("the user's")
     assert tune("export", run, "-o", tmp_path / "mine.json")[0] == 0

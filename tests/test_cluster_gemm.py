@@ -29,6 +29,8 @@ CL = GemmConfig(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=3, t
     (CL, GemmProblem(128, 256, 768, 4), "16-bit operands"),
     (replace(CL, num_stages=1), GemmProblem(128, 256, 768), "must be in 2..12"),
     (replace(CL, block_k=128, num_stages=7), GemmProblem(128, 256, 4096), "must be in 2..12"),
+    # its grid's second axis holds 65535 row tiles (the Triton kernel's grid has every tile on its first)
+    (CL, GemmProblem(64 * 65535 + 1, 64, 768), "at most 65535 row tiles (a grid axis), not 65536"),
 ])
 def test_check_rejects_cluster(cfg, problem, needle):
     assert needle in (check(cfg, problem, H200) or "")
@@ -44,6 +46,7 @@ def test_launch_refuses_a_split_the_tile_cannot_take():
 
 
 def test_check_accepts_16_bit_exchange():
+    assert check(CL, GemmProblem(64 * 65535, 64, 768), H200) is None  # 65535 row tiles
     assert check(replace(CL, cluster=2), GemmProblem(128, 256, 768), H200) is None
     assert check(replace(CL, cluster=2, split_k=2), GemmProblem(128, 256, 768), H200) is None
 

@@ -16,12 +16,14 @@ from tuner.kernels.gemm import fold_layernorm
     (32, 256, 2048, "hidden columns"),
     (32, 200, 1024, "multiple of 128"),
     (32, 768, 1024, "up to 512"),
+    (64 * 65535 + 1, 256, 1024, "at most 65535 token tiles of 64"),  # (its grid's second axis)
 ])
 def test_error(m, d, f, needle):
     assert needle in (mlp_cluster.error(m, d, f) or "")
 
 
 def test_error_accepts_tiny():
+    assert mlp_cluster.error(64 * 65535, 256, 1024) is None  # 65535 token tiles: the grid holds them
     assert mlp_cluster.error(32, 256, 1024) is None and mlp_cluster.error(32, 256, 1024, fs=64) is None
     assert "64 x (2, 4, 8, 16)" in mlp_cluster.error(32, 256, 2048, fs=64)
     assert mlp_cluster.stats_parts(256, 1024, 64) == 32  # a cluster of 16: 8 columns a CTA

@@ -29,6 +29,24 @@ def test_error(seq, head_dim, d, stages, parts, needle):
     assert needle in (qkv_attn.error(seq, head_dim, d, stages, parts) or "")
 
 
+def test_error_names_a_batch_past_the_grid_axis():
+    from tuner.shapes import resolve
+
+    # its grid is (heads, batch, 3 x row tiles): a grid's second axis holds 65535 sequences
+    assert qkv_attn.error(2, 64, 768, 4, batch=65535) is None
+    assert "batch <= 65535" in qkv_attn.error(2, 64, 768, 4, batch=65536)
+    from tuner.bench import hand_picked, hand_picked_cluster
+    from tuner.layer import check_config, repair_config
+    from tuner.shapes import DecoderShape
+
+    hp = hand_picked(resolve("bert-base"))
+    cfg = replace(hp, qkv=replace(hp.qkv, fuse=1), norm1=replace(hp.norm1, fuse=2))
+    fits, many = (DecoderShape(b, 2, 768, 12, 3072, name=f"{b}-sequences") for b in (65535, 65536))
+    assert "qkv" not in check_config(cfg, fits) and repair_config(cfg, fits).qkv.fuse == 1
+    assert "batch <= 65535" in check_config(cfg, many)["qkv"] and repair_config(cfg, many).qkv.fuse == 0
+    assert hand_picked_cluster(many).qkv.fuse == 0  # the clustered seed leaves it off there
+
+
 def test_error_accepts_bert_shapes():
     assert qkv_attn.error(128, 64, 768, 8, 12) is None and qkv_attn.error(32, 64, 256, 4) is None
     assert qkv_attn.smem_bytes(8, 128) == 1024 + 21 * 8192 + 136 and qkv_attn.smem_bytes(4, 32) == 1024 + 11 * 8192 + 72

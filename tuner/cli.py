@@ -642,14 +642,22 @@ def cmd_export(args) -> int:
         cfg = DecoderConfig.from_dict(best["config"])  # what `tune bench --config` and load_config will read
     except ConfigError as e:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
-    if best.get("shape") is not None:  # a configuration that cannot run its own shape is not exported
+    # A configuration that cannot run its own shape is not exported. The tuner writes the shape into best.json; a
+    # best.json without one (edited by hand) is checked against the shape of its run's manifest.
+    shape_of, where = best.get("shape"), "best.json's"
+    if shape_of is None:
+        shape_of, where = _manifest_shape(run), "the run's manifest's"
+        if shape_of is None:
+            print(f"tune: note: {run}: neither best.json nor a manifest names the shape: the configuration is not "
+                  "checked against one", file=sys.stderr)
+    if shape_of is not None:
         from tuner.layer import check_config, element_bytes
         from tuner.shapes import DecoderShape, ShapeError
 
         try:
-            shape = DecoderShape.from_dict(best["shape"])
+            shape = DecoderShape.from_dict(shape_of)
         except ShapeError as e:
-            raise UserError(f"{run}: best.json's shape: {e}") from None
+            raise UserError(f"{run}: {where} shape: {e}") from None
         bad = check_config(cfg, shape, element_bytes(best.get("dtype")))
         if bad:
             raise UserError(f"{run}: best.json's config cannot run its shape {shape.spec}: "
@@ -680,6 +688,17 @@ def cmd_export(args) -> int:
               + (", the top-1's from the nearest recorded configuration" if best.get("approximated") else "")
               + ", not measured", file=sys.stderr)
     return 0
+
+
+def _manifest_shape(run: Path) -> dict | None:
+    """The shape mapping of a run folder's manifest.json; None where it has none (or none that reads)."""
+    from tuner.manifest import read_json
+
+    try:
+        shape = read_json(run / "manifest.json").get("shape")
+    except (ValueError, AttributeError):  # (unreadable, not JSON, not a mapping)
+        return None
+    return shape if isinstance(shape, dict) else None
 
 
 NOTEBOOK = "analysis.ipynb"

@@ -94,7 +94,7 @@ def qkv_attn_error(shape: DecoderShape, cfg: DecoderConfig, device: DeviceInfo |
         return "needs norm1.fuse 0 or 2 (the row sums from the previous layer), not 1"
     parts = ln_parts(shape, cfg, dtype_bytes, device).get("qkv")  # the previous layer's FFN2's (norm1.fuse 2)
     return (qkv_attn.error(shape.seq, shape.head_dim, shape.d_model, gemm_k.cluster_stages(cfg.qkv), parts,
-                           smem_limit=smem_limit(device))
+                           smem_limit=smem_limit(device), batch=shape.batch)
             or hopper_error(device))
 
 

@@ -10,8 +10,6 @@ from tuner.manifest import is_int
 # Head dims the attention kernel supports (padded to a power of two inside it).
 HEAD_DIM_RANGE = (32, 128)
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
-# The attention kernel's grid has a (sequence, head) pair a program on its second axis, at most 65535 (CUDA's limit).
-ATTN_GRID_LIMIT = 65535
 # The kernels index their tensors with 32-bit offsets (as in Triton's tutorials): no tensor they index, a split-K
 # workspace included (kernels/gemm.py), may hold this many elements.
 OFFSET_LIMIT = 2**31
@@ -49,9 +47,6 @@ class DecoderShape:
         lo, hi = HEAD_DIM_RANGE
         if not lo <= self.head_dim <= hi:
             raise ShapeError(f"shape {self.spec}: head dim {self.head_dim} (d_model/heads) must be in {lo}..{hi}")
-        if self.batch * self.heads > ATTN_GRID_LIMIT:
-            raise ShapeError(f"shape {self.spec}: batch*heads = {self.batch * self.heads} (sequence, head) pairs, more "
-                             f"than the {ATTN_GRID_LIMIT} the attention kernel's grid holds")
         widest = self.tokens * max(3 * self.d_model, self.ffn)
         if widest >= OFFSET_LIMIT:
             raise ShapeError(f"shape {self.spec}: its widest activation, tokens*max(3*d_model, ffn) = {widest} "
