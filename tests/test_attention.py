@@ -117,11 +117,14 @@ def test_reads_qkv_in_place_and_writes_strided_out(device, monkeypatch):
     assert torch.all(obuf[:, :16] == -7.0)  # nothing written left of the slice
 
 
+@pytest.mark.parametrize("limit", [None, 14], ids=["two-axes", "one-axis"])
 @pytest.mark.parametrize("bm", [16, 32])
-def test_one_grid_axis_covers_every_tile_and_pair(bm, device, monkeypatch):
-    # The grid is one axis (a second holds 65535 programs, too few (sequence, head) pairs for large batches): its
-    # programs map onto every (query tile, batch, head), in the order of a (query tiles, pairs) grid.
+def test_grid_covers_every_tile_and_pair(bm, limit, device, monkeypatch):
+    # Up to a grid's second-axis limit (65535; 14 here, so that the interpreter runs both) the grid is (query tiles,
+    # (sequence, head) pairs); past it, one axis in the same order. Either maps onto every (query tile, batch, head).
     b, s, h, d = 3, 41, 5, 32
+    if limit is not None:
+        monkeypatch.setattr(attn_mod, "GRID_YZ_LIMIT", limit)
     qkv = _qkv(b, s, h, d, torch.float16, device, seed=9)
     out = _poisoned(b, s, h, d, torch.float16, device)
     grids = []
@@ -134,15 +137,16 @@ def test_one_grid_axis_covers_every_tile_and_pair(bm, device, monkeypatch):
 
     monkeypatch.setattr(attn_mod, "_attn_fwd_kernel", Spy())
     attention(qkv, batch=b, seq=s, heads=h, head_dim=d, config=AttnConfig(block_m=bm, block_n=16), out=out)
-    assert grids == [(-(-s // bm) * b * h,)]
+    tiles = -(-s // bm)
+    assert grids == [(tiles, b * h) if limit is None else (tiles * b * h,)]
     err = rel_error(out, attention_ref(qkv, batch=b, seq=s, heads=h, head_dim=d))
     assert err < rel_tolerance(torch.float16), err
 
 
 @pytest.mark.gpu
 def test_more_pairs_than_a_grid_axis_holds_gpu():
-    # 4,100 sequences x 16 heads = 65,600 (sequence, head) pairs: past a grid's second axis (65535), which the
-    # attention kernel used for them until session 46 (the shape was refused then).
+    # 4,100 sequences x 16 heads = 65,600 (sequence, head) pairs: past a grid's second axis (65535), the kernel's
+    # one-axis grid (until session 46 the shape was refused).
     b, s, h, d = 4100, 5, 16, 32
     qkv = _qkv(b, s, h, d, torch.float16, "cuda", seed=12)
     out = _poisoned(b, s, h, d, torch.float16, "cuda")
