@@ -5,8 +5,8 @@ import torch
 
 from tuner.bench import hand_picked
 from tuner.config import ConfigError, DecoderConfig
-from tuner.layer import (DecoderStack, LayerWeights, check_config, cold_weights, hot_error, kernel_weights, layer_ref,
-                         stack_depth, torch_layer)
+from tuner.layer import (DecoderStack, LayerWeights, check_config, cold_weights, default_config, hot_error,
+                         kernel_weights, layer_ref, stack_depth, torch_layer)
 from tuner.shapes import PRESETS, DecoderShape, ShapeError, resolve
 
 ODD = DecoderShape(1, 17, 32, 1, 90, name="odd")  # seq 17, one head of dim 32, ffn 90
@@ -300,6 +300,37 @@ def test_the_final_phase_checks_and_breakdown_on_the_gpu():
     assert all(math.isfinite(v) and v >= 0 for v in b.values()) and b["qkv"] > 0 and b["out"] > 0
     layer = time_replay(ev._stack(cfg).replay, ev.n_layers, reps=20, warmup=3).median_us
     assert 0.9 * layer < sum(b.values()) < 1.5 * layer, (b, layer)
+
+
+def test_group_room_counts_stacks_beside_the_reserve():
+    from tuner.evaluate import REMEASURE_RESERVE, group_room
+
+    gib = 2**30
+    assert group_room(34 * gib, 100 * gib) == 2  # the 65,536-token layer of session 46: 3 of its stacks, not 4
+    assert group_room(34 * gib, 30 * gib) == 0 and group_room(0, 1 * gib) == 0  # (nothing beside the reserve)
+    assert group_room(100 * 2**20, 100 * gib) > 100  # a preset's stack: every re-measurement in one group
+    assert group_room(gib, REMEASURE_RESERVE + int(2.3 * gib)) == 2 and group_room(gib, REMEASURE_RESERVE + gib) == 0
+
+
+@pytest.mark.gpu
+def test_remeasure_in_groups_where_the_stacks_do_not_fit_together(monkeypatch):
+    # A group of one stack beside the first (as though two filled the GPU): three configs in groups of 2 and 1, each
+    # timed, and the final policy says so; without the limit, one group and no such entry.
+    import math
+
+    from tuner import evaluate
+    from tuner.evaluate import GpuEvaluator
+
+    shape = resolve("tiny")
+    ev = GpuEvaluator(shape, reps=10, warmup=2)
+    cfgs = [hand_picked(shape), default_config(shape), hand_picked(shape).without_knobs()]
+    whole = ev.remeasure(cfgs, rounds=5)
+    assert "groups" not in ev.final_policy(5)["remeasure"]
+    monkeypatch.setattr(evaluate, "group_room", lambda per_stack, free: 1)
+    split = ev.remeasure(cfgs, rounds=5)
+    assert ev.final_policy(5)["remeasure"]["groups"] == [[2, 1]]
+    assert len(split) == 3 and all(math.isfinite(m) and m > 0 for m, _ in whole + split)
+    assert all(abs(a[0] - b[0]) < 0.2 * b[0] for a, b in zip(split, whole)), (split, whole)
 
 
 @pytest.mark.gpu

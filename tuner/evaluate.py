@@ -59,6 +59,15 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "crashed", f"{name}: {msg}"
 
 
+# What a re-measurement leaves free beside its stacks: the torch baselines' and the timing's own allocations.
+REMEASURE_RESERVE = 2 * 2**30
+
+
+def group_room(per_stack: int, free: int, reserve: int = REMEASURE_RESERVE) -> int:
+    """How many more stacks of ``per_stack`` bytes fit in ``free`` bytes beside ``reserve`` (10% margin each)."""
+    return max(0, int((free - reserve) // max(1.1 * per_stack, 1)))
+
+
 class GpuEvaluator:
     replayed = False
     TORCH_REPS_FACTOR = 2  # the torch baselines take this many times the search's repetitions
@@ -77,6 +86,7 @@ class GpuEvaluator:
         self.l2, self.reps, self.warmup, self.seed = l2, reps, warmup, seed
         self.weights = random_stack_weights(shape, self.n_layers, self.dtype, "cuda", seed)
         self._checks = 0
+        self.remeasure_groups: list[list[int]] = []  # re-measurements split for memory (remeasure)
 
     @property
     def pdl(self) -> bool:
@@ -90,7 +100,10 @@ class GpuEvaluator:
     def final_policy(self, rounds: int) -> dict:
         from tuner.timing import final_policy
 
-        return final_policy(rounds, self.TORCH_REPS_FACTOR * self.reps, self.warmup)
+        pol = final_policy(rounds, self.TORCH_REPS_FACTOR * self.reps, self.warmup)
+        if self.remeasure_groups:  # the stacks did not fit together: each group interleaved, one after another
+            pol["remeasure"]["groups"] = self.remeasure_groups
+        return pol
 
     def _stack(self, cfg: DecoderConfig):
         from tuner.layer import DecoderStack
@@ -164,12 +177,41 @@ class GpuEvaluator:
         return err, (None if err < st.tolerance() else f"rel. error {err:.3g} > {st.tolerance():g}")
 
     def remeasure(self, cfgs: list[DecoderConfig], rounds: int = 40) -> list[tuple[float, float]]:
-        """Interleaved A B A B re-measurement with more repetitions."""
+        """Interleaved A B A B re-measurement with more repetitions.
+
+        Each captured stack holds its own activations over the stack's depth: on a large shape (65,536 tokens of
+        bert-like width: ~34 GB a stack on an H200) a few do not fit the GPU together although each trial did. The
+        stacks are then measured in groups that fit, each interleaved, one group after another (the first stack's
+        footprint decides a group's size); ``final_policy`` records the groups."""
+        import gc
+
+        import torch
+
         from tuner.timing import time_interleaved
 
-        stacks = [self._stack(c) for c in cfgs]
-        ts = time_interleaved([s.replay for s in stacks], [self.n_layers] * len(stacks), rounds=rounds)
-        return [(t.median_us, t.spread_us) for t in ts]
+        out, todo, groups = [], list(cfgs), []
+        while todo:
+            gc.collect()
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info()[0]
+            stacks = [self._stack(todo.pop(0))]
+            after = torch.cuda.mem_get_info()[0]
+            room = group_room(free - after, after)
+            while todo and len(stacks) < 1 + room:
+                try:
+                    stacks.append(self._stack(todo[0]))
+                except torch.cuda.OutOfMemoryError:  # (a larger workspace than the first stack's)
+                    break
+                todo.pop(0)
+            groups.append(len(stacks))
+            ts = time_interleaved([s.replay for s in stacks], [self.n_layers] * len(stacks), rounds=rounds)
+            out += [(t.median_us, t.spread_us) for t in ts]
+            del stacks
+        if len(groups) > 1:
+            self.remeasure_groups.append(groups)
+            print(f"re-measured {len(cfgs)} stacks in {len(groups)} groups of {groups} (each interleaved; they do not "
+                  "fit in the GPU's memory together)", flush=True)
+        return out
 
     def breakdown(self, cfg: DecoderConfig) -> dict[str, float]:
         """Each kernel timed alone (all its launches across a stack in one graph), us per layer; without the first
