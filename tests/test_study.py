@@ -26,7 +26,7 @@ from tuner.config import DecoderConfig
 from tuner.evaluate import ReplayEvaluator
 from tuner.kernels.norm import NormConfig
 from tuner.layer import check_config, default_config
-from tuner.shapes import PRESETS
+from tuner.shapes import PRESETS, resolve
 from tuner.study import SAMPLERS, StudyError, StudyOptions, _repairer, make_sampler, run_study, study_name
 
 REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
@@ -380,6 +380,27 @@ def test_ffn2_in_128x128_tiles_split_8_is_seeded_where_its_ctas_stream_fewer_byt
             k: v for k, v in space.from_config(clustered).items() if not k.startswith("ffn2.")}
     else:
         assert not any(p["ffn2.split_k"] == 8 and p["ffn2.block_m"] == 128 and p["ffn2.cluster"] for p in queued)
+
+
+@pytest.mark.parametrize("spec", ["4096x16x512x16x512", "64x8x768x12x3072"])
+def test_short_sequences_are_seeded(spec):
+    # Below 32 tokens a sequence's attention tiles fit to 16 wide, no choice of the default space: the layer kernel's
+    # fields that a per-kernel config never reads carried them and kept every seed, the baseline too, out of the study
+    # (session 46, H200: its 3 trials began from TPE's random tiles, the top-1 3.5x slower than the baseline). What no
+    # launch reads now takes a value of the space, and the baseline and the many-tokens tiles are queued.
+    from tuner.bench import hand_picked_many
+    from tuner.study import _enqueue_first_trials
+
+    shape, logged = resolve(spec), []
+    st = optuna.create_study()
+    _enqueue_first_trials(st, shape, True, space.parse(default_data(), "default"), log=logged.append)
+    queued = [t.system_attrs["fixed_params"] for t in st.get_trials(deepcopy=False)]
+    assert len(queued) >= 5 and not logged
+    assert st.get_trials(deepcopy=False)[0].user_attrs == {"is_baseline": True}
+    many = space.from_config(hand_picked_many(shape))
+    launched = {k: v for k, v in many.items() if not k.startswith("layer.") or k == "layer.fuse"}
+    assert any(launched.items() <= p.items() for p in queued)
+    assert many["layer.attn_block_n"] not in (32, 64, 128)  # (what was outside the space)
 
 
 def recorded_config(row) -> DecoderConfig:

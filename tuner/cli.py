@@ -527,7 +527,7 @@ def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
     from tuner.study import StudyError, run_study
     from tuner.worker import WorkerError
 
-    command = ["tune"] + args.argv
+    command = ["tune"] + [redact(a) for a in args.argv]  # (the manifest's command line: no storage password)
     ev = _make_evaluator(args, shape, gpus[0])
     try:
         if args.replay:
