@@ -991,3 +991,42 @@ def test_a_kernel_failure_in_bench_is_one_line(error, monkeypatch, capsys, tmp_p
     err = capsys.readouterr().err
     assert err.startswith("tune: error: tune bench tiny: ") and err.count("\n") == 1 and "Traceback" not in err, err
     assert {"triton": "OutOfResources", "cuda": "illegal memory access"}[error] in err
+
+
+def test_trials_alone_run_the_whole_budget_and_a_time_limit_says_when_it_stops_a_study(tmp_path, monkeypatch):
+    # --trials without --timeout: every trial, no default time limit (until session 46 the default 120 s cut a
+    # --trials 400 short without a word); a time limit that stops a study before its budget says so in the log, the
+    # table's Run line and the manifest
+    from tuner import faults
+
+    monkeypatch.setenv(faults.ENV, json.dumps({"sleep_s": 0.4}))  # each replayed trial takes 0.4 s
+    rc, stdout, stderr = decoder(tmp_path / "whole", 6)
+    assert rc == 0, stderr
+    run = run_folder(stdout)
+    assert len(pd.read_csv(run / "trials.csv")) == 6 and "stopped by the time limit" not in stdout
+    assert json.loads((run / "manifest.json").read_text())["budget"] == {"trials": 6, "timeout_s": None}
+    rc, stdout, stderr = decoder(tmp_path / "cut", 40, "--timeout", 2)
+    assert rc == 0, stderr
+    run = run_folder(stdout)
+    n = len(pd.read_csv(run / "trials.csv"))
+    assert n < 40 and "before the 40-trial budget" in stdout and "stopped by the time limit, 2 s" in stdout
+    assert "stopped by the 2 s time limit before its 40-trial budget" in (run / "topk.md").read_text()
+    assert json.loads((run / "manifest.json").read_text())["budget"] == {"trials": 40, "timeout_s": 2.0}
+    rc, stdout, stderr = tune("decoder", "--replay", REPLAY, "--no-progress", "--out", tmp_path / "default",
+                              "--timeout", 1)
+    assert rc == 0 and json.loads((run_folder(stdout) / "manifest.json").read_text())["budget"]["trials"] == 120
+
+
+def test_the_default_time_limit_applies_only_without_trials():
+    import argparse
+
+    from tuner.cli import DEFAULT_TIMEOUT_S, _check_decoder_numbers
+
+    def timeout(trials, limit):
+        args = argparse.Namespace(trials=trials, timeout=limit, trial_timeout=120.0, top_k=10, workers=None, seed=0,
+                                  out="results")
+        _check_decoder_numbers(args)
+        return args.timeout
+
+    assert timeout(None, None) == DEFAULT_TIMEOUT_S == 120.0
+    assert timeout(400, None) is None and timeout(400, 30.0) == 30.0 and timeout(None, 30.0) == 30.0

@@ -155,6 +155,10 @@ def test_in_process_evaluator_that_raises_fails_its_trial(tmp_path):
     assert len(trials) == 10
     crashed = trials[trials["status"] == "crashed"]
     assert len(crashed) and crashed["reason"].str.contains("injected fault").all()
+    # its row still has the parameters it was given (until session 46 they came only from the measured config,
+    # which a trial whose evaluation raised never recorded: the columns were empty)
+    assert (crashed["attn.num_warps"] == 2).all() and crashed["qkv.block_m"].notna().all()
+    assert crashed["ffn2.split_k"].notna().all() and crashed["norm1.overlap_ratio"].notna().all()
 
 
 def test_classify_maps_compiler_and_launcher_failures():

@@ -14,6 +14,7 @@ from tuner.manifest import why as _why
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 DEFAULT_TRIALS = 120
+DEFAULT_TIMEOUT_S = 120.0  # seconds of search a shape where neither --trials nor --timeout is given
 
 
 class UserError(Exception):
@@ -248,6 +249,8 @@ def _check_decoder_numbers(args) -> None:
         raise UserError(f"--timeout {args.timeout}: must be a positive number of seconds")
     if not args.trial_timeout > 0:
         raise UserError(f"--trial-timeout {args.trial_timeout}: must be a positive number of seconds")
+    if args.timeout is None and args.trials is None:  # (a --trials of the user's runs whole: no default time limit)
+        args.timeout = DEFAULT_TIMEOUT_S
     if args.top_k <= 0:
         raise UserError(f"--top-k {args.top_k}: must be positive")
     if args.workers is not None and args.workers <= 0:
@@ -768,8 +771,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--shape-file", help="YAML list of shapes (batch, seq, d_model, heads, ffn)")
     d.add_argument("--trials", type=int, default=None,
                    help=f"the study's total trial budget, shared by all workers (default {DEFAULT_TRIALS})")
-    d.add_argument("--timeout", type=float, default=120.0,
-                   help="seconds of search per shape (default 120: about 3 minutes a shape with the final phase)")
+    d.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds of search per shape (default {DEFAULT_TIMEOUT_S:.0f}, about 3 minutes a shape with "
+                        "the final phase, where --trials is not given; with --trials, none: the trials decide)")
     d.add_argument("--sampler", default="tpe", help="tpe|random|grid|cmaes|gp|qmc (default tpe)")
     d.add_argument("--seed", type=int, default=0,
                    help="seed of the sampler, the local steps and the weights and checks (default 0)")

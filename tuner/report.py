@@ -442,6 +442,10 @@ def _header_lines(run: Run, k: int) -> list[str]:
     if run.manifest.get("sampler"):
         measured.append(f"sampler {run.manifest['sampler']}")
     measured.append(f"{len(run.trials)} trials ({_status_counts(run)})" if len(run.trials) else "no trials")
+    budget = run.manifest.get("budget") or {}
+    if budget.get("timeout_s") and isinstance(budget.get("trials"), int) and len(run.trials) < budget["trials"]:
+        measured.append(f"stopped by the {budget['timeout_s']:.0f} s time limit before its {budget['trials']}-trial "
+                        "budget")
     n_approx = int(run.trials["approximated"].sum())
     if n_approx:
         measured.append(f"{n_approx} trials approximated by the replay (nearest recorded configuration)")

@@ -307,6 +307,18 @@ def to_config(params: dict, space_pdl: bool = True):
     return DecoderConfig(**kw)
 
 
+def trial_params(raw: dict) -> dict:
+    """A trial's Optuna parameters as :func:`suggest` returned them: a ratio switched off (``name.on`` False) is -1."""
+    out = {}
+    for key, v in raw.items():
+        if key.endswith(".on"):
+            if not v:
+                out[key[:-3]] = -1.0
+        else:
+            out[key] = v
+    return out
+
+
 def from_config(cfg, pdl: bool = True) -> dict:
     """DecoderConfig -> flat parameters (for enqueueing the baseline and seeds)."""
     out = {}

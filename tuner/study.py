@@ -32,7 +32,7 @@ from tuner.evaluate import TrialResult
 from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error
 from tuner.shapes import DecoderShape
-from tuner.space import SearchSpace, from_config, suggest, to_config
+from tuner.space import SearchSpace, from_config, suggest, to_config, trial_params
 from tuner.storage import (OWNER_ATTR, default_url, open_storage, owner_alive, recover_orphans, redact,
                            this_owner)
 from tuner.worker import WorkerStartError, one_line
@@ -747,8 +747,10 @@ def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOpt
     study = open_study(shape, evaluator, space, opts, out_root, log)
     t0 = time.time()
     search_and_twin(study, shape, evaluator, space, opts, log)
-    log(f"{shape.label}: {evaluated(study.get_trials(deepcopy=False))} trials in the study, "
-        f"search took {time.time() - t0:.0f}s")
+    n = evaluated(study.get_trials(deepcopy=False))
+    short = (f" (stopped by the time limit, {opts.timeout_s:.0f} s, before the {opts.trials}-trial budget: --trials "
+             "without --timeout runs the whole budget)") if opts.timeout_s and n < opts.trials else ""
+    log(f"{shape.label}: {n} trials in the study, search took {time.time() - t0:.0f}s{short}")
     return finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
                   storage_url(opts, out_root), log)
 
@@ -770,6 +772,11 @@ def trials_frame(study):
             continue
         ua = t.user_attrs
         cfg = ua.get("config")
+        if not cfg and t.params:  # its evaluation raised, or it was interrupted: the parameters it was given
+            try:
+                cfg = to_config(trial_params(t.params)).to_dict()
+            except ValueError:
+                cfg = None
         row = {"number": t.number, "status": trial_status(t),
                "reason": ua.get("reason", ""), "latency_us": t.value if t.value is not None else math.nan,
                "spread_us": ua.get("spread_us") if ua.get("spread_us") is not None else math.nan,
@@ -883,6 +890,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
                         replay_source=getattr(evaluator, "source", None), measured_on=dev,
                         policy=dict(evaluator.policy(), final=evaluator.final_policy(opts.remeasure_rounds)),
                         sampler=opts.sampler, seed=opts.seed, study_name=study.study_name,
+                        budget={"trials": opts.trials, "timeout_s": opts.timeout_s},
                         storage=storage, n_trials=int((df["status"] != "interrupted").sum()),
                         search_space=space.source, baselines=baselines, statuses=df["status"].value_counts().to_dict(),
                         workers=opts.workers, isolated=bool(getattr(evaluator, "isolated", False)))
