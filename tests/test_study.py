@@ -994,3 +994,21 @@ def test_a_top_config_that_fails_its_recheck_is_left_out(tmp_path, replay):
     assert json.loads((got / "best.json").read_text())["config"] == topk["rows"][0]["config"]
     md = (got / "topk.md").read_text()
     assert f"trial {first[0]['trial']} failed (rel. error inf > 0.01 in check 3 of 5) and is left out" in md
+
+
+def test_a_breakdown_beyond_the_gpus_memory_is_one_line_and_the_run_is_written(tmp_path, monkeypatch, replay):
+    # 4096x16x512x16x512 on the H200 (session 46): a kernel's cold stack, hundreds of layers each with its
+    # activations, ran out of memory; the run is written without breakdown.json, and the log says why in one line
+    from tuner.worker import WorkerError
+
+    ev = replay
+
+    def breakdown(cfg):
+        raise WorkerError("OutOfMemoryError: CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has ...")
+
+    monkeypatch.setattr(ev, "breakdown", breakdown)
+    logged = []
+    out = run(tmp_path, ev, log=logged.append)
+    assert (out / "best.json").is_file() and not (out / "breakdown.json").exists()
+    [line] = [m for m in logged if "breakdown" in m]
+    assert "no per-kernel breakdown" in line and "does not fit the GPU's memory" in line and "MiB" not in line

@@ -866,7 +866,11 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
         if b_best:
             breakdown = {"best": b_best, "baseline": b_base, "floor_us": base.floor_us}
     except Exception as e:  # noqa: BLE001 - the breakdown is a report, not the result
-        log(f"per-kernel breakdown failed: {type(e).__name__}: {e}")
+        if "OutOfMemoryError" in f"{type(e).__name__}: {e}":  # (a worker's error arrives as its text)
+            log(f"{shape.label}: no per-kernel breakdown: a kernel's cold stack (deep enough for its own weights to "
+                "be 3x the L2, each layer with its activations) does not fit the GPU's memory")
+        else:
+            log(f"per-kernel breakdown failed: {type(e).__name__}: {e}")
     importance = None
     try:
         if (df["status"] == "ok").sum() >= 8:
