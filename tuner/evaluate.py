@@ -180,7 +180,7 @@ class GpuEvaluator:
         """Interleaved A B A B re-measurement with more repetitions.
 
         Each captured stack holds its own activations over the stack's depth: on a large shape (65,536 tokens of
-        bert-like width: ~34 GB a stack on an H200) a few do not fit the GPU together although each trial did. The
+        bert-like width: tens of GB a stack on an H200) a few do not fit the GPU together although each trial did. The
         stacks are then measured in groups that fit, each interleaved, one group after another (the first stack's
         footprint decides a group's size); ``final_policy`` records the groups."""
         import gc
