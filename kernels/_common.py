@@ -108,6 +108,8 @@ def hopper_error(device: DeviceInfo | None) -> str | None:
     named (the GPU is not checked)."""
     if device is not None and device.capability != (9, 0):
         return f"needs a Hopper GPU (compute capability 9.0), not {device.capability}"
+    if device is not None and not device.nvcc:
+        return "needs nvcc, the CUDA toolkit's compiler (PATH or $CUDA_HOME/bin), to build it"
     return None
 
 

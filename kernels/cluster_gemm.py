@@ -122,11 +122,14 @@ def library(bf16: int, split: int, epi: int, bm: int = 64, bn: int = 64, hints: 
 
 def usable(device) -> bool:
     """Whether the package's CUDA kernels (this one, layer_kernel.cu) run on ``device`` (Hopper, not under the
-    interpreter)."""
+    interpreter, with nvcc to build them). Elsewhere the Triton kernels run the same configuration."""
+    from tuner.device import DeviceInfo
+
     from ._common import interpreting
 
     d = torch.device(device)
-    return d.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(d) == (9, 0)
+    return (d.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(d) == (9, 0)
+            and DeviceInfo.from_torch(d).nvcc)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

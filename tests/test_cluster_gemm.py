@@ -398,3 +398,28 @@ def test_verify_catches_the_clustered_ffn2_behind_a_slowed_ffn1(square):
     st = DecoderStack(shape, cfg, n_layers=4, dtype=torch.float16, device="cuda", seed=11)
     r = race_detection(st, "ffn2", layer=1, trials=10)
     assert r["slowed"] == "ffn1 (layer 1)" and r["caught"] == 10 and r["false_alarms"] == 0, r
+
+
+def test_without_nvcc_the_search_leaves_the_cuda_kernels_out():
+    # pip's torch and triton bring no CUDA toolkit: on a Hopper GPU without nvcc each trial of a CUDA kernel crashed in
+    # its build (the DESIGN audit). The device says whether nvcc is there; the rules then refuse the CUDA kernels and
+    # repair_config moves a config to the Triton kernels, as on other GPUs.
+    from tuner.bench import hand_picked_cluster
+    from tuner.device import DeviceInfo
+    from tuner.layer import check_config, repair_config
+    from tuner.shapes import resolve
+
+    bare = replace(H200, nvcc=False)
+    assert H200.nvcc and DeviceInfo.from_dict(H200.to_dict()) == H200
+    assert DeviceInfo.from_dict({k: v for k, v in bare.to_dict().items()}) == bare
+    assert DeviceInfo.from_dict({k: v for k, v in H200.to_dict().items() if k != "nvcc"}).nvcc  # (older records)
+    assert check(CL, GemmProblem(128, 256, 768), H200) is None
+    assert "needs nvcc" in check(CL, GemmProblem(128, 256, 768), bare)
+    shape = resolve("bert-base")
+    cfg = hand_picked_cluster(shape)
+    assert cfg.out.cluster and cfg.qkv.fuse == 1 and check_config(cfg, shape, 2, H200) == {}
+    bad = check_config(cfg, shape, 2, bare)
+    assert {"qkv", "out", "ffn2"} <= set(bad) and all("needs nvcc" in why for why in bad.values()), bad
+    fixed = repair_config(cfg, shape, 2, bare)
+    assert check_config(fixed, shape, 2, bare) == {}
+    assert fixed.qkv.fuse == 0 and not any(getattr(fixed, g).cluster for g in ("qkv", "out", "ffn1", "ffn2"))

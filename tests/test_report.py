@@ -390,3 +390,21 @@ def test_write_reports_skips_plots_without_data(tmp_path):
     run_dir = make_run(tmp_path, breakdown=False, rows=False)
     names = {p.name for p in report.write_reports(run_dir)}
     assert names == {"topk.md", "topk.csv", "history.png", "ratio_plane.png"}
+
+
+def test_the_manifest_names_one_driver_on_a_host_of_several_gpus(monkeypatch):
+    # nvidia-smi prints one driver line a GPU: a manifest of a 2-GPU host held "580.1\n580.1" (the DESIGN audit)
+    import subprocess
+    import types
+
+    import torch
+
+    from tuner import manifest
+
+    props = types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                                  L2_cache_size=60 * 2**20, total_memory=140 * 2**30)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="580.159.04\n580.159.04\n"))
+    env = manifest.environment()
+    assert env["driver"] == "580.159.04" and env["gpu"]["name"] == "NVIDIA H200"

@@ -535,6 +535,9 @@ def _decoder_run(args, shape, space, opts, out_root: Path, gpus, url: str):
     try:
         if args.replay:
             print(f"REPLAYING {args.replay}: timings recorded on {ev.device_name}, nothing is measured now")
+        elif ev.device is not None and ev.device.capability == (9, 0) and not ev.device.nvcc:
+            print("note: nvcc (the CUDA toolkit) is not on PATH or in $CUDA_HOME/bin: the search leaves out the CUDA "
+                  "kernels (clusters, the attention in QKV's kernel, the feed-forward block, the CUDA layer kernel)")
         if len(gpus) > 1:
             return run_workers(shape, ev, space, opts, out_root, command, gpus, _worker_argv(args, shape, url))
         return run_study(shape, ev, space, opts, out_root, command), []

@@ -15,6 +15,9 @@ class DeviceInfo:
     num_sms: int
     l2_bytes: int
     smem_per_block_bytes: int  # opt-in maximum dynamic shared memory per block
+    # whether nvcc (the CUDA toolkit) is there to build the package's CUDA kernels (kernels/*.cu) at their first use:
+    # pip's torch and triton do not bring it, and without it each such trial crashed in its build
+    nvcc: bool = True
 
     @property
     def supports_pdl(self) -> bool:
@@ -42,7 +45,7 @@ class DeviceInfo:
     @classmethod
     def from_dict(cls, d: dict) -> "DeviceInfo":
         return cls(d["name"], tuple(d["capability"]), int(d["num_sms"]), int(d["l2_bytes"]),
-                   int(d["smem_per_block_bytes"]))
+                   int(d["smem_per_block_bytes"]), bool(d.get("nvcc", True)))  # (recordings before session 46)
 
 
 _CACHE: dict[int, DeviceInfo] = {}
@@ -52,10 +55,12 @@ def _cached(idx: int) -> DeviceInfo:
     if idx not in _CACHE:
         import torch
 
+        from tuner.kernels._nvcc import nvcc
+
         p = torch.cuda.get_device_properties(idx)
         smem = getattr(p, "shared_memory_per_block_optin", 0) or SMEM_DEFAULT_BYTES
         _CACHE[idx] = DeviceInfo(p.name, (p.major, p.minor), p.multi_processor_count,
-                                 int(getattr(p, "L2_cache_size", 50 * 2**20)), int(smem))
+                                 int(getattr(p, "L2_cache_size", 50 * 2**20)), int(smem), nvcc() is not None)
     return _CACHE[idx]
 
 

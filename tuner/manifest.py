@@ -121,8 +121,10 @@ def environment() -> dict:
         env["gpu"] = {"name": p.name, "capability": [p.major, p.minor], "sms": p.multi_processor_count,
                       "l2_bytes": int(getattr(p, "L2_cache_size", 0)), "memory_bytes": int(p.total_memory)}
         try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=10).stdout.strip()
+            # (one line a GPU; one driver serves them all)
+            lines = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                   capture_output=True, text=True, timeout=10).stdout.split()
+            env["driver"] = lines[0] if lines else None
         except Exception:
             env["driver"] = None
     else:
