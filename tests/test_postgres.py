@@ -95,6 +95,7 @@ def test_two_hosts_share_one_study(postgres_url, tmp_path):
     for i in range(2):
         [best] = (tmp_path / f"host{i}").rglob("best.json")
         assert json.loads(best.read_text())["config"]
-    assert "s3cretPW" not in outputs[1] and all(b"s3cretPW" not in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
+    assert "s3cretPW" not in outputs[1]
+    assert all(b"s3cretPW" not in p.read_bytes() for p in tmp_path.rglob("*") if p.is_file())
     [man] = (tmp_path / "host1").rglob("manifest.json")
     assert "postgres:***@" in json.loads(man.read_text())["command"]
