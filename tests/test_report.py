@@ -408,3 +408,22 @@ def test_the_manifest_names_one_driver_on_a_host_of_several_gpus(monkeypatch):
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout="580.159.04\n580.159.04\n"))
     env = manifest.environment()
     assert env["driver"] == "580.159.04" and env["gpu"]["name"] == "NVIDIA H200"
+
+
+@pytest.mark.parametrize("run, warned", [
+    ("results/session46/4096x16x512x16x512/20261128-145204-tpe", True),  # its seeds never entered the study
+    ("results/session46/4096x16x512x16x512/20261128-150524-tpe", False),
+    ("results/bert-base/20261128-004550-tpe", False),
+])
+def test_a_top1_slower_than_the_baseline_is_named(tmp_path, run, warned):
+    # H200, session 46 call 3: the table's top-1 took 3,527 us a layer against the default configuration's 1,021, and
+    # nothing above the table said so
+    import shutil
+    from pathlib import Path
+
+    copy = Path(shutil.copytree(Path(__file__).parents[1] / run, tmp_path / "run"))
+    report.write_reports(copy)
+    text = (copy / "topk.md").read_text()
+    assert ("WARNING: the baseline, the default configuration, is faster than every row below" in text) == warned
+    if warned:
+        assert "(1020.70 against 3526.93 us)" in text

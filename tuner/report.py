@@ -398,6 +398,14 @@ def _header_lines(run: Run, k: int) -> list[str]:
     facts = []
     spread = f", spread ± {_us(run.baseline_spread_us)} us" if run.baseline_spread_us is not None else ""
     facts.append(f"Baseline latency: {_us(run.baseline_us)} us (all kernels (-1,-1), default tiles){spread}")
+    top = run.rows[0] if run.rows else {}
+    base, first = _num(run.baseline_us), _num(top.get("latency_us"))
+    if base is not None and first is not None and first - base > (_num(run.baseline_spread_us) or 0.0) + (
+            _num(top.get("spread_us")) or 0.0):
+        # (seen in session 46: a 16-token study whose seeds never entered the space began from random tiles)
+        facts.append(f"WARNING: the baseline, the default configuration, is faster than every row below "
+                     f"({_us(base)} against {_us(first)} us): the search found nothing that beats it (a short budget, "
+                     "or a space without the baseline's tiles); best.json holds the top-1 all the same")
     if run.compile_us is not None or run.eager_us is not None:
         parts = []
         if run.compile_us is not None:
