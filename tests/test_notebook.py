@@ -66,7 +66,14 @@ def test_notebook_runs_headless(monkeypatch):
         assert "REPLAYED" in text
     pngs = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                for o in c.get("outputs", []))
-    assert pngs >= 8, f"only {pngs} figures drawn"
+    # 8 for a run with every optional file; a run without importance.json (fewer than 8 ok trials) or breakdown.json
+    # draws one fewer for each (session 46 committed a 6-trial run, the newest, and the fixed 8 failed)
+    import re
+
+    shown = re.search(r"run folder: (\S+) \(", text).group(1)
+    folder = Path(shown) if Path(shown).is_absolute() else ROOT / shown
+    want = 8 - sum(not (folder / f).is_file() for f in ("importance.json", "breakdown.json"))
+    assert pngs >= want, f"only {pngs} figures drawn for {folder} (want {want})"
 
 
 def _text(output) -> str:
