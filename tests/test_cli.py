@@ -512,6 +512,15 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     (other / "best.json").write_text(json.dumps(best))
     assert_user_error(*tune("export", other), [str(other), "cannot run its shape 1x128x768x12x3072", "qkv",
                                                "block_m=4096"])
+    # and without its dtype, the manifest's: an out-projection tile that fits fp16's shared memory, not fp32's
+    man = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(dict(man, dtype="float32")))
+    best["config"]["kernels"]["qkv"] = json.loads((run / "best.json").read_text())["config"]["kernels"]["qkv"]
+    best["config"]["kernels"]["out"].update(block_m=128, block_n=128, block_k=128, num_stages=3, num_warps=8,
+                                            cluster=0, split_k=1)
+    del best["dtype"]
+    (other / "best.json").write_text(json.dumps(best))
+    assert_user_error(*tune("export", other), [str(other), "cannot run its shape", "out: shared memory 393240 B"])
     (other / "manifest.json").unlink()
     rc, stdout, stderr = tune("export", other)
     assert rc == 0 and json.loads(stdout) == best and "not checked against one" in stderr, stderr

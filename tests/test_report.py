@@ -427,3 +427,18 @@ def test_a_top1_slower_than_the_baseline_is_named(tmp_path, run, warned):
     assert ("WARNING: the baseline, the default configuration, is faster than every row below" in text) == warned
     if warned:
         assert "(1020.70 against 3526.93 us)" in text
+
+
+@pytest.mark.parametrize("run, grouped", [
+    ("results/session46/4096x16x512x16x512/20261128-145204-tpe", True),  # policy.final.remeasure.groups
+    ("results/session46/4096x16x512x16x512/20261128-150524-tpe", False),
+])
+def test_a_remeasurement_in_groups_is_named(tmp_path, run, grouped):
+    # "interleaved" was said of rows that were timed one group after another (the review of session 46)
+    import shutil
+    from pathlib import Path
+
+    copy = Path(shutil.copytree(Path(__file__).parents[1] / run, tmp_path / "run"))
+    report.write_reports(copy)
+    text = (copy / "topk.md").read_text()
+    assert ("Re-measured in groups that fit the GPU's memory ([[1, 1, 1, 1], [1, 1]]" in text) == grouped

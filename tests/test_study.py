@@ -1012,3 +1012,18 @@ def test_a_breakdown_beyond_the_gpus_memory_is_one_line_and_the_run_is_written(t
     assert (out / "best.json").is_file() and not (out / "breakdown.json").exists()
     [line] = [m for m in logged if "breakdown" in m]
     assert "no per-kernel breakdown" in line and "does not fit the GPU's memory" in line and "MiB" not in line
+
+
+def test_the_first_layers_attention_is_read_under_qkv_fuse():
+    # With qkv.fuse 1 and norm1.fuse 2 the stack's first layer runs QKV and the attention kernel apart, on attn's
+    # tiles: a seed's attention fields are read there (launched_config keeps them) and are not rewritten (review)
+    from tuner.bench import hand_picked
+    from tuner.study import _unread_params
+
+    hp = hand_picked(PRESETS["bert-base"])
+    cfg = replace(hp, qkv=replace(hp.qkv, fuse=1), norm1=replace(hp.norm1, fuse=2))
+    unread = _unread_params(cfg)
+    assert not unread("attn.block_m") and not unread("qkv.block_m") and unread("layer.attn_block_n")
+    assert unread("norm1.rows_per_program") and not unread("norm1.fuse")
+    no_first = replace(cfg, norm1=replace(cfg.norm1, fuse=0))  # (norm1 unfused: every layer runs qkv_attn)
+    assert unread("attn.block_m") is False and _unread_params(no_first)("attn.block_m")

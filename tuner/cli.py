@@ -664,7 +664,8 @@ def cmd_export(args) -> int:
             shape = DecoderShape.from_dict(shape_of)
         except ShapeError as e:
             raise UserError(f"{run}: {where} shape: {e}") from None
-        bad = check_config(cfg, shape, element_bytes(best.get("dtype")))
+        dtype = best.get("dtype") or _manifest_field(run, "dtype")  # (a hand-edited best.json may lack it)
+        bad = check_config(cfg, shape, element_bytes(dtype))
         if bad:
             raise UserError(f"{run}: best.json's config cannot run its shape {shape.spec}: "
                             + "; ".join(f"{k}: {v}" for k, v in bad.items()))
@@ -696,14 +697,19 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _manifest_shape(run: Path) -> dict | None:
-    """The shape mapping of a run folder's manifest.json; None where it has none (or none that reads)."""
+def _manifest_field(run: Path, key: str):
+    """A field of a run folder's manifest.json; None where it has none (or none that reads)."""
     from tuner.manifest import read_json
 
     try:
-        shape = read_json(run / "manifest.json").get("shape")
+        return read_json(run / "manifest.json").get(key)
     except (ValueError, AttributeError):  # (unreadable, not JSON, not a mapping)
         return None
+
+
+def _manifest_shape(run: Path) -> dict | None:
+    """The shape mapping of a run folder's manifest.json; None where it has none."""
+    shape = _manifest_field(run, "shape")
     return shape if isinstance(shape, dict) else None
 
 

@@ -458,6 +458,11 @@ def _header_lines(run: Run, k: int) -> list[str]:
     if n_approx:
         measured.append(f"{n_approx} trials approximated by the replay (nearest recorded configuration)")
     facts.append("Run: " + ", ".join(measured))
+    groups = (((run.manifest.get("policy") or {}).get("final") or {}).get("remeasure") or {}).get("groups")
+    if groups:  # (GpuEvaluator.remeasure: the stacks did not fit the GPU's memory together)
+        facts.append(f"Re-measured in groups that fit the GPU's memory ({groups}, one list a re-measurement): rows of "
+                     "different groups, the knobs-off pair's too where split, were timed one group after another, "
+                     "not interleaved")
     n_rows = sum(bool(r.get("approximated")) for r in run.rows)
     if n_rows:
         facts.append(f"≈: {n_rows} of these rows are configurations the recording does not hold, each served the "

@@ -321,6 +321,8 @@ def _unread_params(cfg: DecoderConfig):
     """A predicate on search-space parameter names: True for those no launch of ``cfg`` reads (``kernel.field``; a
     kernel's ``fuse`` switch is always read: it decides what runs)."""
     idle = idle_kernels(cfg)
+    if cfg.qkv.fuse == 1 and cfg.norm1.fuse == 2 and not cfg.attn.fuse:
+        idle.discard("attn")  # (the first layer runs QKV and the attention apart: launched_config keeps its tiles)
 
     def unread(name: str) -> bool:
         kernel, field = name.split(".", 1)
