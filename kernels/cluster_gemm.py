@@ -128,8 +128,10 @@ def usable(device) -> bool:
     from ._common import interpreting
 
     d = torch.device(device)
-    return (d.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(d) == (9, 0)
-            and DeviceInfo.from_torch(d).nvcc)
+    if d.type != "cuda" or interpreting():
+        return False
+    info = DeviceInfo.from_torch(d)  # (cached: read once a device)
+    return info.capability == (9, 0) and info.nvcc
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

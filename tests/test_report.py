@@ -410,6 +410,16 @@ def test_the_manifest_names_one_driver_on_a_host_of_several_gpus(monkeypatch):
     assert env["driver"] == "580.159.04" and env["gpu"]["name"] == "NVIDIA H200"
 
 
+def _redrawn_topk(run: str, tmp_path) -> str:
+    """topk.md of a committed run folder (``run``, relative to the checkout) re-drawn by this code, in a copy."""
+    import shutil
+    from pathlib import Path
+
+    copy = Path(shutil.copytree(Path(__file__).parents[1] / run, tmp_path / "run"))
+    report.write_reports(copy)
+    return (copy / "topk.md").read_text()
+
+
 @pytest.mark.parametrize("run, warned", [
     ("results/session46/4096x16x512x16x512/20261128-145204-tpe", True),  # its seeds never entered the study
     ("results/session46/4096x16x512x16x512/20261128-150524-tpe", False),
@@ -418,12 +428,7 @@ def test_the_manifest_names_one_driver_on_a_host_of_several_gpus(monkeypatch):
 def test_a_top1_slower_than_the_baseline_is_named(tmp_path, run, warned):
     # H200, session 46 call 3: the table's top-1 took 3,527 us a layer against the default configuration's 1,021, and
     # nothing above the table said so
-    import shutil
-    from pathlib import Path
-
-    copy = Path(shutil.copytree(Path(__file__).parents[1] / run, tmp_path / "run"))
-    report.write_reports(copy)
-    text = (copy / "topk.md").read_text()
+    text = _redrawn_topk(run, tmp_path)
     assert ("WARNING: the baseline, the default configuration, is faster than every row below" in text) == warned
     if warned:
         assert "(1020.70 against 3526.93 us)" in text
@@ -435,10 +440,5 @@ def test_a_top1_slower_than_the_baseline_is_named(tmp_path, run, warned):
 ])
 def test_a_remeasurement_in_groups_is_named(tmp_path, run, grouped):
     # "interleaved" was said of rows that were timed one group after another (the review of session 46)
-    import shutil
-    from pathlib import Path
-
-    copy = Path(shutil.copytree(Path(__file__).parents[1] / run, tmp_path / "run"))
-    report.write_reports(copy)
-    text = (copy / "topk.md").read_text()
+    text = _redrawn_topk(run, tmp_path)
     assert ("Re-measured in groups that fit the GPU's memory ([[1, 1, 1, 1], [1, 1]]" in text) == grouped

@@ -650,9 +650,11 @@ def cmd_export(args) -> int:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
     # A configuration that cannot run its own shape is not exported. The tuner writes the shape into best.json; a
     # best.json without one (edited by hand) is checked against the shape of its run's manifest.
+    manifest = _run_manifest(run)
     shape_of, where = best.get("shape"), "best.json's"
     if shape_of is None:
-        shape_of, where = _manifest_shape(run), "the run's manifest's"
+        shape_of, where = manifest.get("shape"), "the run's manifest's"
+        shape_of = shape_of if isinstance(shape_of, dict) else None
         if shape_of is None:
             print(f"tune: note: {run}: neither best.json nor a manifest names the shape: the configuration is not "
                   "checked against one", file=sys.stderr)
@@ -664,7 +666,7 @@ def cmd_export(args) -> int:
             shape = DecoderShape.from_dict(shape_of)
         except ShapeError as e:
             raise UserError(f"{run}: {where} shape: {e}") from None
-        dtype = best.get("dtype") or _manifest_field(run, "dtype")  # (a hand-edited best.json may lack it)
+        dtype = best.get("dtype") or manifest.get("dtype")  # (a hand-edited best.json may lack it)
         bad = check_config(cfg, shape, element_bytes(dtype))
         if bad:
             raise UserError(f"{run}: best.json's config cannot run its shape {shape.spec}: "
@@ -697,20 +699,15 @@ def cmd_export(args) -> int:
     return 0
 
 
-def _manifest_field(run: Path, key: str):
-    """A field of a run folder's manifest.json; None where it has none (or none that reads)."""
+def _run_manifest(run: Path) -> dict:
+    """A run folder's manifest.json; empty where it has none (or none that reads as a mapping)."""
     from tuner.manifest import read_json
 
     try:
-        return read_json(run / "manifest.json").get(key)
-    except (ValueError, AttributeError):  # (unreadable, not JSON, not a mapping)
-        return None
-
-
-def _manifest_shape(run: Path) -> dict | None:
-    """The shape mapping of a run folder's manifest.json; None where it has none."""
-    shape = _manifest_field(run, "shape")
-    return shape if isinstance(shape, dict) else None
+        m = read_json(run / "manifest.json")
+    except ValueError:  # (missing, unreadable, not JSON)
+        return {}
+    return m if isinstance(m, dict) else {}
 
 
 NOTEBOOK = "analysis.ipynb"

@@ -254,6 +254,15 @@ def idle_kernels(cfg: DecoderConfig) -> set[str]:
 _BLOCK_UNREAD = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma", "cluster")
 
 
+def unlaunched_kernels(cfg: DecoderConfig) -> set[str]:
+    """:func:`idle_kernels` as the whole stack launches them: with ``qkv.fuse`` 1 and ``norm1.fuse`` 2 the first
+    layer has no row sums of its input and runs QKV and the attention kernel apart, on the attention's own config."""
+    idle = idle_kernels(cfg)
+    if cfg.qkv.fuse == 1 and cfg.norm1.fuse == 2 and not cfg.attn.fuse:
+        idle.discard("attn")
+    return idle
+
+
 def launched_config(cfg: DecoderConfig) -> DecoderConfig:
     """``cfg`` (as :func:`repair_config` leaves it) with every field that no launch of any layer of the stack reads
     set to its default: two configurations that launch the same kernels with the same arguments become equal, so
@@ -269,10 +278,7 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
     if cfg.fused:
         return replace(default, layer=cfg.layer)
     out = {"layer": default.layer}  # (off: its switch is the default's too)
-    idle = idle_kernels(cfg)
-    if cfg.qkv.fuse == 1 and cfg.norm1.fuse == 2 and not cfg.attn.fuse:
-        idle.discard("attn")  # (the first layer has no row sums of its input: QKV and the attention run apart)
-    for name in idle:
+    for name in unlaunched_kernels(cfg):
         out[name] = replace(getattr(default, name), fuse=getattr(cfg, name).fuse)
     if cfg.ffn2.fuse:  # FFN1's launch is the one-kernel feed-forward block
         f = cfg.ffn1

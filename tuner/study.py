@@ -30,7 +30,7 @@ from tuner import manifest
 from tuner.config import GEMMS, ConfigError, DecoderConfig
 from tuner.evaluate import TrialResult
 from tuner.kernels import cluster_gemm
-from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error
+from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error, unlaunched_kernels
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config, trial_params
 from tuner.storage import (OWNER_ATTR, default_url, open_storage, owner_alive, recover_orphans, redact,
@@ -320,9 +320,7 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
 def _unread_params(cfg: DecoderConfig):
     """A predicate on search-space parameter names: True for those no launch of ``cfg`` reads (``kernel.field``; a
     kernel's ``fuse`` switch is always read: it decides what runs)."""
-    idle = idle_kernels(cfg)
-    if cfg.qkv.fuse == 1 and cfg.norm1.fuse == 2 and not cfg.attn.fuse:
-        idle.discard("attn")  # (the first layer runs QKV and the attention apart: launched_config keeps its tiles)
+    idle = unlaunched_kernels(cfg)  # (as launched_config counts them)
 
     def unread(name: str) -> bool:
         kernel, field = name.split(".", 1)
