@@ -662,6 +662,10 @@ BAD_RECORDINGS = {  # what is wrong with a copy of the replay recording -> the w
         d, gpu=dict(d["gpu"], capability=9))), ["gpu.capability", "[9, 0]"]),
     "manifest-l2-bytes-text": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(
         d, gpu=dict(d["gpu"], l2_bytes="big"))), ["gpu.l2_bytes", "'big'"]),
+    "manifest-measured-on-a-list": (lambda r: _edit_json(r / "manifest.json", _set("measured_on", [9, 0])),
+                                    ["'measured_on' must be a mapping"]),
+    "manifest-measured-on-sms-text": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(
+        d, measured_on=dict(d["measured_on"], num_sms="many"))), ["measured_on must name", "num_sms"]),
     "manifest-dtype-a-list": (lambda r: _edit_json(r / "manifest.json", _set("dtype", ["float16"])),
                               ["dtype ['float16']"]),
     "manifest-shape-name-climbs-out": (lambda r: _edit_json(r / "manifest.json", lambda d: dict(
@@ -1039,3 +1043,8 @@ def test_the_default_time_limit_applies_only_without_trials():
 
     assert timeout(None, None) == DEFAULT_TIMEOUT_S == 120.0
     assert timeout(400, None) is None and timeout(400, 30.0) == 30.0 and timeout(None, 30.0) == 30.0
+    # the Python API the same way: StudyOptions(trials=400) runs its 400 trials (until session 47 it had the
+    # command line's 120 s as its default, and cut them short without a word)
+    from tuner.study import StudyOptions
+
+    assert StudyOptions(trials=400).timeout_s is None

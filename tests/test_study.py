@@ -269,6 +269,31 @@ def test_replayed_and_measured_timings_never_share_a_study(tmp_path, replay, sto
     assert len(load_study(tmp_path, "replayed").trials) == 4
 
 
+def test_a_study_that_measured_the_cuda_kernels_does_not_go_on_without_nvcc(tmp_path):
+    # Its top-k would be re-measured on the Triton kernels that cluster_gemm.usable falls back to, under the CUDA
+    # kernels' names (session 46 left nvcc out of the identity). The other way the study goes on.
+    from tuner.study import _check_identity
+
+    url = f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"
+    ident = {"shape": BERT_BASE.spec, "dtype": "float16", "gpu": "NVIDIA H200", "l2": "cold",
+             "space": space.load().fingerprint(), "recording": None}
+    with_nvcc = optuna.create_study(study_name="with", storage=url)
+    _check_identity(with_nvcc, dict(ident, nvcc=True))
+    with pytest.raises(StudyError, match="'with' ran where nvcc builds the CUDA kernels") as e:
+        _check_identity(with_nvcc, dict(ident, nvcc=False))
+    assert "trials are kept" in str(e.value) and "\n" not in str(e.value)
+    without = optuna.create_study(study_name="without", storage=url)
+    _check_identity(without, dict(ident, nvcc=False))
+    _check_identity(without, dict(ident, nvcc=True))  # (its Triton trials measured what they launched)
+    assert without.user_attrs["identity"]["nvcc"] is True
+    with pytest.raises(StudyError, match="'without' ran where nvcc"):  # it holds CUDA trials now
+        _check_identity(without, dict(ident, nvcc=False))
+    older = optuna.create_study(study_name="older", storage=url)  # (before the key: this process's value)
+    older.set_user_attr("identity", ident)
+    _check_identity(older, dict(ident, nvcc=False))
+    assert older.user_attrs["identity"]["nvcc"] is False
+
+
 def test_same_identity_continues(tmp_path, replay):
     run(tmp_path, replay, study_name="shared", trials=3)
     run(tmp_path, replay, study_name="shared", trials=5)
@@ -417,6 +442,28 @@ def test_recorded_config_is_served_exactly(replay):
         res = replay.evaluate(recorded_config(row))
         assert not res.approximated and res.status == "ok" and res.reason == "replayed"
         assert (res.latency_us, res.spread_us) == (row["latency_us"], row["spread_us"])
+
+
+def test_a_replay_repairs_for_the_recordings_gpu(tmp_path):
+    # session 46's run on an H200 without nvcc (its CUDA kernels repaired to the Triton ones): the clustered seed and
+    # the hand-picked tiles with the attention in QKV's kernel, as that study measured them, are served as
+    # themselves; until session 47 a replay repaired for no GPU, kept the CUDA kernels and served a neighbour
+    from tuner.bench import fit_prefetch, hand_picked_cluster
+
+    recording = Path(__file__).parents[1] / "results/session46/no-nvcc/bert-base/20261128-154112-tpe"
+    rep = ReplayEvaluator(recording)
+    assert rep.measured_on.name == "NVIDIA H200" and rep.measured_on.nvcc is False
+    hp = hand_picked(rep.shape)
+    for cfg in (hand_picked_cluster(rep.shape), replace(hp, qkv=replace(hp.qkv, fuse=1))):
+        sampled = space.from_config(fit_prefetch(cfg, rep.shape, rep.measured_on.l2_bytes))
+        measured = _repairer(rep.shape, rep)(sampled)
+        assert check_config(cfg, rep.shape, 2, rep.measured_on) and not check_config(measured, rep.shape, 2,
+                                                                                      rep.measured_on)
+        res = rep.evaluate(measured)
+        assert res.status == "ok" and not res.approximated, res
+    # and the replay's run folder names that GPU, nvcc included, as where its timings were measured
+    folder = run(tmp_path, rep, sampler="random", trials=3, seed=0)
+    assert json.loads((folder / "manifest.json").read_text())["measured_on"] == rep.manifest["measured_on"]
 
 
 def test_unrecorded_config_is_flagged_approximated(replay):

@@ -406,6 +406,21 @@ class ReplayEvaluator:
         except (ValueError, KeyError, TypeError):  # (then no breakdown is served for any config but the baseline)
             pass
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
+        # The recording's GPU as its search saw it (tuner.device.DeviceInfo): a sampled config is repaired for it
+        # (study._repairer) and checked against it, so that a config the search measured is found again as itself (on
+        # a GPU without nvcc the CUDA kernels were repaired away). Where it names less (a GPU's summary: no device).
+        self.measured_on = None
+        mo = m.get("measured_on")
+        if mo is not None and not isinstance(mo, dict):
+            raise bad(man.name, f"'measured_on' must be a mapping, not {type(mo).__name__}")
+        if mo and {"num_sms", "smem_per_block_bytes"} <= mo.keys():
+            from tuner.device import DeviceInfo
+
+            try:
+                self.measured_on = DeviceInfo.from_dict(mo)
+            except (KeyError, TypeError, ValueError):
+                raise bad(man.name, "measured_on must name the GPU's name, capability, num_sms, l2_bytes and "
+                          "smem_per_block_bytes") from None
         self.pdl = bool(g) and (g.get("capability") or [0])[0] >= 9
 
     def _key(self, params: dict) -> tuple:
@@ -421,7 +436,7 @@ class ReplayEvaluator:
     def invalid(self, cfg: DecoderConfig) -> str | None:
         from tuner.layer import check_config
 
-        bad = check_config(cfg, self.shape, 2, None)
+        bad = check_config(cfg, self.shape, 2, self.measured_on)
         return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
 
     def _lookup(self, cfg: DecoderConfig) -> tuple[dict, bool]:

@@ -121,7 +121,9 @@ def stored_hash(trial) -> str | None:
 @dataclass
 class StudyOptions:
     trials: int = 120  # the study's total budget, shared by every worker process
-    timeout_s: float | None = 120.0  # seconds of search, per process
+    # seconds of search, per process; None: the whole budget (the command line's default time limit applies only where
+    # neither --trials nor --timeout is given, cli.DEFAULT_TIMEOUT_S)
+    timeout_s: float | None = None
     sampler: str = "tpe"
     seed: int = 0
     storage: object = None  # a URL (sqlite:///..., postgresql://..., journal:PATH) or an Optuna storage
@@ -221,7 +223,16 @@ def _check_identity(study, ident: dict) -> None:
                       ("replayed (served from a recording)", "measures on the GPU"))
         raise StudyError(f"study {study.study_name!r} holds {held} timings and this process {here}: the two are "
                          "never mixed in one study; its trials are kept; give another --out or --study-name")
-    diff = {k: v for k, v in ident.items() if k in old and old[k] != v}
+    # nvcc (a Hopper GPU's measured run: whether it builds the CUDA kernels) goes one way only. A study that measured
+    # them cannot go on where they do not build: its top configurations would be re-measured on the Triton kernels
+    # that cluster_gemm.usable falls back to, under their names. The other way its trials stay what they measured.
+    if old.get("nvcc") and ident.get("nvcc") is False:
+        raise StudyError(f"study {study.study_name!r} ran where nvcc builds the CUDA kernels, and this process has "
+                         "no nvcc (PATH or $CUDA_HOME/bin): its configurations would not be re-measured as themselves; "
+                         "its trials are kept; install the CUDA toolkit, or give another --out or --study-name")
+    if "nvcc" in ident:
+        ident = dict(ident, nvcc=bool(old.get("nvcc")) or ident["nvcc"])
+    diff = {k: v for k, v in ident.items() if k in old and old[k] != v and k != "nvcc"}
     if not diff:
         if {**old, **ident} != old:
             study.set_user_attr("identity", {**old, **ident})
@@ -371,6 +382,9 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     ident = {"shape": shape.spec, "dtype": opts.dtype, "gpu": dev_name, "l2": opts.l2, "space": space.fingerprint()}
     # (None: measured; a replay's is never None, so that the two never share a study)
     ident["recording"] = (getattr(evaluator, "fingerprint", None) or "unnamed") if evaluator.replayed else None
+    device = None if evaluator.replayed else getattr(evaluator, "device", None)
+    if device is not None and device.capability == (9, 0):  # (where the rules ask for it: tuner.kernels._common)
+        ident["nvcc"] = bool(device.nvcc)
     _check_identity(study, ident)
     # Another sampler or seed may continue a study (its trials stay comparable), but the run says so: the manifest
     # names only this run's.
@@ -417,11 +431,12 @@ def _creator_gone(study, wait_s: float = 2.0) -> bool:
 
 
 def _repairer(shape: DecoderShape, evaluator):
-    """params -> the config the evaluator measures for them (tuner.layer.repair_config on its GPU and dtype)."""
+    """params -> the config the evaluator measures for them (tuner.layer.repair_config on its GPU and dtype; a replay's:
+    the recording's GPU, ReplayEvaluator.measured_on)."""
     from tuner.layer import element_bytes, repair_config
 
     dtype_bytes = element_bytes(getattr(evaluator, "dtype_name", None))
-    device = getattr(evaluator, "device", None) if not evaluator.replayed else None
+    device = getattr(evaluator, "measured_on" if evaluator.replayed else "device", None)
     return lambda params: repair_config(to_config(params), shape, dtype_bytes, device)
 
 
@@ -947,6 +962,6 @@ def _new_run_dir(parent: Path, suffix: str) -> Path:
 
 
 def _device_dict(evaluator) -> dict:
-    if evaluator.replayed:
-        return evaluator.manifest.get("gpu") or {"name": evaluator.device_name}
+    if evaluator.replayed:  # (the recording's, where it has one: a replay of this run repairs for that GPU)
+        return evaluator.manifest.get("measured_on") or evaluator.manifest.get("gpu") or {"name": evaluator.device_name}
     return evaluator.device.to_dict()
