@@ -246,6 +246,29 @@ def test_export(first, tmp_path):
     assert rc == 0 and json.loads(stdout) == exported
 
 
+def test_export_of_another_rank(first, run_copy, tmp_path):
+    # the second row of the table, with its own figures (a user whose model may not launch the top-1's kernels)
+    _, run, _, _ = first
+    rows = json.loads((run / "topk.json").read_text())["rows"]
+    target = tmp_path / "rank2.json"
+    rc, stdout, stderr = tune("export", run, "--rank", 2, "-o", target)
+    assert rc == 0 and str(target) in stdout, stderr
+    exported = json.loads(target.read_text())
+    assert exported["rank"] == 2 and exported["trial"] == rows[1]["trial"] and exported["config"] == rows[1]["config"]
+    assert (exported["latency_us"], exported["speedup"]) == (rows[1]["latency_us"], rows[1]["speedup"])
+    assert "knobs_off_us" not in exported and exported["approximated"] == rows[1]["approximated"]
+    assert ("rank 2's from the nearest" in stderr) == rows[1]["approximated"]
+    with pytest.warns(ConfigMismatchWarning, match="chosen in a replay"):
+        assert tuner.load_config(target, shape="bert-base", gpu="NVIDIA H200").to_dict() == rows[1]["config"]
+    rc, stdout, _ = tune("export", run, "--rank", 1)
+    assert rc == 0 and json.loads(stdout) == json.loads((run / "best.json").read_text())
+    assert_user_error(*tune("export", run, "--rank", len(rows) + 1), [f"--rank {len(rows) + 1}",
+                                                                      f"ranks 1 to {len(rows)}"])
+    assert_user_error(*tune("export", run, "--rank", 0), ["--rank 0", "must be 1"])
+    (run_copy / "topk.json").unlink()
+    assert_user_error(*tune("export", run_copy, "--rank", 2), ["no readable topk.json"])
+
+
 def test_report_redraws_tables_and_plots(first, run_copy):
     md = (run_copy / "topk.md").read_text()
     for name in ("topk.md", "topk.csv"):

@@ -639,17 +639,20 @@ def cmd_export(args) -> int:
     import json
 
     from tuner.config import ConfigError, DecoderConfig
-    from tuner.export import read_best
+    from tuner.export import ranked
     from tuner.manifest import write_json_atomic
 
     run = _run_dir(args.run)
+    if args.rank < 1:
+        raise UserError(f"--rank {args.rank}: must be 1 (the top-1, best.json) or more")
     try:
-        best = read_best(run)
+        best = ranked(run, args.rank)
         cfg = DecoderConfig.from_dict(best["config"])  # what `tune bench --config` and load_config will read
     except ConfigError as e:
         raise UserError(f"{run}: {e}" if str(run) not in str(e) else str(e)) from None
     # A configuration that cannot run its own shape is not exported. The tuner writes the shape into best.json; a
     # best.json without one (edited by hand) is checked against the shape of its run's manifest.
+    what = "best.json" if args.rank == 1 else f"rank {args.rank}"
     manifest = _run_manifest(run)
     shape_of, where = best.get("shape"), "best.json's"
     if shape_of is None:
@@ -669,7 +672,7 @@ def cmd_export(args) -> int:
         dtype = best.get("dtype") or manifest.get("dtype")  # (a hand-edited best.json may lack it)
         bad = check_config(cfg, shape, element_bytes(dtype))
         if bad:
-            raise UserError(f"{run}: best.json's config cannot run its shape {shape.spec}: "
+            raise UserError(f"{run}: {what}'s config cannot run its shape {shape.spec}: "
                             + "; ".join(f"{k}: {v}" for k, v in bad.items()))
     if args.output is not None:
         if not args.output.strip():
@@ -694,7 +697,8 @@ def cmd_export(args) -> int:
         print(json.dumps(best, indent=2))
     if best.get("replayed"):  # (stderr: the JSON on stdout stays whole)
         print(f"tune: note: {run} was replayed: its timings were served from a recording"
-              + (", the top-1's from the nearest recorded configuration" if best.get("approximated") else "")
+              + (f", the {'top-1' if args.rank == 1 else f'rank {args.rank}'}'s from the nearest recorded "
+                 "configuration" if best.get("approximated") else "")
               + ", not measured", file=sys.stderr)
     return 0
 
@@ -816,6 +820,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("run")
     e.add_argument("-o", "--output", help="write it to this file (default: print it); an existing file is kept")
     e.add_argument("--force", action="store_true", help="with -o: replace an existing file")
+    e.add_argument("--rank", type=int, default=1,
+                   help="export the configuration of this rank of the run's top-k table (default 1: best.json); "
+                        "its latency, spread and speedup as the table has them")
     e.set_defaults(func=cmd_export)
 
     n = sub.add_parser("notebook", help="copy the analysis notebook into a folder (for an installed copy)",

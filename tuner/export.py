@@ -38,6 +38,33 @@ def read_best(path: str | Path) -> dict:
     return d
 
 
+def ranked(path: str | Path, rank: int) -> dict:
+    """best.json with the configuration of row ``rank`` of the run's top-k table (topk.json) in place of the
+    top-1's: its latency, spread and speedup as the table has them (the re-measurement of the top-k, interleaved
+    with the baseline), ``rank`` added, and the knobs-off figure (the top-1's own) left out. Rank 1 is best.json."""
+    d = read_best(path)
+    if rank == 1:
+        return d
+    run = Path(path) if Path(path).is_dir() else Path(path).parent
+    try:
+        topk = read_json(run / "topk.json")
+        rows = topk["rows"]
+        n = len(rows)
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{run}: no readable topk.json, which --rank reads") from None
+    if not 1 <= rank <= n:
+        raise ConfigError(f"--rank {rank}: {run}'s top-k table has ranks 1 to {n}")
+    row = next((r for r in rows if isinstance(r, dict) and r.get("rank") == rank), None)
+    if row is None or not isinstance(row.get("config"), dict):
+        raise ConfigError(f"{run}: topk.json has no configuration at rank {rank}")
+    out = {k: v for k, v in d.items() if k not in ("knobs_off_us", "approximated")}
+    out.update(rank=rank, config=row["config"], latency_us=row.get("latency_us"), spread_us=row.get("spread_us"),
+               speedup=row.get("speedup"), trial=row.get("trial"))
+    if d.get("replayed"):
+        out["approximated"] = bool(row.get("approximated"))
+    return out
+
+
 def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gpu: str | None = None,
                 strict: bool = False) -> DecoderConfig:
     """The DecoderConfig of a best.json (or run folder). Loading it for another shape or GPU model warns
