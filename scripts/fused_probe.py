@@ -52,7 +52,7 @@ def main():
         if r.status == "ok":
             good[name] = cfg
     meas = ev.remeasure(list(good.values()), rounds=30)
-    for (name, cfg), (m, s) in zip(good.items(), meas):
+    for (name, cfg), (m, s, _) in zip(good.items(), meas):
         res[name].update(latency_us=m, spread_us=s, config=cfg.to_dict())
     b = ev.baselines(default_config(shape))
     base = res["baseline (-1,-1) default tiles"]["latency_us"]

@@ -53,7 +53,7 @@ def main():
         if r.status == "ok":
             good[name] = cfg
     meas = ev.remeasure(list(good.values()), rounds=30)
-    for (name, cfg), (m, s) in zip(good.items(), meas):
+    for (name, cfg), (m, s, _) in zip(good.items(), meas):
         res[name].update(latency_us=m, spread_us=s, breakdown=ev.breakdown(cfg), config=cfg.to_dict())
     base = res["baseline (-1,-1) default tiles"]["latency_us"]
     print(f"{'variant':<40} {'us/layer':>9} {'±':>5} {'speedup':>8}  per kernel (alone)")

@@ -312,6 +312,42 @@ def test_group_room_counts_stacks_beside_the_reserve():
     assert group_room(gib, REMEASURE_RESERVE + int(2.3 * gib)) == 2 and group_room(gib, REMEASURE_RESERVE + gib) == 0
 
 
+@pytest.mark.parametrize("room, groups, anchored", [(9, None, None), (2, [[3, 3, 2]], [True]),
+                                                   (0, [[1, 1, 1, 1, 1, 1]], [False])])
+def test_remeasure_keeps_the_anchor_in_every_group(monkeypatch, room, groups, anchored):
+    # The bookkeeping of GpuEvaluator.remeasure's groups on the CPU (tests/test_layer.py's GPU test runs it on the
+    # GPU): memory and timing stand in for the GPU's, each group's figures drift by 10% from the group before, and the
+    # anchor (the baseline) is in every group where one more stack fits beside it, so each figure over its group's
+    # anchor is drift-free. Where none fits (room 0), every stack alone, as before session 47.
+    import torch
+
+    from tuner import evaluate, timing
+    from tuner.evaluate import GpuEvaluator
+
+    true_us = [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]  # the configs' "latencies"; index 2 is the anchor
+    ev = object.__new__(GpuEvaluator)
+    ev.n_layers, ev.remeasure_groups, ev.remeasure_anchored = 4, [], []
+    drift = iter(1 + 0.1 * g for g in range(10))
+
+    def interleaved(replays, n_layers, rounds):
+        d = next(drift)
+        return [timing.Timing(st.us * d, 0.01, rounds) for st in built[-len(replays):]]
+
+    built = []
+    ev._stack = lambda us: built.append(type("Stack", (), {"us": us, "replay": None})()) or built[-1]
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100, 100))
+    monkeypatch.setattr(evaluate, "group_room", lambda per_stack, free: room)
+    monkeypatch.setattr(timing, "time_interleaved", interleaved)
+    got = ev.remeasure(true_us, rounds=3, anchor=2)
+    assert [round(r.median_us / r.anchor_us, 9) for r in got] == [round(u / 30.0, 9) for u in true_us] or room == 0
+    assert got[2].median_us == 30.0 and got[2].anchor_us == 30.0  # the anchor's own: its first group's
+    pol = ev.remeasure_groups or None, ev.remeasure_anchored or None
+    assert pol == (groups, anchored)
+    if room == 0:  # one after another, each over the anchor's first figure
+        assert [r.anchor_us for r in got] == [30.0] * 6
+
+
 @pytest.mark.gpu
 def test_remeasure_in_groups_where_the_stacks_do_not_fit_together(monkeypatch):
     # A group of one stack beside the first (as though two filled the GPU): three configs in groups of 2 and 1, each
@@ -329,8 +365,14 @@ def test_remeasure_in_groups_where_the_stacks_do_not_fit_together(monkeypatch):
     monkeypatch.setattr(evaluate, "group_room", lambda per_stack, free: 1)
     split = ev.remeasure(cfgs, rounds=5)
     assert ev.final_policy(5)["remeasure"]["groups"] == [[2, 1]]
-    assert len(split) == 3 and all(math.isfinite(m) and m > 0 for m, _ in whole + split)
+    assert len(split) == 3 and all(math.isfinite(m) and m > 0 for m, *_ in whole + split)
     assert all(abs(a[0] - b[0]) < 0.2 * b[0] for a, b in zip(split, whole)), (split, whole)
+    # the baseline (index 1) in every group: groups of 2 and 2, each figure with the baseline's from its own group
+    anchored = ev.remeasure(cfgs, rounds=5, anchor=1)
+    assert ev.final_policy(5)["remeasure"]["groups"][-1] == [2, 2] and ev.final_policy(5)["remeasure"]["anchored"][-1]
+    assert anchored[1].anchor_us == anchored[1].median_us and all(r.anchor_us > 0 for r in anchored)
+    ratio = [r.median_us / r.anchor_us for r in anchored]
+    assert all(abs(a - w.median_us / whole[1].median_us) < 0.2 * a for a, w in zip(ratio, whole)), (anchored, whole)
 
 
 @pytest.mark.gpu

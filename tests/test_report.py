@@ -442,3 +442,22 @@ def test_a_remeasurement_in_groups_is_named(tmp_path, run, grouped):
     # "interleaved" was said of rows that were timed one group after another (the review of session 46)
     text = _redrawn_topk(run, tmp_path)
     assert ("Re-measured in groups that fit the GPU's memory ([[1, 1, 1, 1], [1, 1]]" in text) == grouped
+    assert "each interleaved with the baseline" not in text  # (its groups were stacks alone: nothing beside them)
+
+
+def test_a_remeasurement_in_groups_beside_the_baseline_says_so(tmp_path):
+    # since session 47 the baseline is in every group where a stack fits beside it (GpuEvaluator.remeasure's anchor),
+    # and the manifest says so (policy.final.remeasure.anchored)
+    import json
+    import shutil
+    from pathlib import Path
+
+    run = Path(shutil.copytree(Path(__file__).parents[1] / "results/session46/4096x16x512x16x512/20261128-145204-tpe",
+                               tmp_path / "run"))
+    man = json.loads((run / "manifest.json").read_text())
+    man["policy"]["final"]["remeasure"].update(groups=[[3, 3], [2]], anchored=[True, True])
+    (run / "manifest.json").write_text(json.dumps(man))
+    report.write_reports(run)
+    text = (run / "topk.md").read_text()
+    assert "([[3, 3], [2]], one list a re-measurement), one group after another, each interleaved with the baseline" \
+        in text and "not interleaved" not in text

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from tuner.config import KERNELS, DecoderConfig
 from tuner.shapes import DecoderShape
@@ -59,6 +60,14 @@ def classify(exc: BaseException) -> tuple[str, str]:
     return "crashed", f"{name}: {msg}"
 
 
+class Remeasured(NamedTuple):
+    """One configuration's figure from ``remeasure``: median and spread (IQR/2), us per layer, and the anchor's median
+    from the same group (None where no anchor was asked for)."""
+    median_us: float
+    spread_us: float
+    anchor_us: float | None = None
+
+
 # What a re-measurement leaves free beside its stacks: the torch baselines' and the timing's own allocations.
 REMEASURE_RESERVE = 2 * 2**30
 
@@ -87,6 +96,7 @@ class GpuEvaluator:
         self.weights = random_stack_weights(shape, self.n_layers, self.dtype, "cuda", seed)
         self._checks = 0
         self.remeasure_groups: list[list[int]] = []  # re-measurements split for memory (remeasure)
+        self.remeasure_anchored: list[bool] = []  # each one's: the anchor in every group
 
     @property
     def pdl(self) -> bool:
@@ -103,6 +113,7 @@ class GpuEvaluator:
         pol = final_policy(rounds, self.TORCH_REPS_FACTOR * self.reps, self.warmup)
         if self.remeasure_groups:  # the stacks did not fit together: each group interleaved, one after another
             pol["remeasure"]["groups"] = self.remeasure_groups
+            pol["remeasure"]["anchored"] = self.remeasure_anchored
         return pol
 
     def _stack(self, cfg: DecoderConfig):
@@ -176,42 +187,60 @@ class GpuEvaluator:
         err = st.check(seed=self.seed * 100003 + self._checks)
         return err, (None if err < st.tolerance() else f"rel. error {err:.3g} > {st.tolerance():g}")
 
-    def remeasure(self, cfgs: list[DecoderConfig], rounds: int = 40) -> list[tuple[float, float]]:
+    def remeasure(self, cfgs: list[DecoderConfig], rounds: int = 40, anchor: int | None = None) -> list[Remeasured]:
         """Interleaved A B A B re-measurement with more repetitions.
 
         Each captured stack holds its own activations over the stack's depth: on a large shape (65,536 tokens of
         bert-like width: tens of GB a stack on an H200) a few do not fit the GPU together although each trial did. The
         stacks are then measured in groups that fit, each interleaved, one group after another (the first stack's
-        footprint decides a group's size); ``final_policy`` records the groups."""
+        footprint decides a group's size); ``final_policy`` records the groups. ``anchor`` (an index of ``cfgs``: the
+        baseline a caller divides by) is measured in every group, so that each figure has the anchor's timing from its
+        own group beside it (``Remeasured.anchor_us``; the anchor's own figure is its first group's). Where not one
+        more stack fits beside the anchor's, every stack is measured alone and the anchor_us is its first figure."""
         import gc
 
         import torch
 
         from tuner.timing import time_interleaved
 
-        out, todo, groups = [], list(cfgs), []
-        while todo:
+        n = len(cfgs)
+        out: list = [None] * n
+        base: list = [None] * n
+        todo = [i for i in range(n) if i != anchor]
+        groups = []
+        alone = anchor is None  # (groups without the anchor: none given, or none fits beside it)
+        while todo or not groups:
             gc.collect()
             torch.cuda.empty_cache()
             free = torch.cuda.mem_get_info()[0]
-            stacks = [self._stack(todo.pop(0))]
+            members = [todo.pop(0) if alone else anchor]
+            stacks = [self._stack(cfgs[members[0]])]
             after = torch.cuda.mem_get_info()[0]
             room = group_room(free - after, after)
             while todo and len(stacks) < 1 + room:
                 try:
-                    stacks.append(self._stack(todo[0]))
+                    stacks.append(self._stack(cfgs[todo[0]]))
                 except torch.cuda.OutOfMemoryError:  # (a larger workspace than the first stack's)
                     break
-                todo.pop(0)
+                members.append(todo.pop(0))
+            if not alone and len(members) == 1 and todo:
+                alone = True  # not one more stack beside the anchor's: one at a time from here
             groups.append(len(stacks))
             ts = time_interleaved([s.replay for s in stacks], [self.n_layers] * len(stacks), rounds=rounds)
-            out += [(t.median_us, t.spread_us) for t in ts]
             del stacks
+            for i, t in zip(members, ts):
+                if out[i] is None:  # (the anchor: its first group's)
+                    out[i] = (t.median_us, t.spread_us)
+                    base[i] = ts[0].median_us if members[0] == anchor else None
+        if anchor is not None:
+            base = [out[anchor][0] if b is None else b for b in base]
         if len(groups) > 1:
             self.remeasure_groups.append(groups)
-            print(f"re-measured {len(cfgs)} stacks in {len(groups)} groups of {groups} (each interleaved; they do not "
-                  "fit in the GPU's memory together)", flush=True)
-        return out
+            self.remeasure_anchored.append(anchor is not None and not alone)
+            print(f"re-measured {n} stacks in {len(groups)} groups of {groups} (each interleaved"
+                  + ("" if anchor is None else ", the baseline in each") + "; they do not fit in the GPU's memory "
+                  "together)", flush=True)
+        return [Remeasured(m, s, b) for (m, s), b in zip(out, base)]
 
     def breakdown(self, cfg: DecoderConfig) -> dict[str, float]:
         """Each kernel timed alone (all its launches across a stack in one graph), us per layer; without the first
@@ -471,12 +500,10 @@ class ReplayEvaluator:
         """A recording cannot be checked again: nothing is run (the study asks for no re-check of a replay)."""
         return None
 
-    def remeasure(self, cfgs, rounds: int = 40):
-        out = []
-        for c in cfgs:
-            r = self.evaluate(c)
-            out.append((r.latency_us, r.spread_us))
-        return out
+    def remeasure(self, cfgs, rounds: int = 40, anchor: int | None = None):
+        out = [self.evaluate(c) for c in cfgs]
+        base = out[anchor].latency_us if anchor is not None else None
+        return [Remeasured(r.latency_us, r.spread_us, base) for r in out]
 
     def breakdown(self, cfg):
         """The recorded per-kernel breakdown: the baseline's for the default config, the best's for the recording's

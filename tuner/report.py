@@ -458,8 +458,13 @@ def _header_lines(run: Run, k: int) -> list[str]:
     if n_approx:
         measured.append(f"{n_approx} trials approximated by the replay (nearest recorded configuration)")
     facts.append("Run: " + ", ".join(measured))
-    groups = (((run.manifest.get("policy") or {}).get("final") or {}).get("remeasure") or {}).get("groups")
-    if groups:  # (GpuEvaluator.remeasure: the stacks did not fit the GPU's memory together)
+    remeasure = ((run.manifest.get("policy") or {}).get("final") or {}).get("remeasure") or {}
+    groups = remeasure.get("groups")
+    if groups and all(remeasure.get("anchored") or [False]):  # (GpuEvaluator.remeasure's anchor, since session 47)
+        facts.append(f"Re-measured in groups that fit the GPU's memory ({groups}, one list a re-measurement), one "
+                     "group after another, each interleaved with the baseline (the knobs-off twin's with the top-1): "
+                     "each speedup is over the baseline's figure from the row's own group")
+    elif groups:  # (GpuEvaluator.remeasure: the stacks did not fit the GPU's memory together)
         facts.append(f"Re-measured in groups that fit the GPU's memory ({groups}, one list a re-measurement): rows of "
                      "different groups, the knobs-off pair's too where split, were timed one group after another, "
                      "not interleaved")

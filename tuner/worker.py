@@ -162,8 +162,8 @@ class IsolatedEvaluator:
             self._stop()  # whatever raised may have left the CUDA context broken: the next trial starts clean
         return res
 
-    def remeasure(self, cfgs, rounds: int = 40):
-        return self._call("remeasure", [c.to_dict() for c in cfgs], rounds, timeout=self.call_timeout_s)
+    def remeasure(self, cfgs, rounds: int = 40, anchor: int | None = None):
+        return self._call("remeasure", [c.to_dict() for c in cfgs], rounds, anchor, timeout=self.call_timeout_s)
 
     def breakdown(self, cfg):
         return self._call("breakdown", cfg.to_dict(), timeout=self.call_timeout_s)
@@ -331,7 +331,7 @@ def _dispatch(ev, method: str, args: tuple):
             status, reason = classify(e)
             return TrialResult(status, reason=reason)
     if method == "remeasure":
-        return ev.remeasure([cfg(d) for d in args[0]], rounds=args[1])
+        return ev.remeasure([cfg(d) for d in args[0]], rounds=args[1], anchor=args[2])
     if method == "breakdown":
         return ev.breakdown(cfg(args[0]))
     if method == "recheck":
