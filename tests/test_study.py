@@ -1074,3 +1074,17 @@ def test_the_first_layers_attention_is_read_under_qkv_fuse():
     assert unread("norm1.rows_per_program") and not unread("norm1.fuse")
     no_first = replace(cfg, norm1=replace(cfg.norm1, fuse=0))  # (norm1 unfused: every layer runs qkv_attn)
     assert unread("attn.block_m") is False and _unread_params(no_first)("attn.block_m")
+
+
+def test_the_manifests_gpu_is_the_model_that_measured():
+    # --gpus 2,3 on a host whose GPU 0 is another model: the manifest's gpu named GPU 0 until session 47
+    from tuner.study import measuring_gpu
+
+    h200 = {"name": "NVIDIA H200", "capability": [9, 0], "num_sms": 132, "l2_bytes": 62914560,
+            "smem_per_block_bytes": 232448, "nvcc": True}
+    first = {"name": "NVIDIA H200", "capability": [9, 0], "sms": 132, "l2_bytes": 62914560, "memory_bytes": 1}
+    assert measuring_gpu(first, h200) is first
+    other = dict(first, name="NVIDIA A100-SXM4-80GB", capability=[8, 0], sms=108)
+    assert measuring_gpu(other, h200) == {"name": "NVIDIA H200", "capability": [9, 0], "sms": 132,
+                                          "l2_bytes": 62914560}
+    assert measuring_gpu(None, h200)["name"] == "NVIDIA H200"

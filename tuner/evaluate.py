@@ -215,6 +215,7 @@ class GpuEvaluator:
             free = torch.cuda.mem_get_info()[0]
             members = [todo.pop(0) if alone else anchor]
             stacks = [self._stack(cfgs[members[0]])]
+            torch.cuda.empty_cache()  # (what building it cached and freed is not its footprint: session 46's call 3)
             after = torch.cuda.mem_get_info()[0]
             room = group_room(free - after, after)
             while todo and len(stacks) < 1 + room:

@@ -915,7 +915,9 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
                         search_space=space.source, baselines=baselines, statuses=df["status"].value_counts().to_dict(),
                         workers=opts.workers, isolated=bool(getattr(evaluator, "isolated", False)))
     if evaluator.replayed:
-        man["gpu"] = dev  # the GPU the recording was made on
+        man["gpu"] = evaluator.manifest.get("gpu") or dev  # the GPU the recording was made on
+    else:
+        man["gpu"] = measuring_gpu(man.get("gpu"), dev)
     manifest.write_json_atomic(run / "manifest.json", man)
     # each ok trial's speedup over the search's own baseline trial, timed as the trials were (the tables' speedups
     # are over the baseline re-measured beside the top-k)
@@ -960,6 +962,16 @@ def _new_run_dir(parent: Path, suffix: str) -> Path:
         n += 1
         run = parent / f"{stamp}-{suffix}-{n}"
     return run
+
+
+def measuring_gpu(first: dict | None, measured_on: dict) -> dict | None:
+    """The manifest's ``gpu``: the summary of this process's first GPU (manifest.environment), where it is the model
+    that measured (``measured_on``); otherwise that model's own (``--gpus 2,3`` on a host whose GPU 0 is another model;
+    no memory size there)."""
+    if first is not None and first.get("name") == measured_on.get("name"):
+        return first
+    return {"name": measured_on.get("name"), "capability": measured_on.get("capability"),
+            "sms": measured_on.get("num_sms"), "l2_bytes": measured_on.get("l2_bytes")}
 
 
 def _device_dict(evaluator) -> dict:
