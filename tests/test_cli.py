@@ -553,7 +553,8 @@ def test_export_keeps_an_existing_file_unless_forced(first, tmp_path):
     assert (tmp_path / "mine.json.tmp").read_text() == "the user's"
     assert_user_error(*tune("export", run, "-o", ""), ["-o ''", "give a file name"])
     under_a_file = tmp_path / "mine.json" / "x.json"
-    assert_user_error(*tune("export", run, "-o", under_a_file), [f"-o {under_a_file}: cannot write it in", "not a folder"])
+    assert_user_error(*tune("export", run, "-o", under_a_file),
+                      [f"-o {under_a_file}: cannot write it in", "not a folder"])
     assert_user_error(*tune("notebook", "--out", ""), ["--out ''", "give a folder"])
 
 
@@ -1071,3 +1072,26 @@ def test_the_default_time_limit_applies_only_without_trials():
     from tuner.study import StudyOptions
 
     assert StudyOptions(trials=400).timeout_s is None
+
+
+def test_ctrl_c_while_optuna_records_a_trial_is_an_interruption(tmp_path, monkeypatch):
+    # Optuna 5.0's _run_trial turns a KeyboardInterrupt inside its tell into an UnboundLocalError ('updated_state');
+    # until session 48 that reached the user as a traceback and exit 1, not the interruption it is
+    import optuna.study._optimize as optimize
+
+    tell, calls = optimize._tell_with_warning, []
+
+    def interrupted_third_tell(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return tell(*args, **kwargs)
+
+    monkeypatch.setattr(optimize, "_tell_with_warning", interrupted_third_tell)
+    rc, stdout, stderr = decoder(tmp_path, 6)
+    assert rc == 130, stderr[-2000:]
+    assert stderr.strip().splitlines()[-1] == "tune: interrupted; completed trials are kept in the study storage"
+    assert "Traceback" not in stderr
+    trials = optuna.load_study(study_name=optuna.get_all_study_summaries(f"sqlite:///{tmp_path}/studies.db")[0]
+                               .study_name, storage=f"sqlite:///{tmp_path}/studies.db").trials
+    assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 2

@@ -26,14 +26,20 @@ REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
 BUDGET = 8
 
 
-def tune_decoder(out: Path, storage: str, *extra, sleep_s: float = 0.0) -> subprocess.Popen:
-    """`tune decoder --replay` as its own process; ``sleep_s``: every trial takes that long (tuner.faults)."""
+def tune_decoder(out: Path, storage: str, *extra, hang_after: int | None = None) -> subprocess.Popen:
+    """`tune decoder --replay` as its own process; ``hang_after``: the evaluations after that many never return
+    (tuner.faults), so that a kill or a Ctrl-C lands mid-trial however late the test's poll sees it.
+
+    The child gets Ctrl-C's default disposition: a test run started in the background of a non-interactive shell
+    (``pytest ... &``) ignores SIGINT, an ignored signal survives exec, and Python then installs no
+    KeyboardInterrupt handler, so the study would never see the test's SIGINT."""
     env = {k: v for k, v in os.environ.items() if k != faults.ENV}
-    if sleep_s:
-        env[faults.ENV] = json.dumps({"sleep_s": sleep_s})
+    if hang_after is not None:
+        env[faults.ENV] = json.dumps({"hang_after": hang_after})
     cmd = [sys.executable, "-m", "tuner.cli", "decoder", "--replay", str(REPLAY), "--trials", str(BUDGET),
            "--out", str(out), "--storage", storage, "--no-progress", *extra]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def load(storage) -> optuna.Study:
@@ -89,7 +95,7 @@ def test_kill_mid_trial_then_resume(tmp_path, storage_kind, isolation):
     out = tmp_path / "results"
     storage = (f"sqlite:///{(tmp_path / 'studies.db').as_posix()}" if storage_kind == "sqlite"
                else f"journal:{tmp_path / 'studies.journal'}")
-    proc = tune_decoder(out, storage, isolation, sleep_s=1.0)
+    proc = tune_decoder(out, storage, isolation, hang_after=2)
     watch = open_storage(storage)  # opened once: the test polls it while the study runs
 
     def midway():  # the evaluator worker (if any) first: the kill then follows the storage's answer at once
@@ -159,7 +165,7 @@ def test_ctrl_c_mid_trial_then_resume_retries_that_trial(tmp_path):
     """Ctrl-C (SIGINT) mid-trial: Optuna fails the trial itself (no process is left dead to find), and the next run
     retried none of it before. The interrupted trial is retried once, as after a kill; the baseline included."""
     out, storage = tmp_path / "results", f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"
-    proc = tune_decoder(out, storage, "--no-isolation", sleep_s=1.0)
+    proc = tune_decoder(out, storage, "--no-isolation", hang_after=2)
     watch = open_storage(storage)
     wait_until(lambda: trials_midway(watch), 60, "two finished trials and one running")
     proc.send_signal(signal.SIGINT)

@@ -878,8 +878,25 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"tune: error: {where}{_why(e)}", file=sys.stderr)
         return EXIT_USAGE
+    except Exception as e:
+        if not _interrupted(e):
+            raise
+        print("tune: interrupted; completed trials are kept in the study storage", file=sys.stderr)
+        return 130
     finally:
         threading.excepthook = hook
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether a Ctrl-C is behind ``e``: Optuna 5.0 turns one that lands while it records a trial (its
+    ``_run_trial`` after the objective) into an ``UnboundLocalError`` raised from the KeyboardInterrupt."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
 
 
 _THREAD_FAILURES: set[str] = set()

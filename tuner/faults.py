@@ -13,9 +13,11 @@ whose flat parameters match a rule (``{"qkv.block_m": 128}``), does one of:
   FFN2 reading its input before ``gdc_wait``; the QKV GEMM writing 2 TB past its output (illegal
   address); a QKV tile that needs more shared memory than the GPU has (past the validity check).
 
-``sleep_s`` slows every trial down (resume tests kill the study mid-trial). The command line reads the
-same settings from ``PDL_TUNE_FAULTS`` (JSON: ``{"rules": [{"match": {...}, "action": "hang"}],
-"sleep_s": 0.5}``), so that a test can drive ``tune decoder`` as a subprocess.
+``sleep_s`` slows every trial down; ``hang_after: N`` lets the first N evaluations through and hangs every
+later one (resume tests kill or interrupt the study mid-trial: a trial that never returns is one they
+cannot miss, however slowly a loaded machine polls). The command line reads the same settings from
+``PDL_TUNE_FAULTS`` (JSON: ``{"rules": [{"match": {...}, "action": "hang"}], "sleep_s": 0.5,
+"hang_after": 2}``), so that a test can drive ``tune decoder`` as a subprocess.
 """
 
 from __future__ import annotations
@@ -45,10 +47,13 @@ def check_rules(rules: list[dict]) -> list[dict]:
 class FaultyEvaluator:
     """Every attribute and method but ``evaluate`` is the wrapped evaluator's (the final phase is clean)."""
 
-    def __init__(self, inner: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0):
+    def __init__(self, inner: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0,
+                 hang_after: int | None = None):
         self.inner = inner.build()
         self.rules = check_rules(list(rules))
         self.sleep_s = sleep_s
+        self.hang_after = hang_after
+        self.evaluations = 0
 
     def __getattr__(self, name):
         return getattr(self.__dict__["inner"], name)
@@ -66,6 +71,9 @@ class FaultyEvaluator:
         from tuner.evaluate import TrialResult
 
         time.sleep(self.sleep_s)
+        self.evaluations += 1
+        if self.hang_after is not None and self.evaluations > self.hang_after:
+            time.sleep(1e6)
         why = self.inner.invalid(cfg)
         if why:  # as on a GPU: an invalid config is refused before anything compiles or runs
             return TrialResult("invalid", reason=why)
@@ -87,8 +95,10 @@ class FaultyEvaluator:
         return self.inner.evaluate(cfg)
 
 
-def wrap(spec: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0) -> EvaluatorSpec:
-    return EvaluatorSpec("faults", {"inner": spec, "rules": check_rules(list(rules)), "sleep_s": float(sleep_s)})
+def wrap(spec: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0,
+         hang_after: int | None = None) -> EvaluatorSpec:
+    return EvaluatorSpec("faults", {"inner": spec, "rules": check_rules(list(rules)), "sleep_s": float(sleep_s),
+                                    "hang_after": None if hang_after is None else int(hang_after)})
 
 
 def from_env(spec: EvaluatorSpec) -> EvaluatorSpec:
@@ -97,4 +107,4 @@ def from_env(spec: EvaluatorSpec) -> EvaluatorSpec:
     if not text:
         return spec
     d = json.loads(text)
-    return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0))
+    return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0), d.get("hang_after"))
