@@ -616,6 +616,25 @@ def test_bench_measures_a_config_on_its_own_shape(tmp_path):
     no_shape.write_text(json.dumps(d))
     assert_user_error(*tune("bench", "--config", no_shape, "--out", tmp_path / "out"),
                       [str(no_shape), "no valid 'shape'", "--shape"])
+    # Another --dtype: refused before any GPU work (until session 48 it measured the config in float16, whatever
+    # it was tuned in, and said nothing); without --dtype, the config's own
+    assert_user_error(*tune("bench", "--config", TINY_BEST, "--dtype", "bfloat16", "--out", tmp_path / "out"),
+                      ["--config", "tuned in float16, not --dtype bfloat16", "leave --dtype out"])
+    from tuner.cli import _config_dtype
+
+    d = json.loads(TINY_BEST.read_text())
+    bf16 = tmp_path / "bf16" / "best.json"
+    bf16.parent.mkdir()
+    bf16.write_text(json.dumps(dict(d, dtype="bfloat16")))
+    assert _config_dtype(str(bf16)) == "bfloat16" and _config_dtype(str(TINY_BEST)) == "float16"
+    del d["dtype"]  # a hand-edited best.json without one: its run's manifest's, else none
+    bf16.write_text(json.dumps(d))
+    assert _config_dtype(str(bf16)) is None
+    (bf16.parent / "manifest.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    assert _config_dtype(str(bf16.parent)) == "bfloat16"
+    assert_user_error(*tune("bench", "--config", bf16, "--dtype", "float16", "--out", tmp_path / "out"),
+                      ["tuned in bfloat16, not --dtype float16"])
+    assert_user_error(*tune("bench", "--config", bf16, "--out", tmp_path / "out"), ["tune bench", "CUDA GPU"])
 
 
 def test_a_shape_file_alone_gives_its_shapes_only(tmp_path):

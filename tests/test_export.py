@@ -11,6 +11,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 import tuner
 from tuner.bench import hand_picked
@@ -62,7 +63,9 @@ def test_round_trip_for_every_preset(tmp_path, shape):
     ({"shape": "1x256x768x12x3072"}, ["tuned for shape 1x128x768x12x3072", "loaded for 1x256x768x12x3072"]),
     ({"gpu": H100}, [f"tuned on {H200}", f"loaded on {H100}"]),
     ({"shape": "tiny", "gpu": H100}, ["tuned for shape", f"loaded on {H100}"]),
-], ids=["other-preset", "other-seq", "other-gpu", "both"])
+    ({"dtype": "bfloat16"}, ["tuned in float16", "loaded in bfloat16"]),
+    ({"dtype": torch.float32}, ["tuned in float16", "loaded in float32"]),
+], ids=["other-preset", "other-seq", "other-gpu", "both", "other-dtype", "other-torch-dtype"])
 def test_mismatch_warns_and_strict_raises(best, kw, words):
     kw = {"gpu": H200, **kw}
     with pytest.warns(ConfigMismatchWarning) as rec:
@@ -73,6 +76,15 @@ def test_mismatch_warns_and_strict_raises(best, kw, words):
     with pytest.raises(ConfigError) as e:
         load_config(best, strict=True, **kw)
     assert all(w in str(e.value) for w in words)
+
+
+def test_the_tuned_dtype_loads_quietly(best):
+    # by name or as a torch dtype; a best.json without a dtype (hand-edited) is not compared
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(best, gpu=H200, dtype="float16", strict=True)
+        load_config(best, gpu=H200, dtype=torch.float16, strict=True)
+        load_config(synthetic_best(best.parent / "no-dtype", dtype=None), gpu=H200, dtype="bfloat16", strict=True)
 
 
 def test_no_gpu_named_and_none_visible_means_no_gpu_check(best):

@@ -207,6 +207,23 @@ def test_config_and_shape_arguments(tmp_path):
         tuner.load_config(best, shape=(1, 24, 64, 2, 96))
 
 
+def test_a_config_tuned_in_another_dtype_warns(tmp_path):
+    # its timings do not transfer (as for another shape or GPU); until session 48 a bfloat16 best.json loaded into
+    # a float16 layer said nothing
+    best = tmp_path / "best.json"
+    best.write_text(json.dumps({"schema_version": 1, "shape": SMALL.to_dict(), "dtype": "bfloat16",
+                                "config": hand_picked(SMALL).to_dict()}))
+    with pytest.warns(ConfigMismatchWarning, match="tuned in bfloat16, loaded in float32"):
+        TunedLayer(str(best), SMALL, _module(), dtype=torch.float32, device="cpu")
+    with pytest.warns(ConfigMismatchWarning, match="tuned in bfloat16, loaded in float16"):
+        TunedStack(str(best), SMALL, [_module(), _module(1)], dtype=torch.float16, device="cpu")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TunedLayer(str(best), SMALL, _module(), dtype=torch.bfloat16, device="cpu")
+
+
 def test_a_layernorm_eps_other_than_the_kernels_warns():
     m = _module()
     m.ln2.eps = 1e-12  # BERT's

@@ -109,6 +109,23 @@ def _config_shape(path: str):
         raise UserError(f"--config {path}: best.json has no valid 'shape'; give --shape") from None
 
 
+def _config_dtype(path: str) -> str:
+    """The dtype a best.json was tuned in (what `tune bench --config` measures when no --dtype is given): its own
+    field, else its run's manifest's; None where neither names one."""
+    from tuner.config import ConfigError
+    from tuner.export import read_best
+
+    try:
+        name = read_best(path).get("dtype")
+    except ConfigError as e:
+        raise UserError(f"--config {e}") from None
+    if name is None:  # (a hand-edited best.json)
+        name = _run_manifest(Path(path) if Path(path).is_dir() else Path(path).parent).get("dtype")
+    if name is not None and not isinstance(name, str):
+        raise UserError(f"--config {path}: best.json's dtype {name!r} is not a name")
+    return name
+
+
 def cmd_bench(args) -> int:
     from tuner import bench
 
@@ -116,6 +133,12 @@ def cmd_bench(args) -> int:
         shapes = _config_shape(args.config)  # a config is measured on the shape it was tuned for
     else:
         shapes = _shapes(args.shape, args.shape_file)
+    tuned = _config_dtype(args.config) if args.config else None
+    if args.dtype is None:  # a config is measured in the dtype it was tuned in
+        args.dtype = tuned or "float16"
+    elif tuned and args.dtype != tuned:  # its timings would not transfer, as for another shape or GPU
+        raise UserError(f"--config {args.config}: tuned in {tuned}, not --dtype {args.dtype} (its timings do not "
+                        f"transfer); leave --dtype out to measure it in {tuned}")
     dtype = _dtype(args.dtype)
     if args.reps <= 0:
         raise UserError(f"--reps {args.reps}: must be a positive number of repetitions")
@@ -765,7 +788,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--shape", action="append",
                    help="preset, BxSxDxHxF or 'all' (repeatable); default: the --config's shape, else bert-base")
     b.add_argument("--shape-file")
-    b.add_argument("--dtype", default="float16", help="float16, bfloat16 or float32 (default float16)")
+    b.add_argument("--dtype", help="float16, bfloat16 or float32 (default: the --config's, else float16)")
     b.add_argument("--l2", choices=["cold", "hot"], default="cold",
                    help="cold: a stack of layers whose weights are >= 3x the L2 (default); hot: the shape's depth "
                    "of layers")

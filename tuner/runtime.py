@@ -119,7 +119,7 @@ def _runnable(config, shape: DecoderShape, w: LayerWeights, who: str) -> Decoder
     if isinstance(config, (str, os.PathLike)):
         from tuner.export import load_config
 
-        config = load_config(config, shape=shape)
+        config = load_config(config, shape=shape, dtype=w.w_qkv.dtype)
     elif not isinstance(config, DecoderConfig):
         raise TypeError(f"{who}: config is a {type(config).__name__}; give a DecoderConfig "
                         "(tuner.load_config(path)) or the path of a best.json")
