@@ -1114,3 +1114,14 @@ def test_ctrl_c_while_optuna_records_a_trial_is_an_interruption(tmp_path, monkey
     trials = optuna.load_study(study_name=optuna.get_all_study_summaries(f"sqlite:///{tmp_path}/studies.db")[0]
                                .study_name, storage=f"sqlite:///{tmp_path}/studies.db").trials
     assert sum(t.state == optuna.trial.TrialState.COMPLETE for t in trials) == 2
+
+
+def test_a_misspelt_dtype_in_best_json_is_refused(tmp_path):
+    # until session 48 `tune export` checked such a config as float16's 2-byte operands, and `tune bench --config`
+    # measured it in float16, both silently
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "best.json").write_text(json.dumps(dict(json.loads(TINY_BEST.read_text()), dtype="bf16")))
+    assert_user_error(*tune("export", run), [str(run), "dtype 'bf16'", "float16, bfloat16, float32"])
+    assert_user_error(*tune("bench", "--config", run / "best.json", "--out", tmp_path / "out"),
+                      ["--config", "dtype 'bf16'"])

@@ -104,7 +104,10 @@ def test_no_gpu_named_and_none_visible_means_no_gpu_check(best):
     ("[1, 2]", ["schema_version"]),
     ({"config": None}, ["no 'config'"]),
     ({"config": [1, 2]}, ["no 'config'"]),
-], ids=["schema-99", "no-schema", "invalid-json", "a-list", "no-config", "config-a-list"])
+    ({"dtype": "bf16"}, ["dtype 'bf16'", "float16, bfloat16, float32"]),
+    ({"dtype": ["float16"]}, ["dtype ['float16']"]),
+], ids=["schema-99", "no-schema", "invalid-json", "a-list", "no-config", "config-a-list", "misspelt-dtype",
+        "dtype-a-list"])
 def test_bad_best_json_raises_config_error(tmp_path, content, words):
     path = synthetic_best(tmp_path)
     if isinstance(content, str):

@@ -35,6 +35,11 @@ def read_best(path: str | Path) -> dict:
     for key in ("shape", "gpu"):  # optional, but where present what load_config and `tune bench` read
         if d.get(key) is not None and not isinstance(d[key], dict):
             raise ConfigError(f"{p}: best.json's '{key}' must be a mapping, not {type(d[key]).__name__}")
+    from tuner.layer import DTYPES
+
+    dtype = d.get("dtype")  # (a misspelt one would count as float16's 2 bytes, silently)
+    if dtype is not None and (not isinstance(dtype, str) or dtype not in DTYPES):
+        raise ConfigError(f"{p}: best.json's dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     return d
 
 
