@@ -56,8 +56,12 @@ def postgres_url():
         pytest.fail("no PostgreSQL driver: pip install -e '.[test]' (psycopg2-binary)")
     # Not under pytest's tmp_path: that is private to this user, and the server may run as `postgres`.
     folder = tempfile.mkdtemp(prefix="pdl-tune-postgres-")
-    started = subprocess.run(["bash", str(SCRIPT), "start", folder, str(free_port())], capture_output=True,
-                             text=True, timeout=300)
+    for _ in range(3):  # (another process may take the free port before the server binds it: then another port)
+        started = subprocess.run(["bash", str(SCRIPT), "start", folder, str(free_port())], capture_output=True,
+                                 text=True, timeout=300)
+        if started.returncode == 0:
+            break
+        subprocess.run(["bash", str(SCRIPT), "stop", folder], capture_output=True, timeout=60)
     assert started.returncode == 0, started.stderr[-3000:]
     try:
         yield started.stdout.strip().splitlines()[-1]
@@ -67,8 +71,10 @@ def postgres_url():
 
 
 def start_host(url: str, study: str, out: Path) -> subprocess.Popen:
-    """One 'host': `tune decoder` on the shared study; each trial takes 0.3 s so that both take part."""
-    env = dict(os.environ, **{faults.ENV: json.dumps({"sleep_s": 0.3})})
+    """One 'host': `tune decoder` on the shared study; each trial takes 0.3 s, and neither host starts its first until
+    both are there (tuner.faults' barrier), so that both take part."""
+    barrier = {"dir": str(out.parent / "barrier"), "parties": 2}
+    env = dict(os.environ, **{faults.ENV: json.dumps({"sleep_s": 0.3, "barrier": barrier})})
     cmd = [sys.executable, "-m", "tuner.cli", "decoder", "--replay", str(REPLAY), "--trials", str(BUDGET),
            "--storage", url, "--study-name", study, "--out", str(out), "--no-progress"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

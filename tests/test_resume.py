@@ -79,6 +79,15 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def gone_pid() -> int:
+    """A pid no process of this host has: above the kernel's pid_max (the pid of an exited process may be
+    reused by the time the code under test looks it up)."""
+    try:
+        return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    except (OSError, ValueError):
+        return 2**22 + 1  # (Linux's largest pid_max)
+
+
 def trials_midway(storage):
     """Two trials done and the third running: the moment to kill."""
     try:
@@ -216,8 +225,7 @@ def test_a_study_whose_creator_died_before_seeding_it_gets_its_seeds(tmp_path, q
     name = clean.study_name + "-killed"
     died = optuna.create_study(study_name=name, storage=storage)
     if queued:  # (killed after it wrote who it was: a process of this host that is gone; else it never wrote it)
-        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-        died.set_user_attr(SEEDING_ATTR, {**this_owner(), "pid": int(gone.stdout), "start": None})
+        died.set_user_attr(SEEDING_ATTR, {**this_owner(), "pid": gone_pid(), "start": None})
     for p in seeds[:queued]:
         died.enqueue_trial(p, user_attrs={"is_baseline": True} if p == seeds[0] else None)
     study = open_study(replay.shape, replay, space.load(), StudyOptions(**{**opts.__dict__, "study_name": name}),

@@ -57,8 +57,10 @@ def assert_budget_kept(trials, budget: int) -> None:
 
 
 def test_two_workers_share_the_budget(tmp_path, monkeypatch):
-    # Each trial takes 0.3 s, so the second worker starts before the first has spent the budget.
-    monkeypatch.setenv(faults.ENV, json.dumps({"sleep_s": 0.3}))
+    # Each trial takes 0.3 s, and neither worker starts its first until both are there (however late a loaded
+    # machine starts one), so that both take part.
+    monkeypatch.setenv(faults.ENV, json.dumps({"sleep_s": 0.3, "barrier": {"dir": str(tmp_path / "barrier"),
+                                                                           "parties": 2}}))
     out = tmp_path / "results"
     rc, stdout, stderr = tune("decoder", "--replay", REPLAY, "--workers", 2, "--trials", BUDGET, "--no-progress",
                               "--out", out)

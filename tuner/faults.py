@@ -15,9 +15,11 @@ whose flat parameters match a rule (``{"qkv.block_m": 128}``), does one of:
 
 ``sleep_s`` slows every trial down; ``hang_after: N`` lets the first N evaluations through and hangs every
 later one (resume tests kill or interrupt the study mid-trial: a trial that never returns is one they
-cannot miss, however slowly a loaded machine polls). The command line reads the same settings from
-``PDL_TUNE_FAULTS`` (JSON: ``{"rules": [{"match": {...}, "action": "hang"}], "sleep_s": 0.5,
-"hang_after": 2}``), so that a test can drive ``tune decoder`` as a subprocess.
+cannot miss, however slowly a loaded machine polls); ``barrier: {"dir": D, "parties": N}`` holds each
+evaluator's first evaluation until N evaluators (processes) have reached theirs (tests of several workers
+or hosts on one study: each takes part, however late a loaded machine starts one). The command line reads
+the same settings from ``PDL_TUNE_FAULTS`` (JSON: ``{"rules": [{"match": {...}, "action": "hang"}],
+"sleep_s": 0.5, "hang_after": 2}``), so that a test can drive ``tune decoder`` as a subprocess.
 """
 
 from __future__ import annotations
@@ -47,12 +49,15 @@ def check_rules(rules: list[dict]) -> list[dict]:
 class FaultyEvaluator:
     """Every attribute and method but ``evaluate`` is the wrapped evaluator's (the final phase is clean)."""
 
+    BARRIER_TIMEOUT_S = 120.0
+
     def __init__(self, inner: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0,
-                 hang_after: int | None = None):
+                 hang_after: int | None = None, barrier: dict | None = None):
         self.inner = inner.build()
         self.rules = check_rules(list(rules))
         self.sleep_s = sleep_s
         self.hang_after = hang_after
+        self.barrier = barrier
         self.evaluations = 0
 
     def __getattr__(self, name):
@@ -67,9 +72,19 @@ class FaultyEvaluator:
                 return r["action"]
         return None
 
+    def wait_at_barrier(self) -> None:
+        folder = self.barrier["dir"]
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, str(os.getpid())), "w").close()
+        deadline = time.monotonic() + self.BARRIER_TIMEOUT_S
+        while len(os.listdir(folder)) < self.barrier["parties"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def evaluate(self, cfg):
         from tuner.evaluate import TrialResult
 
+        if self.barrier and not self.evaluations:
+            self.wait_at_barrier()
         time.sleep(self.sleep_s)
         self.evaluations += 1
         if self.hang_after is not None and self.evaluations > self.hang_after:
@@ -96,9 +111,10 @@ class FaultyEvaluator:
 
 
 def wrap(spec: EvaluatorSpec, rules: list[dict] = (), sleep_s: float = 0.0,
-         hang_after: int | None = None) -> EvaluatorSpec:
+         hang_after: int | None = None, barrier: dict | None = None) -> EvaluatorSpec:
     return EvaluatorSpec("faults", {"inner": spec, "rules": check_rules(list(rules)), "sleep_s": float(sleep_s),
-                                    "hang_after": None if hang_after is None else int(hang_after)})
+                                    "hang_after": None if hang_after is None else int(hang_after),
+                                    "barrier": barrier})
 
 
 def from_env(spec: EvaluatorSpec) -> EvaluatorSpec:
@@ -107,4 +123,4 @@ def from_env(spec: EvaluatorSpec) -> EvaluatorSpec:
     if not text:
         return spec
     d = json.loads(text)
-    return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0), d.get("hang_after"))
+    return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0), d.get("hang_after"), d.get("barrier"))
