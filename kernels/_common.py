@@ -139,6 +139,40 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _round_bf16_to_nearest_in_the_interpreter() -> bool:
+    """The Triton interpreter (3.6 to 3.8 at least) converts float32 to bfloat16 by dropping the low 16 bits, where
+    the GPU rounds to nearest even: a kernel's bfloat16 outputs came out ~2x further from the reference on the CPU
+    than on the GPU, and the CPU's bfloat16 bound had to be as loose as the GPU's. Its builder's ``cast_impl`` (every
+    float32 -> bfloat16 conversion, an explicit ``.to`` or a store's) is wrapped to round as torch does. Returns
+    whether it is in place (False where this Triton has no such builder method: the conversion stays as it is)."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as ti
+    except ImportError:
+        return False
+    builder = getattr(ti, "InterpreterBuilder", None)
+    cast = getattr(builder, "cast_impl", None)
+    handle = getattr(ti, "TensorHandle", None)
+    if cast is None or handle is None:
+        return False
+    if getattr(cast, "rounds_bf16_to_nearest", False):
+        return True
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            rounded = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return handle(rounded.view(torch.int16).numpy().view(np.uint16).reshape(np.shape(src.data)),
+                          dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    cast_impl.rounds_bf16_to_nearest = True
+    builder.cast_impl = cast_impl
+    return True
+
+
+INTERPRETER_ROUNDS_BF16 = interpreting() and _round_bf16_to_nearest_in_the_interpreter()
+
+
 @dataclass(frozen=True)
 class LaunchMode:
     """What a launcher can really do on the tensor's device."""
@@ -247,9 +281,12 @@ def pdl_trigger(done, trigger, USE_PDL: tl.constexpr):
 # interpreter on the GEMM: 2e-4 fp16, 3.3e-3 bf16); fp32 runs as tf32 on the GPU (~3e-4).
 REL_TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2, torch.float32: 5e-3}
 # The interpreter computes in fp32 (numpy; bf16 upcast by the launchers) and rounds only what it stores: 10x what
-# its kernels reach (fp16 ~2e-4, bf16 ~3e-3, fp32 ~2e-7), so that a kernel computing or storing in a narrower type
-# than it should fails on the CPU (bf16 on fp16 data: ~2e-3; fp16 on fp32 data: ~3e-4).
-INTERPRETER_REL_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 3e-2, torch.float32: 1e-5}
+# its kernels reach (fp16 ~2e-4, fp32 ~2e-7), so that a kernel computing or storing in a narrower type than it
+# should fails on the CPU (bf16 on fp16 data: ~2e-3; fp16 on fp32 data: ~3e-4). bf16: 3x the worst of the CPU suite
+# (median 1.7e-3, worst 3.2e-3 over its 64 bf16 comparisons, session 48) where the interpreter rounds to nearest as
+# the GPU does; where it truncates (a Triton without the builder method wrapped above: up to 1.03e-2), the GPU's.
+INTERPRETER_REL_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2 if INTERPRETER_ROUNDS_BF16 else 3e-2,
+                             torch.float32: 1e-5}
 
 
 def rel_tolerance(dtype: torch.dtype) -> float:
