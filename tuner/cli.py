@@ -242,7 +242,7 @@ def cmd_verify(args) -> int:
                 res[key] = verify.run_verify(shape, one, dtype=dtype, race_trials=args.trials)
         out = Path(args.out) / "verify" / shape.label / stamp
         manifest.write_json_atomic(out / "manifest.json", manifest.make(["tune"] + args.argv, kind="verify",
-                                                                         shape=shape.to_dict()))
+                                                                         shape=shape.to_dict(), dtype=args.dtype))
         manifest.write_json_atomic(out / "verify.json", res)
         report = verify.format_report(res, f"tune verify: {shape.label} ({dev.name}, {args.dtype})")
         manifest.write_text_atomic(out / "verify.md", report)

@@ -167,7 +167,8 @@ def _read_trials(path: Path, problems: list[str]) -> tuple[pd.DataFrame | None, 
         problems.append(f"{path.name} has no column {', '.join(missing)}")
         return None, b""
     df["status"] = df["status"].astype(str)
-    df["reason"] = df["reason"].fillna("").astype(str) if "reason" in df.columns else ""
+    # (an all-empty column reads as float64 NaN, which pandas 3 will not fill with text)
+    df["reason"] = df["reason"].astype(object).fillna("").astype(str) if "reason" in df.columns else ""
     for c in ("latency_us", "spread_us", "speedup"):
         df[c] = pd.to_numeric(df[c], errors="coerce") if c in df.columns else np.nan
     for c in ("approximated", "is_baseline"):
