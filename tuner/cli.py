@@ -109,7 +109,7 @@ def _config_shape(path: str):
         raise UserError(f"--config {path}: best.json has no valid 'shape'; give --shape") from None
 
 
-def _config_dtype(path: str) -> str:
+def _config_dtype(path: str) -> str | None:
     """The dtype a best.json was tuned in (what `tune bench --config` measures when no --dtype is given): its own
     field, else its run's manifest's; None where neither names one."""
     from tuner.config import ConfigError
