@@ -59,8 +59,9 @@ def test_fused_layer_matches_reference(shape, cfg, device):
     assert int(scratch.sync.abs().sum()) == 0
 
 
-def test_fused_layer_bf16(device):
-    err, _ = run_layer(TWO, SMALL, torch.bfloat16, device)
+@pytest.mark.parametrize("shape", [ODD, TWO], ids=["odd", "two-seqs"])
+def test_fused_layer_bf16(shape, device):
+    err, _ = run_layer(shape, SMALL, torch.bfloat16, device)
     assert err < rel_tolerance(torch.bfloat16), err
 
 
