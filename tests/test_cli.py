@@ -1125,3 +1125,70 @@ def test_a_misspelt_dtype_in_best_json_is_refused(tmp_path):
     assert_user_error(*tune("export", run), [str(run), "dtype 'bf16'", "float16, bfloat16, float32"])
     assert_user_error(*tune("bench", "--config", run / "best.json", "--out", tmp_path / "out"),
                       ["--config", "dtype 'bf16'"])
+
+
+# Session 48's audit of bad input (a helper fuzzing every subcommand): each of these was a traceback, a hang or a
+# silent wrong result until then.
+RUN_OF_RECORD = Path(__file__).resolve().parent.parent / "results" / "bert-base" / "20261128-004550-tpe"
+
+
+def test_replay_workers_beyond_the_cores_are_refused(tmp_path):
+    # --workers 1000 under --replay started a thousand processes that each imported torch
+    limit = max(2, os.cpu_count() or 1)
+    assert_user_error(*decoder(tmp_path, 2, "--workers", limit + 1), [f"--workers {limit + 1}", f"at most {limit}"])
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag", ["--shape-file", "--storage", "--study-name", "--search-space"])
+def test_a_blank_flag_value_is_refused(tmp_path, flag):
+    # ("$UNSET" in a script: --shape-file '' tuned bert-base, --storage '' the default storage, without a word)
+    assert_user_error(*decoder(tmp_path, 2, flag, ""), [f"{flag} ''", "empty"])
+    assert_user_error(*decoder(tmp_path, 2, flag, "  "), [f"{flag} '  '", "empty"])
+    assert_user_error(*tune("bench", "--config", "", "--out", tmp_path), ["--config ''", "empty"])
+
+
+def test_a_config_kernel_that_is_not_a_mapping_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(RUN_OF_RECORD, run)
+    best = json.loads((run / "best.json").read_text())
+    best["config"]["kernels"]["qkv"] = []
+    (run / "best.json").write_text(json.dumps(best))
+    assert_user_error(*tune("export", run), [str(run), "qkv must be a mapping", "not list"])
+
+
+def test_a_ratio_step_too_small_is_refused_with_the_file(tmp_path):
+    text = importlib.resources.files("tuner.search_spaces").joinpath("decoder.yaml").read_text()
+    spec = yaml.safe_load(text)
+    for step in (5e-324, 1e-300):
+        spec["ratios"]["overlap"] = {"low": 0.0, "high": 1.0, "step": step}
+        f = tmp_path / "tiny-step.yaml"
+        f.write_text(yaml.safe_dump(spec))
+        assert_user_error(*decoder(tmp_path / "out", 2, "--search-space", f), [str(f), "step", "more than 1,000,000"])
+
+
+@pytest.mark.parametrize("name", ["topk.json", "manifest.json"])
+def test_report_of_a_run_whose_json_is_null(tmp_path, name):
+    run = tmp_path / "run"
+    shutil.copytree(RUN_OF_RECORD, run)
+    (run / name).write_text("null\n")
+    rc, stdout, stderr = tune("report", run)
+    assert rc == 2 and "Traceback" not in stderr and f"{name} is not a JSON object" in stderr, stderr[-2000:]
+
+
+def test_files_nested_too_deeply_are_one_line(tmp_path):
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("shapes:\n  - " + "[" * 5000 + "]" * 5000 + "\n")
+    assert_user_error(*decoder(tmp_path / "out", 2, "--shape-file", deep), [str(deep), "nested too deeply"])
+    run = tmp_path / "run"
+    shutil.copytree(RUN_OF_RECORD, run)
+    (run / "topk.json").write_text("[" * 100000 + "]" * 100000)
+    rc, stdout, stderr = tune("report", run)
+    assert rc == 2 and "Traceback" not in stderr and "nested too deeply" in stderr, stderr[-2000:]
+
+
+def test_a_malformed_fault_setting_is_one_line(tmp_path, monkeypatch):
+    from tuner import faults
+
+    for text in ("{", "[]", '{"rules": 5}'):
+        monkeypatch.setenv(faults.ENV, text)
+        assert_user_error(*decoder(tmp_path, 2), [faults.ENV, "JSON object"])

@@ -127,6 +127,7 @@ def _config_dtype(path: str) -> str | None:
 def cmd_bench(args) -> int:
     from tuner import bench
 
+    _no_blanks(args, ("shape_file", "config"))
     if args.config and not args.shape and not args.shape_file:
         shapes = _config_shape(args.config)  # a config is measured on the shape it was tuned for
     else:
@@ -285,6 +286,10 @@ def _gpus(args) -> list[str | None]:
     """One entry per study process: the GPU it is pinned to, or None (not pinned)."""
     if args.gpus is None:
         n = args.workers or 1
+        limit = max(2, os.cpu_count() or 1)
+        if args.replay and n > limit:  # (each worker imports torch: a thousand of them exhaust the machine)
+            raise UserError(f"--workers {n}: a replay runs at most {limit} worker processes here (one per CPU core; "
+                            "more would only share the cores)")
         if args.replay or n == 1:
             return [None] * n
         return [str(i) for i in range(n)]
@@ -339,7 +344,10 @@ def _evaluator_spec(args, shape):
         spec = EvaluatorSpec("replay", {"path": args.replay, "shape": shape})
     else:
         spec = EvaluatorSpec("gpu", {"shape": shape, "dtype": args.dtype, "l2": args.l2, "seed": args.seed})
-    return faults.from_env(spec)  # test-only fault injection (PDL_TUNE_FAULTS), else unchanged
+    try:
+        return faults.from_env(spec)  # test-only fault injection (PDL_TUNE_FAULTS), else unchanged
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _make_evaluator(args, shape, gpu: str | None):
@@ -390,9 +398,18 @@ def _worker_argv(args, shape, url: str):
     return argv
 
 
+def _no_blanks(args, names) -> None:
+    """A flag given an empty or blank value (``--storage "$UNSET"`` in a script) is refused, not read as not given."""
+    for name in names:
+        v = getattr(args, name, None)
+        if isinstance(v, str) and not v.strip():
+            raise UserError(f"--{name.replace('_', '-')} {v!r}: empty; give a value or leave the flag out")
+
+
 def _decoder_inputs(args):
     """Check every input of `tune decoder` before anything is created (no results/, no studies.db for a
     typo). Returns the shapes (the recording's for --replay), the search space and the workers' GPUs."""
+    _no_blanks(args, ("shape_file", "storage", "study_name", "replay", "search_space"))
     shapes = _shapes(args.shape, args.shape_file)
     _check_decoder_numbers(args)  # (both before the imports below, which load torch: a typo fails at once)
     from tuner import space as space_mod

@@ -80,6 +80,9 @@ class DecoderConfig:
         unknown = set(ks) - set(CONFIGS)
         if unknown:
             raise ConfigError(f"config names unknown kernels {sorted(unknown)}; expected {list(CONFIGS)}")
+        for n in CONFIGS:
+            if n in ks and not isinstance(ks[n], dict):
+                raise ConfigError(f"config: {n} must be a mapping of its fields, not {type(ks[n]).__name__}")
         try:
             return cls(**{n: KIND[n].from_dict(ks[n]) for n in CONFIGS if n in ks})
         except (TypeError, ValueError) as e:

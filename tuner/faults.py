@@ -122,5 +122,8 @@ def from_env(spec: EvaluatorSpec) -> EvaluatorSpec:
     text = os.environ.get(ENV)
     if not text:
         return spec
-    d = json.loads(text)
-    return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0), d.get("hang_after"), d.get("barrier"))
+    try:
+        d = json.loads(text)
+        return wrap(spec, d.get("rules", []), d.get("sleep_s", 0.0), d.get("hang_after"), d.get("barrier"))
+    except (ValueError, TypeError, AttributeError) as e:  # (json's JSONDecodeError is a ValueError)
+        raise ValueError(f"{ENV}: expected a JSON object of fault settings ({e})") from None

@@ -30,6 +30,8 @@ def read_json(path: Path):
         raise ValueError(f"cannot be read ({why(e)})") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise ValueError("not readable JSON (nested too deeply)") from None
 
 
 def is_int(v) -> bool:

@@ -199,10 +199,9 @@ def load_run(run_dir) -> Run:
     manifest = _read_json(path / "manifest.json", problems)
     trials, trials_data = _read_trials(path / "trials.csv", problems)
     topk = _read_json(path / "topk.json", problems)
-    if manifest is not None and not isinstance(manifest, dict):
-        problems.append("manifest.json is not a JSON object")
-    if topk is not None and not isinstance(topk, dict):
-        problems.append("topk.json is not a JSON object")
+    for name, content in (("manifest.json", manifest), ("topk.json", topk)):
+        if not isinstance(content, dict) and not any(p.startswith(name) for p in problems):  # (JSON null too)
+            problems.append(f"{name} is not a JSON object")
     if not problems:
         problems += _content_problems(manifest, topk)
     if not problems:

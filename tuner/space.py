@@ -32,6 +32,7 @@ OPTIONAL = {"layer": FusedLayerConfig()}
 # Fields whose choices may include 0 (FusedLayerConfig.programs: 0 = one program per SM).
 ZERO_OK = ("programs",)
 RATIOS = ("overlap_ratio", "prefetch_ratio")
+MAX_RATIO_STEPS = 10**6  # a ratio step that makes more steps than this is a mistake (Optuna cannot divide by 5e-324)
 # Kernels whose weights can be prefetched (attention has none).
 PREFETCHING = ("norm1", "qkv", "out", "norm2", "ffn1", "ffn2", "layer")
 # On/off fields: their choices are 0 and 1, not positive sizes (NormConfig.fuse: 0 is the unfused baseline;
@@ -133,6 +134,8 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
         step, off = value.get("step"), value.get("off", False)
         if step is not None and (not is_number(step) or not 0 < step <= hi - lo):
             raise SpaceError(f"{where}.step: need 0 < step <= high - low, got {step!r}")
+        if step is not None and not (hi - lo) / step <= MAX_RATIO_STEPS:  # (a float too small to divide by, too)
+            raise SpaceError(f"{where}.step: {step!r} makes more than {MAX_RATIO_STEPS:,} steps; give a larger one")
         if step is not None and abs((hi - lo) / step - round((hi - lo) / step)) > 1e-9:
             # (Optuna would move high down to the last step, and warn so at every trial)
             raise SpaceError(f"{where}.step: {step!r} must divide high - low = {hi - lo:g}")
@@ -266,6 +269,8 @@ def read_yaml(path: str | Path, what: str, error=ValueError):
         raise error(f"{path}: cannot read the {what} file ({why(e)})") from None
     try:
         return _load_yaml(text)
+    except RecursionError:
+        raise error(f"{path}: not valid YAML here (nested too deeply)") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
