@@ -1192,3 +1192,37 @@ def test_a_malformed_fault_setting_is_one_line(tmp_path, monkeypatch):
     for text in ("{", "[]", '{"rules": 5}'):
         monkeypatch.setenv(faults.ENV, text)
         assert_user_error(*decoder(tmp_path, 2), [faults.ENV, "JSON object"])
+
+
+def test_a_missing_replay_path_is_not_the_shipped_recording(tmp_path):
+    # a bare name and the README's tests/data/ form find the shipped recording from anywhere; another missing path
+    # that ends in its name is refused (until session 48 it was silently replaced by the shipped one)
+    missing = tmp_path / "mine" / "replay-bert-base-h200"
+    assert_user_error(*tune("decoder", "--replay", missing, "--trials", 2, "--no-progress", "--out", tmp_path / "o"),
+                      [f"--replay {missing}", "no such file or folder"])
+    from tuner.cli import _replay_path
+
+    assert Path(_replay_path("replay-bert-base-h200")).is_dir()
+    assert Path(_replay_path("tests/data/replay-bert-base-h200")).is_dir()
+
+
+@pytest.mark.parametrize("damage", ["rank-text", "rank-null", "spread-huge", "number-huge", "speedup-bool"])
+def test_report_of_a_run_with_absurd_values_is_one_line(tmp_path, damage):
+    # (session 48's audit: each crashed tune report partway through its plots, the folder half re-drawn)
+    run = tmp_path / "run"
+    shutil.copytree(RUN_OF_RECORD, run)
+    topk = json.loads((run / "topk.json").read_text())
+    trials = pd.read_csv(run / "trials.csv")
+    if damage.startswith("rank"):
+        topk["rows"][1]["rank"] = "x" if damage == "rank-text" else None
+    elif damage == "spread-huge":
+        topk["rows"][0]["spread_us"] = 1e308
+    elif damage == "number-huge":
+        trials["number"] = 1e308
+    else:
+        trials["speedup"] = True
+    (run / "topk.json").write_text(json.dumps(topk))
+    trials.to_csv(run / "trials.csv", index=False)
+    rc, stdout, stderr = tune("report", run)
+    assert "Traceback" not in stderr and rc in ((0, 2) if damage == "speedup-bool" else (2,)), \
+        (rc, stderr[-2000:])

@@ -546,7 +546,9 @@ def _replay_path(given: str) -> str:
     shipped = importlib.resources.files("tuner.recordings")
     names = sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
     name = Path(given).name
-    if name in names:
+    # (only as a bare name or the README's tests/data/ form: another missing path that ends in such a name is a typo
+    # of the user's own folder, not the shipped recording)
+    if name in names and Path(given).parent.as_posix() in (".", "tests/data"):
         return str(shipped / name)
     raise UserError(f"--replay {given}: no such file or folder (recordings shipped with pdl-tune: {', '.join(names)})")
 

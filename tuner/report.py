@@ -27,6 +27,7 @@ GEMMS = ("qkv", "out", "ffn1", "ffn2")
 # Column titles of the seed's tables (decoder layer, seed 003).
 GEMM_TITLES = {"qkv": "QKV", "out": "Output", "ffn1": "FFN1", "ffn2": "FFN2"}
 STATUSES = ("ok", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed", "invalid")
+ABSURD_US = 1e9  # a latency or spread this large (over 16 minutes a layer) is a damaged file, not a measurement
 
 REPLAYED_LINE = "REPLAYED (timings served from a recording, not measured now)"
 TIES_NOTE = ("Ties: rows marked tie differ from the row above by less than their combined spread "
@@ -169,8 +170,13 @@ def _read_trials(path: Path, problems: list[str]) -> tuple[pd.DataFrame | None, 
     df["status"] = df["status"].astype(str)
     # (an all-empty column reads as float64 NaN, which pandas 3 will not fill with text)
     df["reason"] = df["reason"].astype(object).fillna("").astype(str) if "reason" in df.columns else ""
-    for c in ("latency_us", "spread_us", "speedup"):
-        df[c] = pd.to_numeric(df[c], errors="coerce") if c in df.columns else np.nan
+    number = pd.to_numeric(df["number"], errors="coerce")
+    if not (number.notna() & (number % 1 == 0) & (number.abs() < 1e9)).all():
+        problems.append(f"{path.name}'s number column holds something other than trial numbers")
+        return None, b""
+    df["number"] = number.astype(int)
+    for c in ("latency_us", "spread_us", "speedup"):  # (float: a column of true/false would stay bool)
+        df[c] = pd.to_numeric(df[c], errors="coerce").astype(float) if c in df.columns else np.nan
     for c in ("approximated", "is_baseline"):
         df[c] = _as_bool(df[c]) if c in df.columns else False
     return df.sort_values("number", kind="stable").reset_index(drop=True), data
@@ -240,6 +246,13 @@ def _content_problems(manifest: dict, topk: dict) -> list[str]:
                 break
             if (_num(r.get("spread_us")) or 0.0) < 0:
                 out.append(f"topk.json's rows[{i}] has a negative spread_us")
+                break
+            if not all(abs(_num(r.get(k)) or 0.0) < ABSURD_US for k in ("latency_us", "spread_us")):
+                out.append(f"topk.json's rows[{i}] has a latency_us or spread_us of {ABSURD_US:g} us or more")
+                break
+            rank = r.get("rank")
+            if "rank" in r and (isinstance(rank, bool) or not isinstance(rank, int)):
+                out.append(f"topk.json's rows[{i}] has a rank of {rank!r}, not a whole number")
                 break
     return out
 
