@@ -16,8 +16,8 @@ from tuner.kernels.attention import AttnConfig
 from tuner.kernels._common import REL_TOLERANCE, tile_cap
 from tuner.kernels.gemm import GemmConfig, GemmProblem, check, cluster_tile, grid
 from tuner.kernels.norm import NormConfig
-from tuner.layer import (DecoderStack, check_config, default_config, fit_config, qkv_attn_error, random_stack_weights,
-                         repair_config, stack_depth)
+from tuner.layer import (DecoderStack, check_config, default_config, dtype_name, fit_config, qkv_attn_error,
+                         random_stack_weights, repair_config, stack_depth)
 from tuner.shapes import DecoderShape
 from tuner.timing import copy_bandwidth_bytes_per_s, policy, time_replay
 
@@ -320,7 +320,7 @@ def run_bench(shape: DecoderShape, *, dtype=torch.float16, l2: str = "cold", rep
     floor_us = shape.weight_bytes(esize) / bw * 1e6
     rows.append(Row(f"floor: {shape.weight_bytes(esize) / 1e6:.1f} MB of weights at {bw / 1e12:.2f} TB/s",
                     floor_us, 0.0, None, True))
-    return {"shape": shape.to_dict(), "dtype": str(dtype).replace("torch.", ""), "device": dev.to_dict(),
+    return {"shape": shape.to_dict(), "dtype": dtype_name(dtype), "device": dev.to_dict(),
             "policy": policy(l2, n_layers, reps, warmup), "copy_bandwidth_bytes_per_s": bw,
             "rows": [r.to_dict() for r in rows]}
 

@@ -70,11 +70,6 @@ def ranked(path: str | Path, rank: int) -> dict:
     return out
 
 
-def dtype_name(dtype) -> str:
-    """``dtype`` (a torch dtype or its name) by the name best.json and the command line give it ("float16")."""
-    return str(dtype).removeprefix("torch.")
-
-
 def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gpu: str | None = None,
                 dtype=None, strict: bool = False) -> DecoderConfig:
     """The DecoderConfig of a best.json (or run folder). Loading it for another shape, GPU model or dtype (a torch
@@ -107,6 +102,8 @@ def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gp
     tuned_gpu = (d.get("gpu") or {}).get("name")
     if gpu and tuned_gpu and gpu != tuned_gpu:
         problems.append(f"tuned on {tuned_gpu}, loaded on {gpu}")
+    from tuner.layer import dtype_name
+
     tuned_dtype = d.get("dtype")
     if dtype is not None and isinstance(tuned_dtype, str) and dtype_name(dtype) != tuned_dtype:
         problems.append(f"tuned in {tuned_dtype}, loaded in {dtype_name(dtype)}")

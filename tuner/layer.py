@@ -34,6 +34,11 @@ REDUCE = ".reduce"
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+def dtype_name(dtype) -> str:
+    """``dtype`` (a torch dtype or its name) by the name best.json, the manifests and the command line give it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def element_bytes(name) -> int:
     """Bytes an element of the DTYPES name, as check_config and repair_config count them. Anything else (a best.json
     or an evaluator that names no dtype) counts as float16, the tuner's default."""

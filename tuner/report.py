@@ -136,15 +136,21 @@ def _num(*values) -> float | None:
 # Loading
 # ----------------------------------------------------------------------------------------------
 
-def _read_json(path: Path, problems: list[str]):
+def _read_json(path: Path, problems: list[str], mapping: bool = False):
+    """The file's JSON, or None with the reason in ``problems``; ``mapping``: anything but a JSON object (``null``
+    too) is such a reason."""
     if not path.is_file():
         problems.append(f"{path.name} is missing")
         return None
     try:
-        return read_json(path)
+        content = read_json(path)
     except ValueError as e:
         problems.append(f"{path.name}: {e}")
         return None
+    if mapping and not isinstance(content, dict):
+        problems.append(f"{path.name} is not a JSON object")
+        return None
+    return content
 
 
 def _as_bool(col: pd.Series) -> pd.Series:
@@ -202,12 +208,9 @@ def load_run(run_dir) -> Run:
     if not path.is_dir():
         raise RunFolderError(f"{path}: no such run folder (expected {', '.join(REQUIRED_FILES)} in it)")
     problems: list[str] = []
-    manifest = _read_json(path / "manifest.json", problems)
+    manifest = _read_json(path / "manifest.json", problems, mapping=True)
     trials, trials_data = _read_trials(path / "trials.csv", problems)
-    topk = _read_json(path / "topk.json", problems)
-    for name, content in (("manifest.json", manifest), ("topk.json", topk)):
-        if not isinstance(content, dict) and not any(p.startswith(name) for p in problems):  # (JSON null too)
-            problems.append(f"{name} is not a JSON object")
+    topk = _read_json(path / "topk.json", problems, mapping=True)
     if not problems:
         problems += _content_problems(manifest, topk)
     if not problems:

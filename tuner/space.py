@@ -134,9 +134,10 @@ def _dim(where: str, value, ratio: bool, switch: tuple | None = None, zero: bool
         step, off = value.get("step"), value.get("off", False)
         if step is not None and (not is_number(step) or not 0 < step <= hi - lo):
             raise SpaceError(f"{where}.step: need 0 < step <= high - low, got {step!r}")
-        if step is not None and not (hi - lo) / step <= MAX_RATIO_STEPS:  # (a float too small to divide by, too)
+        steps = None if step is None else (hi - lo) / step
+        if steps is not None and not steps <= MAX_RATIO_STEPS:  # (a float too small to divide by, too)
             raise SpaceError(f"{where}.step: {step!r} makes more than {MAX_RATIO_STEPS:,} steps; give a larger one")
-        if step is not None and abs((hi - lo) / step - round((hi - lo) / step)) > 1e-9:
+        if steps is not None and abs(steps - round(steps)) > 1e-9:
             # (Optuna would move high down to the last step, and warn so at every trial)
             raise SpaceError(f"{where}.step: {step!r} must divide high - low = {hi - lo:g}")
         if not isinstance(off, bool):
