@@ -1226,3 +1226,47 @@ def test_report_of_a_run_with_absurd_values_is_one_line(tmp_path, damage):
     rc, stdout, stderr = tune("report", run)
     assert "Traceback" not in stderr and rc in ((0, 2) if damage == "speedup-bool" else (2,)), \
         (rc, stderr[-2000:])
+
+
+# Session 49: the leftovers of session 48's audit.
+@pytest.mark.parametrize("name, words", [("x" * 513, ["--study-name", "513 characters", "at most 512"]),
+                                         ("a\nb", ["--study-name 'a\\nb'", "control character"]),
+                                         ("a\tb", ["--study-name 'a\\tb'", "control character"])],
+                         ids=["long", "newline", "tab"])
+def test_a_study_name_a_storage_cannot_hold_is_refused(tmp_path, name, words):
+    # (PostgreSQL refused a name over 512 characters with a traceback mid-run; a newline split the logs' lines)
+    assert_user_error(*decoder(tmp_path, 2, "--study-name", name), words)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_study_name_of_512_printable_characters_runs(tmp_path):
+    name = "é-" * 256
+    rc, stdout, stderr = decoder(tmp_path, 2, "--study-name", name)
+    assert rc == 0, stderr[-2000:]
+    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["study_name"] == name
+
+
+def test_a_folder_given_as_a_file_is_named_a_folder(tmp_path):
+    (tmp_path / "d").mkdir()
+    assert_user_error(*decoder(tmp_path / "o", 2, "--shape-file", tmp_path / "d"), ["a folder, not a shape file"])
+    assert_user_error(*decoder(tmp_path / "o", 2, "--search-space", tmp_path / "d"),
+                      ["a folder, not a search space file"])
+
+
+def test_a_folder_named_like_a_shipped_space_does_not_hide_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "decoder").mkdir()
+    rc, stdout, stderr = decoder(tmp_path / "o", 2, "--search-space", "decoder")
+    assert rc == 0, stderr[-2000:]
+
+
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_out_under_a_link_to_nothing_names_out(tmp_path, link):
+    # (it was reported as a --storage problem: the default storage's folder could not be created)
+    (tmp_path / "l").symlink_to(tmp_path / ("l" if link == "loop" else "missing"))
+    assert_user_error(*decoder(tmp_path / "l" / "x", 2), ["--out", "symbolic link that leads to no folder"])
+
+
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_bench_seed_out_of_range_is_refused_before_the_gpu(tmp_path, seed):
+    assert_user_error(*tune("bench", "--seed", seed, "--out", tmp_path), [f"--seed {seed}", "must be in 0.."])

@@ -15,6 +15,7 @@ EXIT_USAGE = 2
 EXIT_FAILED = 1
 DEFAULT_TRIALS = 120
 DEFAULT_TIMEOUT_S = 120.0  # seconds of search a shape where neither --trials nor --timeout is given
+MAX_STUDY_NAME = 512  # characters: optuna.storages._rdb.models.MAX_INDEXED_STRING_LENGTH
 
 
 class UserError(Exception):
@@ -141,6 +142,7 @@ def cmd_bench(args) -> int:
     dtype = _dtype(args.dtype)
     if args.reps <= 0:
         raise UserError(f"--reps {args.reps}: must be a positive number of repetitions")
+    _check_seed(args.seed)
     _check_writable(_folder(args.out, "--out", "give a folder for the results (default results)"), "--out",
                     "cannot write its results there")
     if args.config:  # schema and shape first: those mistakes are found without a GPU
@@ -277,9 +279,25 @@ def _check_decoder_numbers(args) -> None:
         raise UserError(f"--top-k {args.top_k}: must be positive")
     if args.workers is not None and args.workers <= 0:
         raise UserError(f"--workers {args.workers}: must be at least 1 (one study process per GPU)")
-    if not 0 <= args.seed < 2**32 - 1024:  # (each worker samples with seed + its index; Optuna takes 32 bits)
-        raise UserError(f"--seed {args.seed}: must be in 0..{2**32 - 1025}")
+    _check_seed(args.seed)
     _folder(args.out, "--out", "give a folder for the run folders (default results)")
+
+
+def _check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**32 - 1024:  # (each worker samples with seed + its index; Optuna takes 32 bits)
+        raise UserError(f"--seed {seed}: must be in 0..{2**32 - 1025}")
+
+
+def _check_study_name(name: str | None) -> None:
+    """A name the storage can hold (Optuna's database column takes 512 characters, and PostgreSQL enforces it) and
+    that prints on one line in the logs and the manifest."""
+    if name is None:
+        return
+    if len(name) > MAX_STUDY_NAME:
+        raise UserError(f"--study-name: {len(name)} characters; a storage holds names of at most {MAX_STUDY_NAME}")
+    if not name.isprintable():
+        raise UserError(f"--study-name {name!r}: holds a control character (a newline, a tab, ...); give a name on "
+                        "one line")
 
 
 def _gpus(args) -> list[str | None]:
@@ -410,6 +428,7 @@ def _decoder_inputs(args):
     """Check every input of `tune decoder` before anything is created (no results/, no studies.db for a
     typo). Returns the shapes (the recording's for --replay), the search space and the workers' GPUs."""
     _no_blanks(args, ("shape_file", "storage", "study_name", "replay", "search_space"))
+    _check_study_name(args.study_name)
     shapes = _shapes(args.shape, args.shape_file)
     _check_decoder_numbers(args)  # (both before the imports below, which load torch: a typo fails at once)
     from tuner import space as space_mod
@@ -502,6 +521,8 @@ def _unwritable(folder: Path) -> str | None:
 
     here = folder.absolute()
     while not here.exists() and here.parent != here:
+        if here.is_symlink():  # a link to nothing, or a loop of links: no folder can be created there
+            return f"{here} is a symbolic link that leads to no folder"
         here = here.parent
     try:
         if not here.is_dir():

@@ -261,6 +261,8 @@ def _load_yaml(text: str):
 def read_yaml(path: str | Path, what: str, error=ValueError):
     """A user's YAML file, or ``error`` with one line naming the file (and the line of a syntax error)."""
     p = Path(path)
+    if p.is_dir():
+        raise error(f"{path}: a folder, not a {what} file")
     if not p.is_file():
         hint = f" (shipped: {', '.join(shipped())})" if what == "search space" else ""
         raise error(f"{path}: {what} file not found{hint}")
@@ -290,7 +292,7 @@ def load(path: str | Path | None = None) -> SearchSpace:
     if path is None:
         path = "decoder"
     name = str(path).removesuffix(".yaml")
-    if not Path(path).exists() and "/" not in str(path) and name in shipped():
+    if not Path(path).is_file() and "/" not in str(path) and name in shipped():
         text = importlib.resources.files("tuner.search_spaces").joinpath(f"{name}.yaml").read_text()
         return parse(_load_yaml(text), f"{name}.yaml (shipped)" if name != "decoder" else "decoder.yaml (default)")
     return parse(read_yaml(path, "search space", SpaceError), str(path))
