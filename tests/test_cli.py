@@ -1270,3 +1270,25 @@ def test_out_under_a_link_to_nothing_names_out(tmp_path, link):
 @pytest.mark.parametrize("seed", [-1, 2**32])
 def test_bench_seed_out_of_range_is_refused_before_the_gpu(tmp_path, seed):
     assert_user_error(*tune("bench", "--seed", seed, "--out", tmp_path), [f"--seed {seed}", "must be in 0.."])
+
+
+def test_report_names_a_plot_that_fails_after_writing_the_rest(tmp_path, monkeypatch):
+    from tuner import report
+
+    run = tmp_path / "run"
+    shutil.copytree(RUN_OF_RECORD, run)
+    monkeypatch.setitem(report.PLOTTERS, "importance", lambda r, p: 1 / 0)
+    rc, stdout, stderr = tune("report", run)
+    assert_user_error(rc, stdout, stderr, [str(run), "plots/importance.png not drawn (ZeroDivisionError"])
+    assert "written " + str(run / "plots" / "topk.png") in stdout
+
+
+def test_a_plot_that_fails_does_not_cost_a_study_its_run_folder(tmp_path, monkeypatch):
+    from tuner import report
+
+    monkeypatch.setitem(report.PLOTTERS, "history", lambda r, p: 1 / 0)
+    rc, stdout, stderr = decoder(tmp_path, 4)
+    assert rc == 0, stderr[-2000:]
+    run = run_folder(stdout)
+    assert (run / "best.json").is_file() and (run / "plots" / "topk.png").is_file()
+    assert "plots/history.png not drawn (ZeroDivisionError" in stdout + stderr

@@ -461,3 +461,31 @@ def test_a_remeasurement_in_groups_beside_the_baseline_says_so(tmp_path):
     text = (run / "topk.md").read_text()
     assert "([[3, 3], [2]], one list a re-measurement), one group after another, each interleaved with the baseline" \
         in text and "not interleaved" not in text
+
+
+def _failing_plot(run, path):
+    raise ValueError("a value no check caught")
+
+
+def test_a_plot_that_fails_is_left_out_and_the_others_drawn(tmp_path, monkeypatch):
+    # (a damaged value that load_run's checks miss: one plot fails, not the whole report)
+    run_dir = make_run(tmp_path, importance=True)
+    monkeypatch.setitem(report.PLOTTERS, "ratio_plane", _failing_plot)
+    skipped = []
+    names = {p.name for p in report.write_reports(run_dir, skipped)}
+    assert names == {"topk.md", "topk.csv"} | {f"{n}.png" for n in report.PLOTS if n != "ratio_plane"}
+    assert skipped == ["plots/ratio_plane.png not drawn (ValueError: a value no check caught)"]
+    with pytest.raises(RunFolderError, match="ratio_plane.png not drawn"):  # without the list: raised after the rest
+        report.write_reports(run_dir)
+    assert (run_dir / "plots" / "topk.png").is_file()
+
+
+def test_a_plot_that_cannot_be_written_is_raised_at_once(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path)
+
+    def unwritable(run, path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setitem(report.PLOTTERS, "history", unwritable)
+    with pytest.raises(PermissionError):
+        report.write_reports(run_dir, [])

@@ -683,8 +683,9 @@ def cmd_report(args) -> int:
     from tuner import report
 
     run = _run_dir(args.run)
+    skipped: list[str] = []
     try:
-        written = report.write_reports(run)
+        written = report.write_reports(run, skipped)
     except report.RunFolderError as e:
         raise UserError(str(e)) from None
     except OSError as e:  # a read-only folder, a plots file where the folder goes, ...
@@ -693,6 +694,8 @@ def cmd_report(args) -> int:
     print((run / "topk.md").read_text())
     for w in written:
         print(f"written {w}")
+    if skipped:  # (the tables and the other plots are written; the damaged value is the user's to mend)
+        raise UserError(f"{run}: {'; '.join(skipped)}")
     return 0
 
 

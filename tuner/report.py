@@ -866,17 +866,32 @@ PLOTTERS = {"history": plot_history, "ratio_plane": plot_ratio_plane, "importanc
             "breakdown": plot_breakdown, "topk": plot_topk}
 
 
-def write_plots(run: Run) -> list[Path]:
-    """plots/<name>.png for every plot the run has data for; returns the files written."""
-    out = []
+def write_plots(run: Run, skipped: list[str] | None = None) -> list[Path]:
+    """plots/<name>.png for every plot the run has data for; returns the files written.
+
+    load_run checks the values each plot reads; a plot that still fails on a damaged file is left out and the others
+    are drawn. Each one left out is a line in ``skipped`` or, without that list, a RunFolderError once the rest are
+    written. A file that cannot be written (OSError) is raised at once: the next plot would fail the same way."""
+    out, failed = [], []
     for name in PLOTS:
-        p = PLOTTERS[name](run, run.path / "plots" / f"{name}.png")
+        try:
+            p = PLOTTERS[name](run, run.path / "plots" / f"{name}.png")
+        except OSError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one plot's failure must not cost the others (or a study's run folder)
+            failed.append(f"plots/{name}.png not drawn ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+            continue
         if p is not None:
             out.append(p)
+    if skipped is not None:
+        skipped.extend(failed)
+    elif failed:
+        raise RunFolderError(f"{run.path}: {'; '.join(failed)}")
     return out
 
 
-def write_reports(run_dir) -> list[Path]:
-    """Re-draw a stored run: topk.md, topk.csv and plots/*.png. Returns the paths written."""
+def write_reports(run_dir, skipped: list[str] | None = None) -> list[Path]:
+    """Re-draw a stored run: topk.md, topk.csv and plots/*.png. Returns the paths written; a plot that fails is
+    handled as write_plots says."""
     run = load_run(run_dir)
-    return write_topk(run) + write_plots(run)
+    return write_topk(run) + write_plots(run, skipped)

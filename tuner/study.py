@@ -939,7 +939,10 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     manifest.write_json_atomic(run / "best.json", best)
     from tuner import report
 
-    report.write_reports(run)
+    skipped: list[str] = []
+    report.write_reports(run, skipped)  # (a plot that fails is named, and the run folder still completes)
+    for line in skipped:
+        log(f"{shape.label}: {line}")
     os.replace(run, final)
     return final
 
