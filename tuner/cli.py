@@ -903,7 +903,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "variant (it reads its input too early: before griddepcontrol.wait, or before the readiness "
                        "flags of the CUDA layer kernel's phases) through the correctness check, with and without the "
                        "defect. "
-                       "Writes results/verify/<shape>/<stamp>/ (verify.json, verify.md) and prints verify.md.")
+                       "Writes results/verify/<shape>/<stamp>/ (verify.json, verify.md, manifest.json) and prints "
+                       "verify.md.")
     v.add_argument("--shape", action="append", help="preset, BxSxDxHxF or 'all' (repeatable); default bert-base")
     v.add_argument("--dtype", default="float16", help="float16, bfloat16 or float32 (default float16)")
     v.add_argument("--trials", type=int, default=20,
