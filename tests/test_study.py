@@ -664,6 +664,13 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
     assert same("bert-base", seed, edit(seed, norm1=dict(num_warps=8), norm2=dict(rows_per_program=4)))
     assert not same("bert-base", seed, edit(seed, attn=dict(block_n=32)))
     assert not same("bert-base", seed, edit(seed, qkv=dict(block_n=128)))
+    # L2 hints: read by the CUDA kernels (QKV's with the attention, the clustered out-projection and FFN2), ignored by
+    # the Triton kernels (FFN1 here, and every GEMM off Hopper, where repair runs them all on Triton)
+    assert (seed.qkv.fuse, seed.out.cluster, seed.ffn1.cluster, seed.ffn2.cluster) == (1, 2, 0, 2)
+    for g in ("qkv", "out", "ffn2"):
+        flip = edit(seed, **{g: dict(hints=1 - getattr(seed, g).hints)})
+        assert not same("bert-base", seed, flip) and same("bert-base", seed, flip, A100), g
+    assert same("bert-base", seed, edit(seed, ffn1=dict(hints=1 - seed.ffn1.hints)))
     # the one-kernel layer's fields where it is off; the seven kernels' where it is on
     base = default_config(BERT_BASE)
     assert same("bert-base", base, edit(base, layer=dict(num_warps=4, block_k=128)))

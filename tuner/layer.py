@@ -276,9 +276,12 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
     * the one-kernel layer's fields where it is off, the seven kernels' where it is on;
     * an idle kernel's (:func:`idle_kernels`) but its ``fuse`` switch; not the attention behind QKV's kernel
       (``qkv.fuse`` 1) with ``norm1.fuse`` 2, which the stack's first layer runs with its own config;
-    * under the one-kernel feed-forward block, FFN1's tile fields, and its overlap ratio to 0 where it is on.
+    * under the one-kernel feed-forward block, FFN1's tile fields, and its overlap ratio to 0 where it is on;
+    * the L2 hints of a GEMM that only the Triton kernels run (``cluster`` 0, and neither QKV in the attention's
+      kernel nor FFN1 as the feed-forward block): they ignore it (gemm.GemmConfig.hints).
 
-    Fields a launch reads in a coarser form (a ratio rounded to a K tile) are kept as they are."""
+    Fields a launch reads in a coarser form (a ratio rounded to a K tile) are kept as they are, and so are those that
+    a launch reads or not by the process (a clustered GEMM's ``group_m``: the Triton kernels run it without nvcc)."""
     default = DecoderConfig()
     if cfg.fused:
         return replace(default, layer=cfg.layer)
@@ -289,6 +292,11 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
         f = cfg.ffn1
         out["ffn1"] = replace(f, **{k: getattr(default.ffn1, k) for k in _BLOCK_UNREAD},
                               overlap_ratio=0.0 if f.overlap_ratio >= 0 else -1.0)
+    for g in ("qkv", "out", "ffn1", "ffn2"):
+        c = out.get(g, getattr(cfg, g))
+        cuda = c.cluster or (g == "qkv" and c.fuse == 1) or (g == "ffn1" and cfg.ffn2.fuse)
+        if c.hints != getattr(default, g).hints and not cuda:
+            out[g] = replace(c, hints=getattr(default, g).hints)
     return replace(cfg, **out)
 
 
