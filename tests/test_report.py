@@ -489,3 +489,18 @@ def test_a_plot_that_cannot_be_written_is_raised_at_once(tmp_path, monkeypatch):
     monkeypatch.setitem(report.PLOTTERS, "history", unwritable)
     with pytest.raises(PermissionError):
         report.write_reports(run_dir, [])
+
+
+def test_tiles_name_the_cluster_kernel_and_only_hints_a_launch_reads():
+    # (the run of record's out-projection and FFN2 ran on the CUDA cluster kernel, and the tiles said nothing of it;
+    # '/l2hints' was shown on Triton GEMMs, which ignore the field)
+    kernels = DecoderConfig().to_dict()["kernels"]
+    for g in GEMMS:
+        kernels[g].update(hints=1, tma=1)
+    kernels["out"].update(cluster=1, split_k=4)
+    kernels["ffn2"].update(cluster=2, split_k=4)
+    kernels["qkv"].update(fuse=1)
+    parts = report.format_tiles(kernels).split("; ")
+    assert parts[0].endswith("/sk1/tma/l2hints") and parts[1] == "attn in qkv"  # QKV's CUDA kernel with the attention
+    assert parts[2].endswith("/sk4/tma/cluster/l2hints") and parts[4].endswith("/sk4/tma/cluster16/l2hints")
+    assert parts[3].startswith("ffn1 ") and parts[3].endswith("/sk1/tma")  # the Triton GEMM: no hints shown

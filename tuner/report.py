@@ -312,7 +312,9 @@ def gemm_op(kernels: dict, g: str) -> str:
 
 def format_tiles(kernels: dict) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
-    '/tma' where the tiles are loaded by TMA; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel (then
+    '/tma' where the tiles are loaded by TMA, '/cluster' where the CUDA kernel reduces the split-K in a cluster
+    ('/cluster16': partials exchanged in 16 bits), '/l2hints' where a CUDA kernel loads with L2 eviction hints (the
+    Triton kernels ignore the field); 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel (then
     'ffn1 (mlp)': that kernel, the one-kernel feed-forward block, reads none of FFN1's tile fields), and
     'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too,
     'attn in qkv' where QKV's kernel computes it);
@@ -344,9 +346,13 @@ def format_tiles(kernels: dict) -> str:
         if g == "ffn1" and _num((kernels.get("ffn2") or {}).get("fuse")) in (1, 2):  # the block reads no FFN1 tile
             parts.append("ffn1 (mlp)" + ("/l2hints" if _num(c.get("hints")) == 1 else ""))
             continue
+        cluster = _num(c.get("cluster"))
+        cuda = cluster in (1, 2) or (g == "qkv" and _num(c.get("fuse")) == 1)  # (the Triton kernels read no hints)
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"
-                     + ("/tma" if _num(c.get("tma")) == 1 else "") + ("/l2hints" if _num(c.get("hints")) == 1 else ""))
+                     + ("/tma" if _num(c.get("tma")) == 1 else "")
+                     + {1: "/cluster", 2: "/cluster16"}.get(cluster, "")
+                     + ("/l2hints" if cuda and _num(c.get("hints")) == 1 else ""))
         if g == "qkv" and _num((kernels.get("attn") or {}).get("fuse")) == 1:  # (attention in FFN1's kernel too)
             parts.append("attn in ffn1 (mlp)")
         elif g == "qkv" and _num(c.get("fuse")) == 1:  # (the attention in QKV's kernel)
