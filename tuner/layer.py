@@ -281,7 +281,8 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
       kernel nor FFN1 as the feed-forward block): they ignore it (gemm.GemmConfig.hints).
 
     Fields a launch reads in a coarser form (a ratio rounded to a K tile) are kept as they are, and so are those that
-    a launch reads or not by the process (a clustered GEMM's ``group_m``: the Triton kernels run it without nvcc)."""
+    a launch reads or not by its arguments (a clustered GEMM's ``group_m``: the Triton kernels run it where a folded
+    LayerNorm gathers its row sums in the K loop, gemm.linear)."""
     default = DecoderConfig()
     if cfg.fused:
         return replace(default, layer=cfg.layer)
