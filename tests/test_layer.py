@@ -229,7 +229,8 @@ def test_the_weights_a_launch_reads(fuse, names):
     assert kernel_weights("ffn1", b) == names
     assert kernel_weights("qkv", b) == ("w_qkv",) and kernel_weights("ffn2", b) == ("w_ffn2",)
     assert kernel_weights("attn", b) == kernel_weights("norm1", b) == ()
-    assert len(kernel_weights("layer", b)) == 4
+    assert kernel_weights("out", b) == ("w_out",)
+    assert kernel_weights("layer", b) == ("w_qkv", "w_out", "w_ffn1", "w_ffn2")
 
 
 @pytest.mark.gpu

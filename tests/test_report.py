@@ -486,9 +486,14 @@ def test_a_plot_that_cannot_be_written_is_raised_at_once(tmp_path, monkeypatch):
     def unwritable(run, path):
         raise PermissionError(13, "Permission denied", str(path))
 
+    called = []
+    assert report.PLOTS[0] == "history"
+    for name in report.PLOTS[1:]:
+        monkeypatch.setitem(report.PLOTTERS, name, lambda run, path, name=name: called.append(name))
     monkeypatch.setitem(report.PLOTTERS, "history", unwritable)
     with pytest.raises(PermissionError):
         report.write_reports(run_dir, [])
+    assert called == []  # (at once: the next plot would fail the same way)
 
 
 def test_tiles_name_the_cluster_kernel_and_only_hints_a_launch_reads():

@@ -897,9 +897,10 @@ def test_a_duplicate_of_this_process_reuses_its_measurement(tmp_path, replay):
 # ------------------------------------------------------------------------------------------------
 
 def test_trials_are_repaired_for_the_evaluators_dtype():
-    """An fp32 study repairs its trials for 4-byte operands: the clustered seed's 16-bit-only switches go off and its
-    stages fit. (The supervised worker, the GPU's default evaluator, did not pass its dtype on, so its fp32 studies
-    were repaired as fp16 and such trials failed as invalid.)"""
+    """An fp32 study repairs its trials for 4-byte operands (``_repairer`` reads the evaluator's ``dtype_name``): the
+    clustered seed's 16-bit-only switches go off and its stages fit. (The supervised worker, the GPU's default
+    evaluator, did not pass its dtype on, so its fp32 studies were repaired as fp16 and such trials failed as
+    invalid: test_isolation's test_the_interface_is_forwarded checks that the worker forwards ``dtype_name``.)"""
     from types import SimpleNamespace
 
     from devices import H100  # (tests/ is on sys.path under pytest)
