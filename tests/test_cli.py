@@ -908,18 +908,23 @@ def test_a_journal_whose_last_record_was_cut_short_keeps_its_trials(tmp_path):
     data = journal.read_bytes()
     journal.write_bytes(data[:-40])
     complete = _journal_trials(journal)  # what Optuna reads of it (the torn record may have begun the 4th trial)
-    assert len(complete) >= 3
+    assert len(complete) >= 3, complete
     rc, stdout, stderr = decoder(out, 6, "--workers", "2")
-    assert rc == 0, stderr
-    (aside,) = out.glob("studies.journal.torn-*")
-    assert aside.read_bytes() == data[data[:-40].rfind(b"\n") + 1:-40]
-    assert "last record was cut short" in stderr and "every complete record is kept" in stderr
-    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 6
+    # (this test failed 3 times in 19 local runs of session 49, in two workers without --dist loadgroup, and the
+    # failing assertion was not kept: each assertion below says what it saw)
+    seen = f"torn tail {data[-40:]!r}; complete {complete}; stderr {stderr[-3000:]}"
+    assert rc == 0, seen
+    asides = list(out.glob("studies.journal.torn-*"))
+    assert len(asides) == 1, (asides, seen)
+    assert asides[0].read_bytes() == data[data[:-40].rfind(b"\n") + 1:-40], (asides[0].read_bytes()[:200], seen)
+    assert "last record was cut short" in stderr and "every complete record is kept" in stderr, seen
+    n_trials = json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"]
+    assert n_trials == 6, (n_trials, _journal_trials(journal), seen)
     rc, stdout, stderr = decoder(out, 7)  # and the file reads whole afterwards
     assert rc == 0 and "cut short" not in stderr, stderr
     assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 7
     after = _journal_trials(journal)
-    assert len(after) == 7 and all(after[n] == v for n, v in complete.items() if v is not None)
+    assert len(after) == 7 and all(after[n] == v for n, v in complete.items() if v is not None), (after, complete)
 
 
 def test_a_journal_record_that_lost_only_its_newline_is_kept(tmp_path):
