@@ -885,7 +885,9 @@ def write_plots(run: Run, skipped: list[str] | None = None) -> list[Path]:
         except OSError:
             raise
         except Exception as e:  # noqa: BLE001 - one plot's failure must not cost the others (or a study's run folder)
-            failed.append(f"plots/{name}.png not drawn ({type(e).__name__}: {' '.join(str(e).split())[:200]})")
+            from tuner.worker import one_line  # (standard library only: no torch here either)
+
+            failed.append(f"plots/{name}.png not drawn ({one_line(e)})")
             continue
         if p is not None:
             out.append(p)
