@@ -123,6 +123,27 @@ def test_names_match_tuner_config():
     assert report.GEMMS == GEMMS
 
 
+def test_the_tiles_show_l2_hints_exactly_where_a_launch_keeps_them():
+    # (tuner.names.reads_l2_hints is the one copy of the rule; before session 50 report and layer each spelled it)
+    from itertools import product
+
+    from tuner.layer import launched_config
+
+    for g, cluster, fuse, ffn2_fuse in product(GEMMS, (0, 1, 2), (0, 1, 2), (0, 1, 2)):
+        if g == "ffn2" and fuse != ffn2_fuse:
+            continue
+        cfg = DecoderConfig()
+        cfg = cfg.edited([f"{g}.hints=1", f"{g}.cluster={cluster}", f"{g}.fuse={fuse}"])
+        if g != "ffn2":
+            cfg = cfg.edited([f"ffn2.fuse={ffn2_fuse}"])
+        if g in ("out", "ffn2") and fuse:  # (shown as computed by FFN1's kernel: no tiles, no hints)
+            continue
+        kept = getattr(launched_config(cfg), g).hints == 1
+        part = [p for p in report.format_tiles(cfg.to_dict()["kernels"]).split("; ") if p.startswith(g + " ")]
+        assert len(part) == 1 and part[0].endswith("/l2hints") == kept, (g, cluster, fuse, ffn2_fuse, part, kept)
+        assert kept == (cluster > 0 or (g == "qkv" and fuse == 1) or (g == "ffn1" and ffn2_fuse > 0))
+
+
 def test_load_run_reads_every_file(run):
     assert len(run.trials) == len(TRIALS)
     assert run.trials["is_baseline"].dtype == bool and run.trials["is_baseline"].sum() == 1

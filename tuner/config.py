@@ -8,11 +8,9 @@ from tuner.kernels.attention import AttnConfig
 from tuner.kernels.fused_layer import FusedLayerConfig
 from tuner.kernels.gemm import GemmConfig
 from tuner.kernels.norm import NormConfig
+from tuner.names import GEMMS, KERNELS  # noqa: F401 - launch order inside one layer, and its GEMMs (torch-free)
 
 SCHEMA_VERSION = 1
-# Launch order inside one layer (pre-LN decoder).
-KERNELS = ("norm1", "qkv", "attn", "out", "norm2", "ffn1", "ffn2")
-GEMMS = ("qkv", "out", "ffn1", "ffn2")
 KIND = {"norm1": NormConfig, "qkv": GemmConfig, "attn": AttnConfig, "out": GemmConfig,
         "norm2": NormConfig, "ffn1": GemmConfig, "ffn2": GemmConfig, "layer": FusedLayerConfig}
 # The seven kernels, then the one-kernel layer (``layer.fuse``: when 1, it replaces all seven).

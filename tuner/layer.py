@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tuner.config import GEMMS, DecoderConfig
+from tuner.names import reads_l2_hints
 from tuner.device import DeviceInfo
 from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
@@ -295,8 +296,7 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
                               overlap_ratio=0.0 if f.overlap_ratio >= 0 else -1.0)
     for g in ("qkv", "out", "ffn1", "ffn2"):
         c = out.get(g, getattr(cfg, g))
-        cuda = c.cluster or (g == "qkv" and c.fuse == 1) or (g == "ffn1" and cfg.ffn2.fuse)
-        if c.hints != getattr(default, g).hints and not cuda:
+        if c.hints != getattr(default, g).hints and not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse):
             out[g] = replace(c, hints=getattr(default, g).hints)
     return replace(cfg, **out)
 

@@ -18,12 +18,8 @@ import pandas as pd
 
 from tuner.manifest import (breakdown_problem, read_json, read_table, trials_cut_short, write_bytes_atomic,
                             write_text_atomic)
+from tuner.names import GEMMS, KERNELS, reads_l2_hints  # (torch-free: a report opens on a laptop without torch)
 
-# The layer's kernels in launch order and its four GEMMs. They equal tuner.config.KERNELS / GEMMS
-# (tests/test_report.py checks it); they are repeated here because importing tuner.config imports
-# torch and triton, and a report must open on a laptop with neither.
-KERNELS = ("norm1", "qkv", "attn", "out", "norm2", "ffn1", "ffn2")
-GEMMS = ("qkv", "out", "ffn1", "ffn2")
 # Column titles of the seed's tables (decoder layer, seed 003).
 GEMM_TITLES = {"qkv": "QKV", "out": "Output", "ffn1": "FFN1", "ffn2": "FFN2"}
 STATUSES = ("ok", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed", "invalid")
@@ -343,16 +339,18 @@ def format_tiles(kernels: dict) -> str:
         if g == "ffn2" and _num(c.get("fuse")) in (1, 2):  # computed by FFN1's kernel where it fits
             parts.append("ffn2 in ffn1 (mlp" + (", 64 a CTA)" if _num(c.get("fuse")) == 2 else ")"))
             continue
-        if g == "ffn1" and _num((kernels.get("ffn2") or {}).get("fuse")) in (1, 2):  # the block reads no FFN1 tile
-            parts.append("ffn1 (mlp)" + ("/l2hints" if _num(c.get("hints")) == 1 else ""))
-            continue
+        ffn2_fuse = _num((kernels.get("ffn2") or {}).get("fuse"))
         cluster = _num(c.get("cluster"))
-        cuda = cluster in (1, 2) or (g == "qkv" and _num(c.get("fuse")) == 1)  # (the Triton kernels read no hints)
+        hints = "/l2hints" if _num(c.get("hints")) == 1 and reads_l2_hints(g, cluster, _num(c.get("fuse")),
+                                                                              ffn2_fuse) else ""
+        if g == "ffn1" and ffn2_fuse in (1, 2):  # the block reads no FFN1 tile
+            parts.append("ffn1 (mlp)" + hints)
+            continue
         parts.append(f"{g} {_int(c.get('block_m'))}x{_int(c.get('block_n'))}x{_int(c.get('block_k'))}"
                      f"/{_int(c.get('num_warps'))}w{_int(c.get('num_stages'))}s/sk{_int(c.get('split_k', 1))}"
                      + ("/tma" if _num(c.get("tma")) == 1 else "")
                      + {1: "/cluster", 2: "/cluster16"}.get(cluster, "")
-                     + ("/l2hints" if cuda and _num(c.get("hints")) == 1 else ""))
+                     + hints)
         if g == "qkv" and _num((kernels.get("attn") or {}).get("fuse")) == 1:  # (attention in FFN1's kernel too)
             parts.append("attn in ffn1 (mlp)")
         elif g == "qkv" and _num(c.get("fuse")) == 1:  # (the attention in QKV's kernel)
