@@ -202,13 +202,43 @@ def test_an_interrupted_trial_is_retried_once_only(tmp_path):
     first = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
     study.tell(first, state=TrialState.FAIL)  # what Optuna records for a trial that Ctrl-C interrupted
     done = study.ask()
-    done.set_user_attr("status", "ok")  # (a failed trial with a measurement is the candidate's own failure)
+    done.set_user_attr("status", "incorrect")  # (a failed trial with a status is the candidate's own failure)
     study.tell(done, state=TrialState.FAIL)
     assert recover_orphans(study) == [first.number] and recover_orphans(study) == []
     retry = study.ask()  # the queued copy
     assert study.trials[retry.number].system_attrs.get("failed_trial") == first.number
     assert retry.params == first.params
     study.tell(retry, state=TrialState.FAIL)
+    assert recover_orphans(study) == []
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
+    # A process that dies after the measurement but before (or while) writing the trial's end: a journal's torn last
+    # record in session 50, where the trial was failed and its retry copied the failure (FAIL, status "ok", no value)
+    # instead of measuring, so the measurement was lost and two slots of the budget spent on it.
+    from tuner.storage import LATENCY_ATTR, recover_orphans
+    from tuner.study import counts_against_budget, trial_status
+
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"))
+    x = optuna.distributions.IntDistribution(0, 9)
+    dead = {**this_owner(), "pid": gone_pid(), "start": None}
+    measured, failed, older, stopped = (study.ask({"x": x}) for _ in range(4))
+    for t, status, latency in ((measured, "ok", 12.5), (failed, "incorrect", None), (older, "ok", "absent")):
+        t.set_user_attr(OWNER_ATTR, dead)
+        t.set_user_attr("status", status)
+        if latency != "absent":  # (a study begun before session 50 recorded no latency)
+            t.set_user_attr(LATENCY_ATTR, latency)
+    stopped.set_user_attr("status", "ok")  # Ctrl-C between the measurement and the trial's end
+    study.tell(stopped, state=TrialState.FAIL)
+    kept = []
+    assert recover_orphans(study, kept) == [older.number, stopped.number] and kept == [measured.number, failed.number]
+    ts = study.trials
+    assert ts[measured.number].state == TrialState.COMPLETE and ts[measured.number].value == 12.5
+    assert ts[failed.number].state == TrialState.FAIL and trial_status(ts[failed.number]) == "incorrect"
+    for n in (older.number, stopped.number):  # no result: retried, and only the retry counts
+        assert trial_status(ts[n]) == "interrupted" and not counts_against_budget(ts[n])
+    assert [t.system_attrs.get("failed_trial") for t in ts[4:]] == [older.number, stopped.number]
     assert recover_orphans(study) == []
 
 

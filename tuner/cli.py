@@ -95,31 +95,31 @@ def cmd_shapes(args) -> int:
     return 0
 
 
-def _config_shape(path: str):
-    """The shape a best.json was tuned for (what `tune bench --config` measures when no --shape is given)."""
+def _read_best(path: str) -> dict:
+    """A best.json (or run folder) for `tune bench --config`, read once: its shape, dtype and config come from it."""
     from tuner.config import ConfigError
     from tuner.export import read_best
+
+    try:
+        return read_best(path)
+    except ConfigError as e:
+        raise UserError(f"--config {e}") from None
+
+
+def _config_shape(best: dict, path: str):
+    """The shape a best.json was tuned for (what `tune bench --config` measures when no --shape is given)."""
     from tuner.shapes import DecoderShape
 
     try:
-        d = read_best(path)
-        return [DecoderShape.from_dict(d["shape"])]
-    except ConfigError as e:
-        raise UserError(f"--config {e}") from None
+        return [DecoderShape.from_dict(best["shape"])]
     except (KeyError, TypeError, ValueError):
         raise UserError(f"--config {path}: best.json has no valid 'shape'; give --shape") from None
 
 
-def _config_dtype(path: str) -> str | None:
+def _config_dtype(best: dict, path: str) -> str | None:
     """The dtype a best.json was tuned in (what `tune bench --config` measures when no --dtype is given): its own
     field, else its run's manifest's; None where neither names one."""
-    from tuner.config import ConfigError
-    from tuner.export import read_best
-
-    try:
-        name = read_best(path).get("dtype")
-    except ConfigError as e:
-        raise UserError(f"--config {e}") from None
+    name = best.get("dtype")
     if name is None:  # (a hand-edited best.json)
         name = _run_manifest(Path(path) if Path(path).is_dir() else Path(path).parent).get("dtype")
     return name if isinstance(name, str) else None
@@ -129,11 +129,12 @@ def cmd_bench(args) -> int:
     from tuner import bench
 
     _no_blanks(args, ("shape_file", "config"))
-    if args.config and not args.shape and not args.shape_file:
-        shapes = _config_shape(args.config)  # a config is measured on the shape it was tuned for
+    best = _read_best(args.config) if args.config else None
+    if best is not None and not args.shape and not args.shape_file:
+        shapes = _config_shape(best, args.config)  # a config is measured on the shape it was tuned for
     else:
         shapes = _shapes(args.shape, args.shape_file)
-    tuned = _config_dtype(args.config) if args.config else None
+    tuned = _config_dtype(best, args.config) if best is not None else None
     if args.dtype is None:  # a config is measured in the dtype it was tuned in
         args.dtype = tuned or "float16"
     elif tuned and args.dtype != tuned:  # its timings would not transfer, as for another shape or GPU
@@ -145,14 +146,14 @@ def cmd_bench(args) -> int:
     _check_seed(args.seed)
     _check_writable(_folder(args.out, "--out", "give a folder for the results (default results)"), "--out",
                     "cannot write its results there")
-    if args.config:  # schema and shape first: those mistakes are found without a GPU
+    if best is not None:  # schema and shape first: those mistakes are found without a GPU
         for shape in shapes:
-            _bench_config(args.config, shape=shape, gpu="")
+            _bench_config(best, args.config, shape=shape, gpu="")
     _need_gpu("tune bench")
     _check_fits(args.l2, shapes, dtype, None)
     extra = {}
-    if args.config:
-        extra[f"ours, {args.config}"] = _bench_config(args.config, gpu=None)  # None: this GPU's name
+    if best is not None:
+        extra[f"ours, {args.config}"] = _bench_config(best, args.config, gpu=None)  # None: this GPU's name
     from triton.errors import TritonError
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -171,14 +172,14 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _bench_config(path: str, **expect):
+def _bench_config(best: dict, path: str, **expect):
     """A best.json's config, refused (one line, exit 2) when tuned for another schema, shape or GPU:
     its timings would not transfer, and a bench table beside the baselines would mislead."""
     from tuner.config import ConfigError
-    from tuner.export import load_config
+    from tuner.export import config_of
 
     try:
-        return load_config(path, strict=True, **expect)
+        return config_of(best, path, strict=True, **expect)
     except ConfigError as e:
         raise UserError(f"--config {e}") from None
 

@@ -74,7 +74,12 @@ def load_config(path: str | Path, *, shape: DecoderShape | str | None = None, gp
                 dtype=None, strict: bool = False) -> DecoderConfig:
     """The DecoderConfig of a best.json (or run folder). Loading it for another shape, GPU model or dtype (a torch
     dtype or its name) warns (``strict=True``: raises ConfigError)."""
-    d = read_best(path)
+    return config_of(read_best(path), path, shape=shape, gpu=gpu, dtype=dtype, strict=strict)
+
+
+def config_of(d: dict, path: str | Path, *, shape: DecoderShape | str | None = None, gpu: str | None = None,
+              dtype=None, strict: bool = False) -> DecoderConfig:
+    """:func:`load_config` of a best.json already read (:func:`read_best`) from ``path``, which messages name."""
     try:
         cfg = DecoderConfig.from_dict(d["config"])
     except ConfigError as e:

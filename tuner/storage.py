@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import fcntl
 import inspect
+import math
 import os
 import re
 import socket
@@ -34,6 +35,9 @@ HEARTBEAT_INTERVAL_S = 10
 # candidate runs in another process), so a 60 s silence means the process is gone.
 GRACE_PERIOD_S = 60
 OWNER_ATTR = "owner"
+# A measured trial's latency, recorded with its status before the trial ends: a process that dies between the two
+# (or while writing the end) leaves the measurement in the storage, and recover_orphans completes the trial with it.
+LATENCY_ATTR = "latency_us"
 
 
 class StorageError(ValueError):
@@ -314,27 +318,44 @@ def owner_alive(owner: dict) -> bool | None:
     return owner.get("start") is None or start is None or start == owner["start"]
 
 
-def recover_orphans(study: optuna.Study) -> list[int]:
+def interrupted(t) -> bool:
+    """A FAIL trial whose measurement has no result: its process was killed or stopped mid-trial (no status), or
+    between the measurement and the trial's end (status "ok" and no value). Its retry counts, not itself."""
+    return t.state == TrialState.FAIL and t.user_attrs.get("status") in (None, "ok")
+
+
+def recover_orphans(study: optuna.Study, kept: list[int] | None = None) -> list[int]:
     """Fail the RUNNING trials whose owner process on this host is dead, and queue each for one retry; queue one
-    retry, too, for each trial that Optuna failed when its process was interrupted mid-trial (Ctrl-C: a FAIL with no
-    measurement recorded, ``status``) and that has none yet. Returns their numbers. Safe to run from several
-    processes: only the one whose FAIL lands retries a RUNNING trial (an interrupted one retried twice at once is
-    measured once: its copies launch the same kernels)."""
+    retry, too, for each trial that Optuna failed when its process was interrupted mid-trial (Ctrl-C, interrupted())
+    and that has none yet. Returns their numbers. A RUNNING trial whose measurement had ended (its process died
+    writing the trial's end: a journal's torn last record) ends as it was measured instead, with no retry: COMPLETE
+    with its recorded latency, or FAIL with the status that says why; its number goes to ``kept``. Safe to run from
+    several processes: only the one whose end lands retries a RUNNING trial (an interrupted one retried twice at
+    once is measured once: its copies launch the same kernels)."""
     lost = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER_ATTR)
         if not owner or owner_alive(owner) is not False:
             continue
+        status, latency = t.user_attrs.get("status"), t.user_attrs.get(LATENCY_ATTR)
+        measured = status == "ok" and isinstance(latency, (int, float)) and math.isfinite(latency)
         try:
-            study.tell(t.number, state=TrialState.FAIL)
-        except Exception:  # noqa: BLE001 - another process failed (or finished) it first
+            if measured:
+                study.tell(t.number, latency)
+            else:
+                study.tell(t.number, state=TrialState.FAIL)
+        except Exception:  # noqa: BLE001 - another process ended it first
+            continue
+        if measured or status not in (None, "ok"):
+            if kept is not None:
+                kept.append(t.number)
             continue
         _retry(study, study.trials[t.number])
         lost.append(t.number)
     trials = study.get_trials(deepcopy=False)
     retried = {t.system_attrs.get("failed_trial") for t in trials}
     for t in trials:
-        if (t.state == TrialState.FAIL and "status" not in t.user_attrs and t.number not in retried
+        if (interrupted(t) and t.number not in retried
                 and t.system_attrs.get("failed_trial") is None):  # (a retry is not retried again)
             _retry(study, t)
             lost.append(t.number)

@@ -33,8 +33,8 @@ from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error, unlaunched_kernels
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config, trial_params
-from tuner.storage import (OWNER_ATTR, default_url, open_storage, owner_alive, recover_orphans, redact,
-                           this_owner)
+from tuner.storage import (LATENCY_ATTR, OWNER_ATTR, default_url, interrupted, open_storage, owner_alive,
+                           recover_orphans, redact, this_owner)
 from tuner.worker import WorkerStartError, one_line
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
@@ -146,6 +146,7 @@ class StudyOptions:
 def _record(trial, cfg: DecoderConfig, res: TrialResult):
     """The measurement's attributes on ``trial`` (anything with ``set_user_attr``)."""
     trial.set_user_attr("status", res.status)
+    trial.set_user_attr(LATENCY_ATTR, res.latency_us if res.status == "ok" else None)  # (recover_orphans reads it)
     trial.set_user_attr("reason", res.reason[:500])
     trial.set_user_attr("spread_us", res.spread_us if not math.isnan(res.spread_us) else None)
     trial.set_user_attr("approximated", res.approximated)
@@ -164,13 +165,9 @@ def _record_crash(trial, e: BaseException):
 # ----------------------------------------------------------------------------------------------
 
 def counts_against_budget(t) -> bool:
-    """A trial that is or will be evaluated. Not counted: a FAIL without a status (its process was
-    killed mid-trial; its retry counts instead) and a PRUNED one (a worker found the budget spent)."""
-    if t.state == TrialState.PRUNED:
-        return False
-    if t.state == TrialState.FAIL:
-        return "status" in t.user_attrs
-    return True
+    """A trial that is or will be evaluated. Not counted: an interrupted one (storage.interrupted: its process was
+    killed or stopped mid-trial; its retry counts instead) and a PRUNED one (a worker found the budget spent)."""
+    return t.state != TrialState.PRUNED and not interrupted(t)
 
 
 def spent(trials) -> int:
@@ -395,10 +392,14 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     elif first != drawn and opts.worker_index == 0:
         log(f"{shape.label}: this study began with --sampler {first.get('sampler')} --seed {first.get('seed')}; "
             f"its trials from now on are drawn with --sampler {opts.sampler} --seed {opts.seed}")
-    lost = recover_orphans(study)
+    kept = []
+    lost = recover_orphans(study, kept)
     if lost:
         log(f"{shape.label}: trial(s) {', '.join(map(str, lost))} were interrupted (their process died or was "
             "stopped mid-trial): marked failed, retried once")
+    if kept:
+        log(f"{shape.label}: trial(s) {', '.join(map(str, kept))} were measured, but their process died before "
+            "it recorded their end: ended as measured")
     # The first trials are queued by the process that created the study (processes started together on several
     # hosts would otherwise queue them once each), and the study is marked seeded once they all are. A study whose
     # creator died before that (killed right after it started) gets the missing ones from the next process that
@@ -449,6 +450,8 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     # this process's (a live optuna.Trial has no .value, so the cache keeps plain values).
     cache = {}
     for t in done:  # (where several launch the same, the first that did not fail)
+        if interrupted(t):  # (no result to reuse; its retry measures it)
+            continue
         h = stored_hash(t)
         if h is not None and (h not in cache or cache[h][2].get("status") in (None, "crashed", "timeout")):
             cache[h] = (t.number, t.value, dict(t.user_attrs))
@@ -771,10 +774,10 @@ def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOpt
 
 
 def trial_status(t) -> str:
-    """The trial's status; a FAIL without one was interrupted (its process died mid-trial)."""
-    if "status" in t.user_attrs:
-        return t.user_attrs["status"]
-    return "interrupted" if t.state == TrialState.FAIL else "unknown"
+    """The trial's status; "interrupted" where its process died or was stopped mid-trial (storage.interrupted)."""
+    if interrupted(t):
+        return "interrupted"
+    return t.user_attrs.get("status", "unknown")
 
 
 def trials_frame(study):
