@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 
 from tuner.config import GEMMS, DecoderConfig
-from tuner.names import reads_l2_hints
 from tuner.device import DeviceInfo
 from tuner.kernels import attention as attn_k
 from tuner.kernels import fused_layer as fused_k
@@ -24,6 +23,7 @@ from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
 from tuner.kernels._common import (hopper_error, prefetch_count, rel_error, rel_tolerance, smem_limit, tile_cap,
                                    trigger_index)
+from tuner.names import reads_l2_hints
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
