@@ -945,14 +945,18 @@ def test_a_journal_whose_last_record_was_cut_short_keeps_its_trials(tmp_path, cu
     assert len(asides) == 1, (asides, seen)
     assert asides[0].read_bytes() == data[data[:-40].rfind(b"\n") + 1:-40], (asides[0].read_bytes()[:200], seen)
     assert "last record was cut short" in stderr and "every complete record is kept" in stderr, seen
-    assert ("ended as measured" in stdout) == bool(torn), (stdout[-3000:], seen)
+    measured = {n for n in torn if written[n][0] == "COMPLETE"}  # (not a surplus trial that was being pruned)
+    assert ("ended as measured" in stdout) == bool(measured), (stdout[-3000:], seen)
     n_trials = json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"]
     assert n_trials == 6, (n_trials, _journal_trials(journal), seen)
     rc, stdout, stderr = decoder(out, 7)  # and the file reads whole afterwards
     assert rc == 0 and "cut short" not in stderr, stderr
     assert json.loads((run_folder(stdout) / "manifest.json").read_text())["n_trials"] == 7
     after = _journal_trials(journal)
-    assert len(after) == 7 and all(after[n] == written[n] for n in complete), (after, written, complete)
+    # (counted as the budget counts: a surplus trial that a worker pruned when it found the budget spent is not;
+    # session 50 saw one in 1 of 12 runs under load)
+    assert _journal_trials(journal, counted=True) == 7, (after, written, complete)
+    assert all(after[n] == written[n] for n in complete if written[n][0] == "COMPLETE"), (after, written, complete)
 
 
 def test_a_journal_record_that_lost_only_its_newline_is_kept(tmp_path):
@@ -964,12 +968,18 @@ def test_a_journal_record_that_lost_only_its_newline_is_kept(tmp_path):
     assert journal.read_bytes() == b'{"op_code": 0}\n{"op_code": 1}\n' and not list(tmp_path.glob("*.torn-*"))
 
 
-def _journal_trials(path) -> dict:
+def _journal_trials(path, counted: bool = False) -> dict | int:
+    """A journal's trials, number -> (state, value); ``counted``: how many count against the budget."""
     from optuna.storages.journal import JournalFileBackend
+
+    from tuner.study import counts_against_budget
 
     storage = optuna.storages.JournalStorage(JournalFileBackend(str(path)))
     (name,) = [s.study_name for s in optuna.study.get_all_study_summaries(storage)]
-    return {t.number: (t.state.name, t.value) for t in optuna.load_study(study_name=name, storage=storage).trials}
+    trials = optuna.load_study(study_name=name, storage=storage).trials
+    if counted:
+        return sum(map(counts_against_budget, trials))
+    return {t.number: (t.state.name, t.value) for t in trials}
 
 
 def test_unknown_arguments_are_named_by_their_subcommand():

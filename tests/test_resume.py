@@ -216,30 +216,56 @@ def test_an_interrupted_trial_is_retried_once_only(tmp_path):
 def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
     # A process that dies after the measurement but before (or while) writing the trial's end: a journal's torn last
     # record in session 50, where the trial was failed and its retry copied the failure (FAIL, status "ok", no value)
-    # instead of measuring, so the measurement was lost and two slots of the budget spent on it.
+    # instead of measuring, so the measurement was lost and two slots of the budget spent on it. A helper's audit of
+    # 91 crash points then found the first fix ending a trial whose config was not yet written (finish: KeyError),
+    # and a trial that died before its owner was written left RUNNING forever.
     from tuner.storage import LATENCY_ATTR, recover_orphans
     from tuner.study import counts_against_budget, trial_status
 
     study = optuna.create_study(storage=open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"))
     x = optuna.distributions.IntDistribution(0, 9)
     dead = {**this_owner(), "pid": gone_pid(), "start": None}
-    measured, failed, older, stopped = (study.ask({"x": x}) for _ in range(4))
-    for t, status, latency in ((measured, "ok", 12.5), (failed, "incorrect", None), (older, "ok", "absent")):
+    measured, failed, older, stopped, unwritten, ownerless = (study.ask({"x": x}) for _ in range(6))
+    for t, status, latency, config in ((measured, "ok", 12.5, True), (failed, "incorrect", None, True),
+                                       (older, "ok", "absent", True), (unwritten, "ok", 9.0, False)):
         t.set_user_attr(OWNER_ATTR, dead)
-        t.set_user_attr("status", status)
+        if config:
+            t.set_user_attr("config", {"kernels": {}})
         if latency != "absent":  # (a study begun before session 50 recorded no latency)
             t.set_user_attr(LATENCY_ATTR, latency)
+        t.set_user_attr("status", status)
     stopped.set_user_attr("status", "ok")  # Ctrl-C between the measurement and the trial's end
     study.tell(stopped, state=TrialState.FAIL)
     kept = []
-    assert recover_orphans(study, kept) == [older.number, stopped.number] and kept == [measured.number, failed.number]
+    assert recover_orphans(study, kept) == [older.number, stopped.number, unwritten.number]
+    assert kept == [measured.number, failed.number]
+    assert study.trials[ownerless.number].state == TrialState.RUNNING  # (started just now: maybe a live process's)
+    assert recover_orphans(study, ownerless_after_s=0) == [ownerless.number]  # (started over that long ago)
     ts = study.trials
     assert ts[measured.number].state == TrialState.COMPLETE and ts[measured.number].value == 12.5
     assert ts[failed.number].state == TrialState.FAIL and trial_status(ts[failed.number]) == "incorrect"
-    for n in (older.number, stopped.number):  # no result: retried, and only the retry counts
+    for n in (older.number, stopped.number, unwritten.number, ownerless.number):  # retried; only the retry counts
         assert trial_status(ts[n]) == "interrupted" and not counts_against_budget(ts[n])
-    assert [t.system_attrs.get("failed_trial") for t in ts[4:]] == [older.number, stopped.number]
-    assert recover_orphans(study) == []
+    assert sorted(t.system_attrs.get("failed_trial") for t in ts[6:]) == [older.number, stopped.number,
+                                                                          unwritten.number, ownerless.number]
+    assert recover_orphans(study, ownerless_after_s=0) == []
+
+
+def test_a_measurement_is_recorded_status_last():
+    # (recover_orphans ends a trial as measured once its status is written: everything else must be there by then)
+    from tuner.config import DecoderConfig
+    from tuner.evaluate import TrialResult
+    from tuner.study import _record, _record_crash
+
+    class Attrs(dict):
+        set_user_attr = dict.__setitem__
+
+    rec = Attrs()
+    _record(rec, DecoderConfig(), TrialResult(status="ok", latency_us=12.5, spread_us=0.1))
+    assert list(rec)[-2:] == ["latency_us", "status"] and {"config", "config_hash"} <= set(rec), list(rec)
+    crash = Attrs()
+    _record_crash(crash, ValueError("x"))
+    assert list(crash) == ["reason", "status"]
 
 
 @pytest.mark.parametrize("queued", [0, 3])

@@ -16,6 +16,7 @@ the next trial of any process picks up):
 from __future__ import annotations
 
 import copy
+import datetime
 import fcntl
 import inspect
 import math
@@ -324,21 +325,29 @@ def interrupted(t) -> bool:
     return t.state == TrialState.FAIL and t.user_attrs.get("status") in (None, "ok")
 
 
-def recover_orphans(study: optuna.Study, kept: list[int] | None = None) -> list[int]:
+def recover_orphans(study: optuna.Study, kept: list[int] | None = None,
+                    ownerless_after_s: float = GRACE_PERIOD_S) -> list[int]:
     """Fail the RUNNING trials whose owner process on this host is dead, and queue each for one retry; queue one
     retry, too, for each trial that Optuna failed when its process was interrupted mid-trial (Ctrl-C, interrupted())
     and that has none yet. Returns their numbers. A RUNNING trial whose measurement had ended (its process died
     writing the trial's end: a journal's torn last record) ends as it was measured instead, with no retry: COMPLETE
-    with its recorded latency, or FAIL with the status that says why; its number goes to ``kept``. Safe to run from
-    several processes: only the one whose end lands retries a RUNNING trial (an interrupted one retried twice at
-    once is measured once: its copies launch the same kernels)."""
+    with its recorded latency, or FAIL with the status that says why; its number goes to ``kept``. A RUNNING trial
+    with no owner, started over ``ownerless_after_s`` ago, is a dead process's too: its process died between
+    Optuna's creating the trial and the objective's first write, which a live one makes in well under a second.
+    Safe to run from several processes: only the one whose end lands retries a RUNNING trial (an interrupted one
+    retried twice at once is measured once: its copies launch the same kernels)."""
     lost = []
+    now = datetime.datetime.now()  # (Optuna's datetime_start: the local time of the process that created the trial)
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER_ATTR)
-        if not owner or owner_alive(owner) is not False:
+        if owner:
+            if owner_alive(owner) is not False:
+                continue
+        elif t.datetime_start is None or (now - t.datetime_start).total_seconds() < ownerless_after_s:
             continue
         status, latency = t.user_attrs.get("status"), t.user_attrs.get(LATENCY_ATTR)
-        measured = status == "ok" and isinstance(latency, (int, float)) and math.isfinite(latency)
+        measured = (status == "ok" and isinstance(latency, (int, float)) and math.isfinite(latency)
+                    and "config" in t.user_attrs)  # (a study begun before session 50 wrote the status first)
         try:
             if measured:
                 study.tell(t.number, latency)

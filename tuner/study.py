@@ -144,20 +144,21 @@ class StudyOptions:
 
 
 def _record(trial, cfg: DecoderConfig, res: TrialResult):
-    """The measurement's attributes on ``trial`` (anything with ``set_user_attr``)."""
-    trial.set_user_attr("status", res.status)
-    trial.set_user_attr(LATENCY_ATTR, res.latency_us if res.status == "ok" else None)  # (recover_orphans reads it)
+    """The measurement's attributes on ``trial`` (anything with ``set_user_attr``). The status goes last: a trial
+    whose process died with the status written has the rest too, and storage.recover_orphans ends it as measured."""
     trial.set_user_attr("reason", res.reason[:500])
     trial.set_user_attr("spread_us", res.spread_us if not math.isnan(res.spread_us) else None)
     trial.set_user_attr("approximated", res.approximated)
     trial.set_user_attr("config_hash", config_hash(cfg))
     trial.set_user_attr("config", cfg.to_dict())
+    trial.set_user_attr(LATENCY_ATTR, res.latency_us if res.status == "ok" else None)
+    trial.set_user_attr("status", res.status)
 
 
 def _record_crash(trial, e: BaseException):
     """A candidate whose evaluation raised: its trial fails with the reason, the study goes on."""
-    trial.set_user_attr("status", "crashed")
     trial.set_user_attr("reason", f"{type(e).__name__}: {' '.join(str(e).split())}"[:500])
+    trial.set_user_attr("status", "crashed")  # (last, as in _record)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,10 +467,10 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
         h = config_hash(cfg)
         if h in cache and cache[h][2].get("status") not in (None, "crashed", "timeout"):
             number, value, attrs = cache[h]
-            for k, v in attrs.items():
+            trial.set_user_attr("duplicate_of", number)
+            for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "status"):  # (the status last, as in _record)
                 if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
                     trial.set_user_attr(k, v)
-            trial.set_user_attr("duplicate_of", number)
             return value if value is not None else float("nan")
         res = evaluator.evaluate(cfg)
         _record(trial, cfg, res)
