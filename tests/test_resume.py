@@ -251,6 +251,36 @@ def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
     assert recover_orphans(study, ownerless_after_s=0) == []
 
 
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed to be used with Study.optimize")
+def test_a_trial_without_an_owner_is_awaited_then_retried(tmp_path):
+    # (the audit's continuation right after the kill: the owner-less trial was younger than the grace period, so the
+    # run ended one trial short; opening the study now waits for an owner, up to the grace period, then retries it)
+    import datetime
+    import time
+
+    from tuner.storage import await_owners, recover_orphans
+
+    study = optuna.create_study(storage=open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"))
+    x = optuna.distributions.IntDistribution(0, 9)
+    live = study.ask({"x": x})
+    calls, said = [], []
+
+    def clock():  # the live process writes its owner during the first poll
+        calls.append(1)
+        if len(calls) == 2:
+            live.set_user_attr(OWNER_ATTR, this_owner())
+        return datetime.datetime.now()
+
+    await_owners(study, ownerless_after_s=60, log=said.append, poll_s=0.01, clock=clock)
+    assert len(calls) == 2 and said == []  # (one poll, nothing said)
+    dead = study.ask({"x": x})
+    t0 = time.monotonic()
+    await_owners(study, ownerless_after_s=1.0, log=said.append, poll_s=0.05)
+    assert 0.5 <= time.monotonic() - t0 < 5 and len(said) == 1 and f"trial(s) {dead.number} have no owner" in said[0]
+    assert recover_orphans(study, ownerless_after_s=1.0) == [dead.number]
+    assert study.trials[live.number].state == TrialState.RUNNING  # (its owner is this live process)
+
+
 def test_a_measurement_is_recorded_status_last():
     # (recover_orphans ends a trial as measured once its status is written: everything else must be there by then)
     from tuner.config import DecoderConfig

@@ -19,6 +19,7 @@ import copy
 import datetime
 import fcntl
 import inspect
+import itertools
 import math
 import os
 import re
@@ -323,6 +324,26 @@ def interrupted(t) -> bool:
     """A FAIL trial whose measurement has no result: its process was killed or stopped mid-trial (no status), or
     between the measurement and the trial's end (status "ok" and no value). Its retry counts, not itself."""
     return t.state == TrialState.FAIL and t.user_attrs.get("status") in (None, "ok")
+
+
+def await_owners(study: optuna.Study, ownerless_after_s: float = GRACE_PERIOD_S, log=None, poll_s: float = 1.0,
+                 clock=datetime.datetime.now) -> None:
+    """Wait until every RUNNING trial without an owner has one, or is ``ownerless_after_s`` old (recover_orphans then
+    takes its process for dead). A live process writes the owner within a second of Optuna's creating the trial, so
+    the wait is one poll where another process has just begun a trial; it is longer only where a process died in
+    that moment and the study is opened again at once. Said once in ``log`` after the first poll."""
+    for polls in itertools.count():
+        now = clock()
+        young = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                 if OWNER_ATTR not in t.user_attrs and t.datetime_start is not None
+                 and (now - t.datetime_start).total_seconds() < ownerless_after_s]
+        if not young:
+            return
+        if polls == 1 and log is not None:  # (not at once: a live process's trial gets its owner meanwhile)
+            left = max(ownerless_after_s - (now - t.datetime_start).total_seconds() for t in young)
+            log(f"trial(s) {', '.join(str(t.number) for t in young)} have no owner process: waiting up to "
+                f"{left:.0f} s for one to claim them before they are retried (a process that died as it began them)")
+        time.sleep(poll_s)
 
 
 def recover_orphans(study: optuna.Study, kept: list[int] | None = None,

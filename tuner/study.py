@@ -33,8 +33,8 @@ from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error, unlaunched_kernels
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config, trial_params
-from tuner.storage import (LATENCY_ATTR, OWNER_ATTR, default_url, interrupted, open_storage, owner_alive,
-                           recover_orphans, redact, this_owner)
+from tuner.storage import (LATENCY_ATTR, OWNER_ATTR, await_owners, default_url, interrupted, open_storage,
+                           owner_alive, recover_orphans, redact, this_owner)
 from tuner.worker import WorkerStartError, one_line
 
 SAMPLERS = ("tpe", "random", "grid", "cmaes", "gp", "qmc")
@@ -393,6 +393,7 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     elif first != drawn and opts.worker_index == 0:
         log(f"{shape.label}: this study began with --sampler {first.get('sampler')} --seed {first.get('seed')}; "
             f"its trials from now on are drawn with --sampler {opts.sampler} --seed {opts.seed}")
+    await_owners(study, log=lambda msg: log(f"{shape.label}: {msg}") if opts.worker_index == 0 else None)
     kept = []
     lost = recover_orphans(study, kept)
     if lost:
