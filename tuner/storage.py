@@ -9,8 +9,12 @@ bring it back, both ending in the same place (the trial FAIL, one WAITING copy o
 the next trial of any process picks up):
 
 * every trial records its owner (host, pid, process start time); a process that opens the study fails
-  the RUNNING trials of dead owners on its own host at once (any storage);
+  the RUNNING trials of dead owners on its own host at once (any storage), and those that never named an owner
+  (a process killed as it began the trial) once they are ``GRACE_PERIOD_S`` old;
 * RDB storages also run Optuna's heartbeat, which catches owners on other hosts after ``grace_period_s``.
+
+A trial whose measurement had ended when its process died (its latency and status written, its end not) is not
+retried: it ends as it was measured (recover_orphans).
 """
 
 from __future__ import annotations
