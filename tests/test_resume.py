@@ -346,3 +346,81 @@ def test_a_study_continued_with_another_sampler_says_so(tmp_path):
     again = StudyOptions(**{**opts.__dict__, "sampler": "random", "seed": 5})
     open_study(replay.shape, replay, space.load(), again, tmp_path, log=said.append)
     assert [s for s in said if "began with --sampler tpe --seed 0" in s and "--sampler random --seed 5" in s]
+
+
+# ------------------------------------------------------------------------------------------------
+# Crash points: a journal cut where a killed process would have left it, then the study continued
+# ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def crash_base(tmp_path_factory) -> tuple[bytes, dict]:
+    """One two-worker study of 6 trials: its journal, and each trial's (state, value, status) from it."""
+    out = tmp_path_factory.mktemp("crash") / "base"
+    p = subprocess.run([sys.executable, "-m", "tuner.cli", "decoder", "--replay", str(REPLAY), "--trials", "6",
+                        "--no-progress", "--out", str(out), "--workers", "2"], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return (out / "studies.journal").read_bytes(), _trials_of(out / "studies.journal")
+
+
+def _trials_of(journal: Path) -> dict:
+    study = load(optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal))))
+    return {t.number: t for t in study.get_trials(deepcopy=True)}
+
+
+def _cut(data: bytes, where: str) -> tuple[int, int | None]:
+    """(byte offset, trial number) of a crash point in ``data``: within the last search trial to end, right after
+    its owner, its config or its status record, or inside its end record; or inside the knobs-off twin's record."""
+    lines = data.splitlines(keepends=True)
+    recs = [json.loads(ln) for ln in lines]
+    ends = [i for i, r in enumerate(recs) if r["op_code"] == 6 and r.get("state") == 1]  # (set_trial_state_values)
+    at = lambda i: sum(map(len, lines[:i + 1]))  # noqa: E731  (the offset right after record i)
+    if where == "inside the twin":
+        [twin] = [i for i, r in enumerate(recs) if r["op_code"] == 4 and r.get("state") == 1]  # (create_trial)
+        return at(twin) - len(lines[twin]) // 2, None
+    end = ends[-1]
+    trial_id = recs[end]["trial_id"]
+    if where == "inside its end":
+        return at(end) - 20, trial_id
+    key = {"after its owner": OWNER_ATTR, "after its config": "config", "after its status": "status"}[where]
+    [i] = [i for i, r in enumerate(recs) if r["op_code"] == 8 and r.get("trial_id") == trial_id  # (set_trial_user_attr)
+           and key in r.get("user_attr", {})]
+    return at(i), trial_id
+
+
+@pytest.mark.parametrize("where", ["after its owner", "after its config", "after its status", "inside its end",
+                                   "inside the twin"])
+def test_a_study_killed_at_any_point_of_a_trial_keeps_what_it_measured(tmp_path, crash_base, where):
+    # Session 50's crash-point audit, in five points: a killed process leaves its journal cut short anywhere. The
+    # continuation must keep every value the prefix holds, end a trial whose status was written as measured (its
+    # latency and config are written before it), retry one whose status was not, and spend the budget exactly.
+    data, full = crash_base
+    offset, n = _cut(data, where)
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "studies.journal").write_bytes(data[:offset])
+    before = _trials_of(out / "studies.journal")
+    p = subprocess.run([sys.executable, "-m", "tuner.cli", "decoder", "--replay", str(REPLAY), "--trials", "8",
+                        "--no-progress", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    from tuner.study import counts_against_budget
+
+    after = _trials_of(out / "studies.journal")
+    [run] = [ln.removeprefix("run folder: ") for ln in p.stdout.splitlines() if ln.startswith("run folder: ")]
+    assert json.loads((Path(run) / "manifest.json").read_text())["n_trials"] == 8
+    assert sum(map(counts_against_budget, after.values())) == 8
+    for k, t in before.items():  # nothing measured is lost
+        if t.state == TrialState.COMPLETE:
+            assert after[k].state == TrialState.COMPLETE and after[k].value == t.value, (k, where)
+    if n is not None:
+        t = after[n]
+        if where in ("after its status", "inside its end"):  # ended as measured, not measured again
+            assert t.state == TrialState.COMPLETE and t.value == full[n].value, (where, t.state, t.value)
+            assert "ended as measured" in p.stdout and not any(
+                u.system_attrs.get("failed_trial") == n for u in after.values())
+        else:  # no result yet: retried once
+            assert trial_status(t) == "interrupted", (where, t.state, t.user_attrs.get("status"))
+            assert sum(u.system_attrs.get("failed_trial") == n for u in after.values()) == 1
+    else:  # the torn twin is set aside and measured again
+        assert list(out.glob("studies.journal.torn-*")) and any(
+            "knobs_off_of" in u.user_attrs for u in after.values())
