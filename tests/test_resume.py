@@ -159,6 +159,11 @@ def test_heartbeat_retries_the_trial_of_a_lost_host(tmp_path):
     lost = study.ask()  # the baseline, taken by a process on a host that then went away
     lost.set_user_attr(OWNER_ATTR, {"host": "another-host", "pid": 1, "start": None})
     storage.record_heartbeat(lost._trial_id)
+    done = study.ask()  # and a trial that host had measured, but not ended, when it went away
+    for k, v in ((OWNER_ATTR, {"host": "another-host", "pid": 1, "start": None}), ("config", {"kernels": {}}),
+                 ("latency_us", 1234.5), ("status", "ok")):
+        done.set_user_attr(k, v)
+    storage.record_heartbeat(done._trial_id)
     time.sleep(3)
     # (the whole budget: run_study would keep its last trial for the top-1's knobs-off twin)
     search(study, replay.shape, replay, space.load(), opts, log=lambda *a: None, budget=opts.trials)
@@ -167,6 +172,9 @@ def test_heartbeat_retries_the_trial_of_a_lost_host(tmp_path):
     [retry] = [t for t in trials if t.system_attrs.get("failed_trial") == 0]
     assert retry.user_attrs["is_baseline"] and trial_status(retry) == "ok"
     assert retry.user_attrs[OWNER_ATTR]["pid"] == os.getpid()  # not the lost owner, copied over
+    [copy] = [t for t in trials if t.system_attrs.get("failed_trial") == done.number]  # (its result, not measured)
+    assert copy.state == TrialState.COMPLETE and copy.value == 1234.5 and trial_status(trials[done.number]) == \
+        "interrupted"
     assert sum(t.state.is_finished() and trial_status(t) != "interrupted" for t in trials) == 5
 
 
@@ -225,7 +233,7 @@ def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
     study = optuna.create_study(storage=open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"))
     x = optuna.distributions.IntDistribution(0, 9)
     dead = {**this_owner(), "pid": gone_pid(), "start": None}
-    measured, failed, older, stopped, unwritten, ownerless = (study.ask({"x": x}) for _ in range(6))
+    measured, failed, older, stopped, unwritten, ownerless, late = (study.ask({"x": x}) for _ in range(7))
     for t, status, latency, config in ((measured, "ok", 12.5, True), (failed, "incorrect", None, True),
                                        (older, "ok", "absent", True), (unwritten, "ok", 9.0, False)):
         t.set_user_attr(OWNER_ATTR, dead)
@@ -234,20 +242,26 @@ def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
         if latency != "absent":  # (a study begun before session 50 recorded no latency)
             t.set_user_attr(LATENCY_ATTR, latency)
         t.set_user_attr("status", status)
-    stopped.set_user_attr("status", "ok")  # Ctrl-C between the measurement and the trial's end
+    stopped.set_user_attr("status", "ok")  # Ctrl-C between the measurement and the trial's end (an older study)
     study.tell(stopped, state=TrialState.FAIL)
+    for k, v in (("owner", dead), ("config", {"kernels": {}}), (LATENCY_ATTR, 7.5), ("status", "ok")):
+        late.set_user_attr(k, v)  # Ctrl-C (or the heartbeat) after the status: its result is all there
+    study.tell(late, state=TrialState.FAIL)
     kept = []
     assert recover_orphans(study, kept) == [older.number, stopped.number, unwritten.number]
-    assert kept == [measured.number, failed.number]
+    assert kept == [measured.number, failed.number, late.number]
     assert study.trials[ownerless.number].state == TrialState.RUNNING  # (started just now: maybe a live process's)
     assert recover_orphans(study, ownerless_after_s=0) == [ownerless.number]  # (started over that long ago)
     ts = study.trials
     assert ts[measured.number].state == TrialState.COMPLETE and ts[measured.number].value == 12.5
     assert ts[failed.number].state == TrialState.FAIL and trial_status(ts[failed.number]) == "incorrect"
-    for n in (older.number, stopped.number, unwritten.number, ownerless.number):  # retried; only the retry counts
+    for n in (older.number, stopped.number, unwritten.number, ownerless.number, late.number):  # only retries count
         assert trial_status(ts[n]) == "interrupted" and not counts_against_budget(ts[n])
-    assert sorted(t.system_attrs.get("failed_trial") for t in ts[6:]) == [older.number, stopped.number,
-                                                                          unwritten.number, ownerless.number]
+    retries = {t.system_attrs.get("failed_trial"): t for t in ts[7:]}
+    assert sorted(retries) == sorted([older.number, stopped.number, unwritten.number, ownerless.number, late.number])
+    copy = retries[late.number]  # (not measured again: a copy with its result)
+    assert copy.state == TrialState.COMPLETE and copy.value == 7.5 and OWNER_ATTR not in copy.user_attrs
+    assert all(retries[n].state == TrialState.WAITING for n in retries if n != late.number)
     assert recover_orphans(study, ownerless_after_s=0) == []
 
 

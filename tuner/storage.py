@@ -83,7 +83,16 @@ def _retry_callback():
             # again between the moment it is picked up and the moment its new owner is written.
             trial = copy.deepcopy(trial)
             trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != OWNER_ATTR}
-            super().__call__(study, trial)
+            latency = measured_latency(trial)
+            if latency is None:
+                super().__call__(study, trial)
+                return
+            # Its measurement had ended (the heartbeat failed it, or a Ctrl-C landed after its status): a copy with
+            # that result takes its place instead of a second measurement.
+            study.add_trial(optuna.trial.create_trial(
+                params=trial.params, distributions=trial.distributions, value=latency, user_attrs=trial.user_attrs,
+                system_attrs={"failed_trial": trial.number,
+                              "retry_history": [*trial.system_attrs.get("retry_history", []), trial.number]}))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # experimental-feature warnings, once per process
@@ -350,13 +359,24 @@ def await_owners(study: optuna.Study, ownerless_after_s: float = GRACE_PERIOD_S,
         time.sleep(poll_s)
 
 
+def measured_latency(t) -> float | None:
+    """The latency a trial recorded where its measurement ended and passed (status "ok", written last, after the
+    latency and the config: study._record); None where it has none."""
+    ua = t.user_attrs
+    latency = ua.get(LATENCY_ATTR)
+    if ua.get("status") == "ok" and "config" in ua and isinstance(latency, (int, float)) and math.isfinite(latency):
+        return float(latency)
+    return None
+
+
 def recover_orphans(study: optuna.Study, kept: list[int] | None = None,
                     ownerless_after_s: float = GRACE_PERIOD_S) -> list[int]:
     """Fail the RUNNING trials whose owner process on this host is dead, and queue each for one retry; queue one
     retry, too, for each trial that Optuna failed when its process was interrupted mid-trial (Ctrl-C, interrupted())
     and that has none yet. Returns their numbers. A RUNNING trial whose measurement had ended (its process died
     writing the trial's end: a journal's torn last record) ends as it was measured instead, with no retry: COMPLETE
-    with its recorded latency, or FAIL with the status that says why; its number goes to ``kept``. A RUNNING trial
+    with its recorded latency, or FAIL with the status that says why; its number goes to ``kept``, as does that of a
+    failed one with a result (measured_latency), whose retry is a copy with that result (RetryOnce). A RUNNING trial
     with no owner, started over ``ownerless_after_s`` ago, is a dead process's too: its process died between
     Optuna's creating the trial and the objective's first write, which a live one makes in well under a second.
     Safe to run from several processes: only the one whose end lands retries a RUNNING trial (an interrupted one
@@ -370,9 +390,8 @@ def recover_orphans(study: optuna.Study, kept: list[int] | None = None,
                 continue
         elif t.datetime_start is None or (now - t.datetime_start).total_seconds() < ownerless_after_s:
             continue
-        status, latency = t.user_attrs.get("status"), t.user_attrs.get(LATENCY_ATTR)
-        measured = (status == "ok" and isinstance(latency, (int, float)) and math.isfinite(latency)
-                    and "config" in t.user_attrs)  # (a study begun before session 50 wrote the status first)
+        status, latency = t.user_attrs.get("status"), measured_latency(t)
+        measured = latency is not None  # (a study begun before session 50 wrote the status first: no latency)
         try:
             if measured:
                 study.tell(t.number, latency)
@@ -391,8 +410,11 @@ def recover_orphans(study: optuna.Study, kept: list[int] | None = None,
     for t in trials:
         if (interrupted(t) and t.number not in retried
                 and t.system_attrs.get("failed_trial") is None):  # (a retry is not retried again)
-            _retry(study, t)
-            lost.append(t.number)
+            _retry(study, t)  # (a copy with its result where it has one: RetryOnce)
+            if measured_latency(t) is None:
+                lost.append(t.number)
+            elif kept is not None:
+                kept.append(t.number)
     return sorted(lost)
 
 
