@@ -294,7 +294,7 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
         f = cfg.ffn1
         out["ffn1"] = replace(f, **{k: getattr(default.ffn1, k) for k in _BLOCK_UNREAD},
                               overlap_ratio=0.0 if f.overlap_ratio >= 0 else -1.0)
-    for g in ("qkv", "out", "ffn1", "ffn2"):
+    for g in GEMMS:
         c = out.get(g, getattr(cfg, g))
         if c.hints != getattr(default, g).hints and not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse):
             out[g] = replace(c, hints=getattr(default, g).hints)

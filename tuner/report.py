@@ -329,6 +329,8 @@ def format_tiles(kernels: dict) -> str:
                 + f"; attn {_int(f.get('attn_block_m'))}x{_int(f.get('attn_block_n'))}"
                 + ("" if progs == "0" else f"; {progs} programs"))
     parts = []
+    f2 = kernels.get("ffn2")
+    ffn2_fuse = _num(f2.get("fuse")) if isinstance(f2, dict) else None  # (FFN1's launch depends on it)
     for g in GEMMS:
         c = kernels.get(g)
         if not isinstance(c, dict):
@@ -339,7 +341,6 @@ def format_tiles(kernels: dict) -> str:
         if g == "ffn2" and _num(c.get("fuse")) in (1, 2):  # computed by FFN1's kernel where it fits
             parts.append("ffn2 in ffn1 (mlp" + (", 64 a CTA)" if _num(c.get("fuse")) == 2 else ")"))
             continue
-        ffn2_fuse = _num((kernels.get("ffn2") or {}).get("fuse"))
         cluster = _num(c.get("cluster"))
         hints = "/l2hints" if _num(c.get("hints")) == 1 and reads_l2_hints(g, cluster, _num(c.get("fuse")),
                                                                               ffn2_fuse) else ""

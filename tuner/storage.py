@@ -334,8 +334,9 @@ def owner_alive(owner: dict) -> bool | None:
 
 
 def interrupted(t) -> bool:
-    """A FAIL trial whose measurement has no result: its process was killed or stopped mid-trial (no status), or
-    between the measurement and the trial's end (status "ok" and no value). Its retry counts, not itself."""
+    """A FAIL trial that is not its candidate's own failure: its process was killed or stopped mid-trial (no status),
+    or after the measurement, before the trial's end (status "ok" and no value; its retry is then a copy of the
+    recorded result where there is one, measured_latency). Its retry counts, not itself."""
     return t.state == TrialState.FAIL and t.user_attrs.get("status") in (None, "ok")
 
 
@@ -347,16 +348,23 @@ def await_owners(study: optuna.Study, ownerless_after_s: float = GRACE_PERIOD_S,
     that moment and the study is opened again at once. Said once in ``log`` after the first poll."""
     for polls in itertools.count():
         now = clock()
-        young = [t for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-                 if OWNER_ATTR not in t.user_attrs and t.datetime_start is not None
-                 and (now - t.datetime_start).total_seconds() < ownerless_after_s]
-        if not young:
+        ages = {t.number: age for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                if (age := _ownerless_age_s(t, now)) is not None and age < ownerless_after_s}
+        if not ages:
             return
         if polls == 1 and log is not None:  # (not at once: a live process's trial gets its owner meanwhile)
-            left = max(ownerless_after_s - (now - t.datetime_start).total_seconds() for t in young)
-            log(f"trial(s) {', '.join(str(t.number) for t in young)} have no owner process: waiting up to "
+            left = ownerless_after_s - min(ages.values())
+            log(f"trial(s) {', '.join(map(str, ages))} have no owner process: waiting up to "
                 f"{left:.0f} s for one to claim them before they are retried (a process that died as it began them)")
         time.sleep(poll_s)
+
+
+def _ownerless_age_s(t, now: datetime.datetime) -> float | None:
+    """Seconds since Optuna created ``t`` (``datetime_start``: the creating process's local time), where ``t`` has no
+    owner yet (study._objective writes it first); None where it has one, or no start."""
+    if t.user_attrs.get(OWNER_ATTR) or t.datetime_start is None:
+        return None
+    return (now - t.datetime_start).total_seconds()
 
 
 def measured_latency(t) -> float | None:
@@ -382,13 +390,13 @@ def recover_orphans(study: optuna.Study, kept: list[int] | None = None,
     Safe to run from several processes: only the one whose end lands retries a RUNNING trial (an interrupted one
     retried twice at once is measured once: its copies launch the same kernels)."""
     lost = []
-    now = datetime.datetime.now()  # (Optuna's datetime_start: the local time of the process that created the trial)
+    now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER_ATTR)
         if owner:
             if owner_alive(owner) is not False:
                 continue
-        elif t.datetime_start is None or (now - t.datetime_start).total_seconds() < ownerless_after_s:
+        elif (age := _ownerless_age_s(t, now)) is None or age < ownerless_after_s:
             continue
         status, latency = t.user_attrs.get("status"), measured_latency(t)
         measured = latency is not None  # (a study begun before session 50 wrote the status first: no latency)

@@ -393,7 +393,7 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     elif first != drawn and opts.worker_index == 0:
         log(f"{shape.label}: this study began with --sampler {first.get('sampler')} --seed {first.get('seed')}; "
             f"its trials from now on are drawn with --sampler {opts.sampler} --seed {opts.seed}")
-    await_owners(study, log=lambda msg: log(f"{shape.label}: {msg}") if opts.worker_index == 0 else None)
+    await_owners(study, log=(lambda msg: log(f"{shape.label}: {msg}")) if opts.worker_index == 0 else None)
     kept = []
     lost = recover_orphans(study, kept)
     if lost:
