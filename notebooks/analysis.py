@@ -20,9 +20,9 @@
 # same functions. It needs no GPU.
 #
 # Set `RUN_DIR` below to a run folder, or leave it `None`: the newest committed run under `results/`
-# is used, and when none is committed yet, a run is **replayed** on the fly from the H200 recording in
-# `tests/data/replay-bert-base-h200` (`tune decoder --replay`: timings served from that recording,
-# nothing measured now; every table and title then says REPLAYED).
+# is used, and when none is committed yet, a run is **replayed** on the fly from the H200 run of record's
+# bert-base recording in `tests/data/replay-bert-base-h200-20261128` (`tune decoder --replay`: timings served
+# from that recording, nothing measured now; every table and title then says REPLAYED).
 #
 # Opened in the checkout, it reads the checkout's `results/`. A copy written by `tune notebook` beside an
 # installed pdl-tune (no checkout) reads the nearest `results/` folder at or above its own folder, where
@@ -69,13 +69,13 @@ if CHECKOUT is not None:  # the checkout's results/ and recording; works without
     ROOT = CHECKOUT
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    RECORDING = ROOT / "tests" / "data" / "replay-bert-base-h200"
+    RECORDING = ROOT / "tests" / "data" / "replay-bert-base-h200-20261128"
 else:  # a copy from `tune notebook` beside an installed pdl-tune: the runs under the nearest results/ folder
     # (`tune decoder` writes to ./results by default), the recording shipped with the package
     import importlib.resources
 
     ROOT = next((p for p in [HERE, *HERE.parents] if (p / "results").is_dir()), HERE)
-    RECORDING = Path(str(importlib.resources.files("tuner.recordings") / "replay-bert-base-h200"))
+    RECORDING = Path(str(importlib.resources.files("tuner.recordings") / "replay-bert-base-h200-20261128"))
 
 from tuner import report  # noqa: E402  (the data functions and renderers of `tune report`)
 
@@ -107,7 +107,7 @@ def committed_runs(results: Path = RESULTS) -> list[Path]:
 
 
 def replay_run(sampler: str = "tpe", trials: int = REPLAY_TRIALS) -> Path:
-    """`tune decoder --replay tests/data/replay-bert-base-h200` into a scratch folder; returns the run folder."""
+    """`tune decoder --replay` of the recording (RECORDING) into a scratch folder; returns the run folder."""
     from tuner.cli import main
 
     out = Path(tempfile.mkdtemp(prefix=f"replay-{sampler}-", dir=SCRATCH))

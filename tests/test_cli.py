@@ -36,6 +36,7 @@ from tuner.report import REPLAYED_LINE
 from tuner.shapes import PRESETS
 
 REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
+ROOT = Path(__file__).resolve().parents[1]
 BUDGET = 25
 STATUSES = {"ok", "invalid", "compile_error", "out_of_resources", "incorrect", "timeout", "crashed"}
 SEED_HEADERS = ["Rank", "Latency(us)", "±", "Speedup", "QKV(o,p)", "Output(o,p)", "FFN1(o,p)", "FFN2(o,p)", "tiles"]
@@ -477,8 +478,8 @@ def test_decoder_without_gpu_points_to_replay(tmp_path):
         pytest.skip("a GPU is visible: `tune decoder` would start a real study")
     out = tmp_path / "results"
     rc, stdout, stderr = tune("decoder", "--shape", "tiny", "--trials", "3", "--out", out)
-    assert_user_error(rc, stdout, stderr, ["CUDA GPU", "`tune decoder --replay replay-bert-base-h200` replays the "
-                                                       "recording shipped with the package"])
+    assert_user_error(rc, stdout, stderr, ["CUDA GPU", "`tune decoder --replay replay-bert-base-h200-20261128` "
+                                                       "replays the H200 run of record shipped with the package"])
     assert not out.exists() or not any(out.iterdir())
 
 
@@ -1235,6 +1236,33 @@ def test_a_malformed_fault_setting_is_one_line(tmp_path, monkeypatch):
     for text in ("{", "[]", '{"rules": 5}'):
         monkeypatch.setenv(faults.ENV, text)
         assert_user_error(*decoder(tmp_path, 2), [faults.ENV, "JSON object"])
+
+
+RECORD_RUNS = {"tiny": "tiny/20261128-004319-tpe", "bert-base": "bert-base/20261128-004550-tpe",
+               "bert-large": "bert-large/20261128-004818-tpe"}
+
+
+@pytest.mark.parametrize("shape", RECORD_RUNS)
+def test_the_run_of_record_replays_by_name_as_it_was_recorded(shape, tmp_path, monkeypatch):
+    # The shipped recordings of the run of record are its run folders' files, copied as written (a replay serves what
+    # the GPU measured, nothing else), and each replays by name from any folder, with the baselines it recorded.
+    from tuner.cli import RECORD_REPLAY, shipped_recordings
+
+    name = f"replay-{shape}-h200-20261128"
+    assert name in shipped_recordings() and RECORD_REPLAY in shipped_recordings()
+    recording, run = REPLAY.parent / name, ROOT / "results" / RECORD_RUNS[shape]
+    assert sorted(p.name for p in recording.iterdir()) == ["best.json", "breakdown.json", "manifest.json", "trials.csv"]
+    for f in recording.iterdir():
+        assert f.read_bytes() == (run / f.name).read_bytes(), f
+    monkeypatch.chdir(tmp_path)
+    rc, stdout, stderr = tune("decoder", "--replay", name, "--trials", 3, "--timeout", 5, "--no-progress", "--out",
+                              tmp_path / "r")
+    assert rc == 0, stderr
+    assert f"{name}: timings recorded on NVIDIA H200, nothing is measured now" in stdout
+    base = json.loads((recording / "manifest.json").read_text())["baselines"]
+    assert f"torch.compile latency: {base['compile_us']:.2f} us" in stdout, stdout
+    served = json.loads((run_folder(stdout) / "topk.json").read_text())
+    assert served["replayed"] and served["compile_us"] == base["compile_us"]
 
 
 def test_a_missing_replay_path_is_not_the_shipped_recording(tmp_path, monkeypatch):

@@ -56,8 +56,10 @@ def test_wheel_holds_the_kernels_sources_and_search_spaces(installed):
     spaces = {p.name for p in (ROOT / "search_spaces").glob("*.yaml")}
     assert {f"tuner/kernels/{n}" for n in kernels} <= names, sorted(kernels - {n.split("/")[-1] for n in names})
     assert {f"tuner/search_spaces/{n}" for n in spaces} <= names
+    recordings = [p for p in REPLAY.parent.glob("replay-*") if p.is_dir()]  # (the run of record's three, the first)
+    assert len(recordings) >= 4 and REPLAY in recordings
     assert {"tuner/notebooks/analysis.ipynb"} | {f"tuner/recordings/{p.relative_to(REPLAY.parent)}"
-                                                 for p in REPLAY.iterdir()} <= names
+                                                 for r in recordings for p in r.iterdir()} <= names
     assert not any(n.startswith(("kernels/", "search_spaces/", "notebooks/", "tests/", "results/")) for n in names)
     assert "tuner/cli.py" in names
 
@@ -112,7 +114,7 @@ def test_installed_notebook_analyses_runs_outside_the_checkout(installed, monkey
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "kept" in res.stderr, res.stderr
     assert (work / "analysis.ipynb").read_text() == "the user's edits"
     (work / "analysis.ipynb").write_bytes(shipped)
-    recording = target / "tuner" / "recordings" / REPLAY.name
+    recording = target / "tuner" / "recordings" / "replay-bert-base-h200-20261128"  # (the notebook's: the run of record)
     res = tune("decoder", "--replay", str(recording), "--trials", "6", "--no-progress")
     assert res.returncode == 0, res.stderr[-2000:]
 
@@ -132,5 +134,5 @@ def test_installed_notebook_analyses_runs_outside_the_checkout(installed, monkey
     assert "run folder: results/bert-base/" in text and "REPLAYED" in text, text[:2000]
     assert "1 committed run folder(s) under results/" in text
     # the runs under the notebook's folder, the comparison replayed from the recording shipped with the installed copy
-    assert f"runs read from {work.resolve() / 'results'}; replays from {recording.resolve()}" in text
+    assert f"runs read from {work.resolve() / 'results'}; replays from {recording.resolve()}" in text.splitlines()
     assert "B: " in text and "(REPLAYED)" in text

@@ -2,7 +2,7 @@
 
 The notebook is executed as a user would open it (kernel ``python3``, working directory ``notebooks/``),
 on whatever ``results/`` holds: the newest committed decoder run, or, while none is committed, a run
-replayed on the fly from ``tests/data/replay-bert-base-h200``. Any failing cell fails the test, and
+replayed on the fly from ``tests/data/replay-bert-base-h200-20261128``. Any failing cell fails the test, and
 the notebook asserts what it relies on itself (columns, the baseline trial, the statuses).
 """
 

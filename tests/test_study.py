@@ -497,6 +497,21 @@ def test_study_counts_approximated_trials(tmp_path, replay):
     assert f"{n} trials approximated by the replay" in (folder / "topk.md").read_text()
 
 
+def test_a_recorded_configuration_ranks_above_the_approximated_ones_it_ties(tmp_path):
+    # A replay serves an unrecorded configuration its nearest recorded one's timing, so the local steps around the
+    # recording's best tie it exactly. Until session 51 the first such trial ranked first and went into best.json:
+    # a configuration no GPU measured (80 trials of the run of record's bert-base: the top-1 was one).
+    rec = ReplayEvaluator(REPLAY.parent / "replay-bert-base-h200-20261128")
+    run_dir = run(tmp_path, rec, trials=80, top_k=10)
+    rows = json.loads((run_dir / "topk.json").read_text())["rows"]
+    assert any(r["approximated"] and r["latency_us"] == rows[0]["latency_us"] for r in rows), "no tie to rank"
+    for a, b in zip(rows, rows[1:]):
+        assert a["latency_us"] < b["latency_us"] or not a["approximated"] or b["approximated"], (a, b)
+    best = json.loads((run_dir / "best.json").read_text())["config"]
+    assert best == rows[0]["config"] and not rows[0]["approximated"]
+    assert rec.evaluate(DecoderConfig.from_dict(best)).approximated is False
+
+
 def test_baseline_is_measured_when_the_space_excludes_default_tiles(tmp_path, replay):
     # The seeds are not forced into a space that excludes them; the baseline is measured in the final
     # phase (interleaved with the top-k) and the search stays inside the user's space.

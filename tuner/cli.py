@@ -77,12 +77,26 @@ def _dtype(name: str):
     return DTYPES[name]
 
 
+# The recordings shipped in the package (tests/data/replay-*, installed as tuner.recordings), by name. The run of
+# record's three presets (session 43, H200) are replay-<shape>-h200-20261128; replay-bert-base-h200 is the first
+# recording (session 1's kernels, 120 trials), which the tests replay.
+RECORD_REPLAY = "replay-bert-base-h200-20261128"
+
+
+def shipped_recordings() -> list[str]:
+    import importlib.resources
+
+    shipped = importlib.resources.files("tuner.recordings")
+    return sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
+
+
 def _need_gpu(what: str):
     import torch
 
     if not torch.cuda.is_available():
         raise UserError(f"{what} needs a CUDA GPU and none is visible; without one, `tune decoder --replay "
-                        "replay-bert-base-h200` replays the recording shipped with the package (or give a run folder)")
+                        f"{RECORD_REPLAY}` replays the H200 run of record shipped with the package (its tiny and "
+                        "bert-large runs too, or give a run folder)")
 
 
 def cmd_shapes(args) -> int:
@@ -566,7 +580,7 @@ def _replay_path(given: str) -> str:
     import importlib.resources
 
     shipped = importlib.resources.files("tuner.recordings")
-    names = sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
+    names = shipped_recordings()
     name = Path(given).name
     # (only as a bare name or the README's tests/data/ form: another missing path that ends in such a name is a typo
     # of the user's own folder, not the shipped recording)
@@ -863,7 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--search-space", help="a YAML search space file, or a shipped one by name: fused-layer, "
                                           "layer-kernel (default: the shipped decoder)")
     d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv, or a shipped recording by "
-                   "name: replay-bert-base-h200 (no GPU needed)")
+                   f"name: {', '.join(shipped_recordings())} (no GPU needed)")
     d.add_argument("--workers", type=int, help="study processes on one study, one per GPU (GPUs 0..N-1)")
     d.add_argument("--gpus", help="the GPUs of the workers, e.g. 0,1,2,3 (one worker each)")
     d.add_argument("--isolation", action=argparse.BooleanOptionalAction, default=None,

@@ -824,7 +824,9 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     # config_hash left out what no launch reads may hold two trials of one)
     launches = ok["number"].map(lambda n: config_hash(trial_cfg[n]) if n in trial_cfg else f"trial {n}")
     ok = ok[~launches.duplicated()]
-    ok = ok.sort_values("latency_us")
+    # (a replay serves a configuration it does not hold its nearest recorded one's timing: on a tie the recorded one
+    # ranks first, so the top-1 and best.json are a configuration the recording measured wherever one ties it)
+    ok = ok.sort_values(["latency_us", "approximated", "number"], kind="stable")
     if ok.empty:
         raise StudyError(f"{shape.label}: no trial passed (statuses: {df['status'].value_counts().to_dict()})")
     # Each trial passed one correctness check; the fastest are checked again before they are ranked, since a race
@@ -856,7 +858,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     # the baseline's figure from its own group, where the stacks did not fit the GPU together: remeasure's anchor).
     base_us, base_spread = meas[-1][:2]
     rows = []
-    order = sorted(range(len(top_cfgs)), key=lambda i: meas[i][0])
+    order = sorted(range(len(top_cfgs)), key=lambda i: (meas[i][0], bool(top["approximated"].iloc[i])))
     for rank, i in enumerate(order, 1):
         lat, spr, beside = meas[i]
         tie = False
