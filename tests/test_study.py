@@ -686,6 +686,19 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
         flip = edit(seed, **{g: dict(hints=1 - getattr(seed, g).hints)})
         assert not same("bert-base", seed, flip) and same("bert-base", seed, flip, A100), g
     assert same("bert-base", seed, edit(seed, ffn1=dict(hints=1 - seed.ffn1.hints)))
+    # group_m of a GEMM on the cluster kernel (its tile order is fixed): the clustered out-projection and FFN2 here;
+    # not a clustered GEMM whose folded LayerNorm may run it on the Triton kernels (QKV here, under norm1.fuse 2)
+    assert same("bert-base", seed, edit(seed, out=dict(group_m=1), ffn2=dict(group_m=4)))
+    assert not same("bert-base", seed, edit(seed, out=dict(group_m=1)), A100)
+    plain = edit(seed, qkv=dict(fuse=0, cluster=2, split_k=2, block_m=64, block_n=64, num_warps=4, tma=1))
+    assert plain.norm1.fuse == 2 and not same("bert-base", plain, edit(plain, qkv=dict(group_m=1)))
+    no_norm = edit(plain, norm1=dict(fuse=0))
+    assert same("bert-base", no_norm, edit(no_norm, qkv=dict(group_m=1)))
+    # QKV's Triton tiles under QKV's kernel with the attention, where no layer runs QKV on Triton (norm1.fuse 0)
+    attn_qkv = edit(seed, norm1=dict(fuse=0))
+    assert repair_config(attn_qkv, BERT_BASE, 2, H200).qkv.fuse == 1
+    assert same("bert-base", attn_qkv, edit(attn_qkv, qkv=dict(block_n=128, group_m=1, split_k=2)))
+    assert not same("bert-base", attn_qkv, edit(attn_qkv, qkv=dict(num_stages=attn_qkv.qkv.num_stages + 1)))
     # the one-kernel layer's fields where it is off; the seven kernels' where it is on
     base = default_config(BERT_BASE)
     assert same("bert-base", base, edit(base, layer=dict(num_warps=4, block_k=128)))
@@ -693,6 +706,33 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
     fused = hand_picked_fused(BERT_BASE)
     assert same("bert-base", fused, edit(fused, qkv=dict(block_n=128), attn=dict(block_n=32)))
     assert not same("bert-base", fused, edit(fused, layer=dict(num_stages=fused.layer.num_stages + 1)))
+
+
+def test_the_cluster_kernels_launch_reads_no_group_m(monkeypatch):
+    # launched_config leaves group_m out of a GEMM on the cluster kernel: gemm.linear must pass that kernel nothing
+    # that group_m decides (the launch's arguments recorded, on the CPU, where the kernel itself cannot run)
+    import torch
+
+    from tuner.kernels import cluster_gemm
+    from tuner.kernels import gemm as gemm_k
+
+    launched = []
+    monkeypatch.setattr(cluster_gemm, "usable", lambda device: True)
+    monkeypatch.setattr(cluster_gemm, "launch", lambda *a, **kw: launched.append((a, kw)))
+    x, w, b, res, out = (torch.randn(*s).half() for s in ((128, 768), (768, 768), (768,), (128, 768), (128, 768)))
+    seed = hand_picked_cluster(BERT_BASE).out
+    assert seed.cluster and seed.group_m == 8
+    for group_m in (1, 4, 8):
+        gemm_k.linear(x, w, b, config=replace(seed, group_m=group_m), residual=res, out=out)
+
+    def same(u, v):  # (the same tensors, or equal values)
+        return u is v if torch.is_tensor(u) or torch.is_tensor(v) else u == v
+
+    (a0, kw0), *rest = launched
+    assert len(rest) == 2 and kw0["split"] == seed.split_k
+    for a, kw in rest:
+        assert len(a) == len(a0) and all(map(same, a, a0)) and kw.keys() == kw0.keys(), (a, kw)
+        assert all(same(kw[k], kw0[k]) for k in kw0), kw
 
 
 def test_local_step_moves_what_the_launches_read():

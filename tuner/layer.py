@@ -258,6 +258,24 @@ def idle_kernels(cfg: DecoderConfig) -> set[str]:
 # FFN1's fields that the one-kernel feed-forward block does not read: it reads FFN1's prefetch ratio, its L2 hints,
 # and of its overlap ratio only whether it is on (the block triggers its dependents right after its wait).
 _BLOCK_UNREAD = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k", "tma", "cluster")
+# QKV's fields that its kernel with the attention (qkv.fuse 1, kernels/qkv_attn.py) does not read: it reads QKV's
+# pipeline depth (num_stages * block_k, gemm.cluster_stages), ratios and L2 hints.
+_QKV_ATTN_UNREAD = ("block_m", "block_n", "group_m", "num_warps", "split_k", "tma", "cluster")
+
+
+def _on_cluster_kernel(cfg: DecoderConfig, gemm: str) -> bool:
+    """Whether every layer of the stack runs ``gemm`` on the cluster kernel, as gemm.linear decides at its launch: a
+    clustered GEMM (``cluster`` 1 or 2, as repair_config leaves it) that folds no LayerNorm. A folded one runs on the
+    Triton kernels where its row sums come from the K loop (``fuse`` 1, and the first layer under ``norm1.fuse`` 2) or
+    from more producer parts than the cluster kernel reads (a count the shape decides): not judged here."""
+    c = getattr(cfg, gemm)
+    if not c.cluster or c.fuse:  # (fuse: QKV with the attention, the out-projection or FFN2 in the block)
+        return False
+    if gemm == "qkv":
+        return cfg.norm1.fuse == 0
+    if gemm == "ffn1":
+        return cfg.norm2.fuse == 0 and not cfg.ffn2.fuse
+    return True
 
 
 def unlaunched_kernels(cfg: DecoderConfig) -> set[str]:
@@ -279,11 +297,13 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
       (``qkv.fuse`` 1) with ``norm1.fuse`` 2, which the stack's first layer runs with its own config;
     * under the one-kernel feed-forward block, FFN1's tile fields, and its overlap ratio to 0 where it is on;
     * the L2 hints of a GEMM that only the Triton kernels run (``cluster`` 0, and neither QKV in the attention's
-      kernel nor FFN1 as the feed-forward block): they ignore it (gemm.GemmConfig.hints).
+      kernel nor FFN1 as the feed-forward block): they ignore it (gemm.GemmConfig.hints);
+    * under QKV's kernel with the attention (``qkv.fuse`` 1), QKV's Triton tile fields (_QKV_ATTN_UNREAD), but where
+      ``norm1.fuse`` is 2: the stack's first layer then runs QKV on the Triton kernels;
+    * ``group_m`` of a GEMM on the cluster kernel (:func:`_on_cluster_kernel`), whose tile order is fixed.
 
-    Fields a launch reads in a coarser form (a ratio rounded to a K tile) are kept as they are, and so are those that
-    a launch reads or not by its arguments (a clustered GEMM's ``group_m``: the Triton kernels run it where a folded
-    LayerNorm gathers its row sums in the K loop, gemm.linear)."""
+    Fields a launch reads in a coarser form (a ratio rounded to a K tile, QKV's depth under ``qkv.fuse`` 1) are kept as
+    they are, and so is a clustered GEMM's ``group_m`` where its folded LayerNorm may run it on the Triton kernels."""
     default = DecoderConfig()
     if cfg.fused:
         return replace(default, layer=cfg.layer)
@@ -294,10 +314,14 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
         f = cfg.ffn1
         out["ffn1"] = replace(f, **{k: getattr(default.ffn1, k) for k in _BLOCK_UNREAD},
                               overlap_ratio=0.0 if f.overlap_ratio >= 0 else -1.0)
+    if cfg.qkv.fuse == 1 and cfg.norm1.fuse != 2:
+        out["qkv"] = replace(cfg.qkv, **{k: getattr(default.qkv, k) for k in _QKV_ATTN_UNREAD})
     for g in GEMMS:
         c = out.get(g, getattr(cfg, g))
         if c.hints != getattr(default, g).hints and not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse):
-            out[g] = replace(c, hints=getattr(default, g).hints)
+            c = out[g] = replace(c, hints=getattr(default, g).hints)
+        if _on_cluster_kernel(cfg, g):
+            out[g] = replace(c, group_m=getattr(default, g).group_m)
     return replace(cfg, **out)
 
 
