@@ -1265,6 +1265,29 @@ def test_the_run_of_record_replays_by_name_as_it_was_recorded(shape, tmp_path, m
     assert served["replayed"] and served["compile_us"] == base["compile_us"]
 
 
+def test_an_install_without_the_recordings_still_runs_every_command(tmp_path, monkeypatch, capsys):
+    # every command's parser names the shipped recordings (--replay's help): where an install left them out, the
+    # command line still runs, and --replay by name says there are none
+    import importlib.resources
+
+    from tuner.cli import main
+
+    files = importlib.resources.files
+
+    def no_recordings(package):
+        if package == "tuner.recordings":
+            raise ModuleNotFoundError("No module named 'tuner.recordings'")
+        return files(package)
+
+    monkeypatch.setattr(importlib.resources, "files", no_recordings)
+    monkeypatch.chdir(tmp_path)
+    assert main(["shapes"]) == 0 and "bert-base" in capsys.readouterr().out
+    assert main(["decoder", "--replay", "replay-bert-base-h200-20261128", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file or folder (recordings shipped with pdl-tune: none in this install)" in err
+    assert not (tmp_path / "results").exists()
+
+
 def test_a_missing_replay_path_is_not_the_shipped_recording(tmp_path, monkeypatch):
     # a bare name and the README's tests/data/ form find the shipped recording from anywhere; another missing path
     # that ends in its name is refused (until session 48 it was silently replaced by the shipped one)

@@ -84,10 +84,15 @@ RECORD_REPLAY = "replay-bert-base-h200-20261128"
 
 
 def shipped_recordings() -> list[str]:
+    """The names of the recordings the package ships (none where an install left them out: every command's help
+    names them, so their absence must not stop the command line)."""
     import importlib.resources
 
-    shipped = importlib.resources.files("tuner.recordings")
-    return sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
+    try:
+        shipped = importlib.resources.files("tuner.recordings")
+        return sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
+    except (ImportError, OSError):
+        return []
 
 
 def _need_gpu(what: str):
@@ -579,14 +584,14 @@ def _replay_path(given: str) -> str:
         return given
     import importlib.resources
 
-    shipped = importlib.resources.files("tuner.recordings")
     names = shipped_recordings()
     name = Path(given).name
     # (only as a bare name or the README's tests/data/ form: another missing path that ends in such a name is a typo
     # of the user's own folder, not the shipped recording)
     if name in names and Path(given).parent.as_posix() in (".", "tests/data"):
-        return str(shipped / name)
-    raise UserError(f"--replay {given}: no such file or folder (recordings shipped with pdl-tune: {', '.join(names)})")
+        return str(importlib.resources.files("tuner.recordings") / name)
+    raise UserError(f"--replay {given}: no such file or folder (recordings shipped with pdl-tune: "
+                    f"{', '.join(names) or 'none in this install'})")
 
 
 def _check_replay(args, shape):
@@ -877,7 +882,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--search-space", help="a YAML search space file, or a shipped one by name: fused-layer, "
                                           "layer-kernel (default: the shipped decoder)")
     d.add_argument("--replay", help="serve timings from a recorded run folder or trials.csv, or a shipped recording by "
-                   f"name: {', '.join(shipped_recordings())} (no GPU needed)")
+                   f"name: {', '.join(shipped_recordings()) or 'none in this install'} (no GPU needed)")
     d.add_argument("--workers", type=int, help="study processes on one study, one per GPU (GPUs 0..N-1)")
     d.add_argument("--gpus", help="the GPUs of the workers, e.g. 0,1,2,3 (one worker each)")
     d.add_argument("--isolation", action=argparse.BooleanOptionalAction, default=None,
