@@ -1265,6 +1265,30 @@ def test_the_run_of_record_replays_by_name_as_it_was_recorded(shape, tmp_path, m
     assert served["replayed"] and served["compile_us"] == base["compile_us"]
 
 
+def test_the_readme_replay_example_is_what_the_command_prints(tmp_path, monkeypatch):
+    # The README's worked example quotes the replay of the run of record: its header and summary lines verbatim and
+    # its first two rows up to the tiles column. They come from the recording and the search's path through it: a
+    # change to either (a new seed, TPE's draws) shows here first.
+    text = (ROOT / "README.md").read_text()
+    command = "tune decoder --replay tests/data/replay-bert-base-h200-20261128 --trials 120"
+    at = text.index("```\n" + command + "\n```")
+    block = text[at:].split("```")[3].strip().splitlines()  # (the fenced output that follows the command)
+    quoted = [ln for ln in block if ln.startswith(("- ", "REPLAYED", "Top 10"))]
+
+    def cells(lines):  # a table row's cells before the tiles column: rank, latency, ±, speedup and the four (o,p)
+        return [[c.strip() for c in ln.split("|")[1:9]] for ln in lines
+                if ln.startswith("|") and ln.split("|")[1].strip()[:1].isdigit()]
+
+    rows = cells(block)
+    assert len(quoted) == 8 and len(rows) == 2, block
+    monkeypatch.chdir(ROOT)
+    rc, stdout, stderr = tune(*command.split()[1:], "--no-progress", "--out", tmp_path)
+    assert rc == 0, stderr
+    lines = stdout.splitlines()
+    stale = [q for q in quoted if q not in lines] + [r for r, p in zip(rows, cells(lines)) if r != p]
+    assert not stale, f"README.md's replay example is out of date: run `{command}` and paste its output; {stale}"
+
+
 def test_an_install_without_the_recordings_still_runs_every_command(tmp_path, monkeypatch, capsys):
     # every command's parser names the shipped recordings (--replay's help): where an install left them out, the
     # command line still runs, and --replay by name says there are none
