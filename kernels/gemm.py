@@ -258,6 +258,22 @@ def check(config: GemmConfig, problem: GemmProblem, device: DeviceInfo | None = 
     return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
+def triton_knobs(c: GemmConfig, k: int) -> tuple[int, int, int]:
+    """What the Triton kernels' launch over ``k`` reads of ``c``'s two ratios: the GEMM's trigger (-1: no PDL) and
+    prefetch count, in K tiles of its split, and the split-K reduction kernel's trigger (-1 without one). The one
+    place these are computed: :func:`linear` launches with them, and the study's launch key (tuner.layer) reads
+    them, so two ratios that launch the same are measured once."""
+    per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
+    return (trigger_index(per_split, c.overlap_ratio), prefetch_count(per_split, c.prefetch_ratio),
+            trigger_index(c.split_k, c.overlap_ratio) if c.split_k > 1 else -1)
+
+
+def cluster_knobs(c: GemmConfig, k: int) -> tuple[int, int, int]:
+    """:func:`triton_knobs` for the cluster kernel: its K tiles a split (64 wide), trigger and prefetch count."""
+    per64 = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k) * c.block_k // cluster_gemm.BLOCK
+    return per64, trigger_index(per64, c.overlap_ratio), prefetch_count(per64, c.prefetch_ratio)
+
+
 def cluster_stages(c: GemmConfig) -> int:
     """The CUDA kernel's pipeline depth in 64-wide K tiles: the bytes in flight of the Triton config."""
     return c.num_stages * c.block_k // cluster_gemm.BLOCK
@@ -769,9 +785,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     mode = launch_mode(x)
     c = effective_config(config, x)
     use_pdl = c.overlap_ratio >= 0
-    k_tiles = triton.cdiv(K, c.block_k)
-    per_split = triton.cdiv(k_tiles, c.split_k)
-    n_pref = prefetch_count(per_split, c.prefetch_ratio)
+    trigger, n_pref, reduce_trigger = triton_knobs(c, K)
     # The CUDA kernel (cluster=1): the split-K programs of a tile reduce in their cluster, with no workspace and
     # no reduction kernel. A fused LayerNorm that gathers its row sums in the K loop (no ln_stats), or rows that
     # are not contiguous, run on the Triton kernels.
@@ -812,12 +826,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                               f"not {_slow_ns}")
         if _oob_write:
             raise ValueError("linear: _oob_write is a defect of the Triton kernel only (cluster=0)")
-        per64 = per_split * c.block_k // cluster_gemm.BLOCK
+        per64, trigger_k, n_pref64 = cluster_knobs(c, K)
         bm, bn = cluster_tile(c, GemmProblem(M, N, K))
         cluster_gemm.launch(
             x, weight, out, bias=bias, residual=residual, stats_out=stats_out, trace=_trace, split=c.split_k,
-            per_split=per64, stages=cluster_stages(c), trigger_k=trigger_index(per64, c.overlap_ratio),
-            n_pref=prefetch_count(per64, c.prefetch_ratio), act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
+            per_split=per64, stages=cluster_stages(c), trigger_k=trigger_k,
+            n_pref=n_pref64, act=act, racy=_racy_read_before_wait, bm=bm, bn=bn,
             ln_stats=ln_stats, ln_colsum=ln_colsum, ln_eps=ln_eps,  # (ln_colsum here comes with ln_stats)
             xchg16=c.cluster == 2, hints=l2_hints(c), held=_slow_ns > 0)
         return out
@@ -836,7 +850,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
         residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
         out.stride(0), out.stride(1),
-        trigger_index(per_split, c.overlap_ratio), n_pref,
+        trigger, n_pref,
         ln_eps, ln_parts,
         BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, SPLIT_K=c.split_k,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
@@ -857,7 +871,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             M, N, K,
             residual.stride(0) if residual is not None else 0, residual.stride(1) if residual is not None else 0,
             out.stride(0), out.stride(1),
-            trigger_index(c.split_k, c.overlap_ratio), ln_eps, ln_parts,
+            reduce_trigger, ln_eps, ln_parts,
             SPLIT_K=c.split_k, BLOCK_M=_RED_BLOCK_M, BLOCK_N=_RED_BLOCK_N,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, ACT=act,
             USE_PDL=use_pdl, HAS_LN=ln_colsum is not None, **stats_kw,

@@ -299,13 +299,14 @@ def test_a_measurement_is_recorded_status_last():
     # (recover_orphans ends a trial as measured once its status is written: everything else must be there by then)
     from tuner.config import DecoderConfig
     from tuner.evaluate import TrialResult
+    from tuner.shapes import PRESETS
     from tuner.study import _record, _record_crash
 
     class Attrs(dict):
         set_user_attr = dict.__setitem__
 
     rec = Attrs()
-    _record(rec, DecoderConfig(), TrialResult(status="ok", latency_us=12.5, spread_us=0.1))
+    _record(rec, DecoderConfig(), TrialResult(status="ok", latency_us=12.5, spread_us=0.1), PRESETS["tiny"])
     assert list(rec)[-2:] == ["latency_us", "status"] and {"config", "config_hash"} <= set(rec), list(rec)
     crash = Attrs()
     _record_crash(crash, ValueError("x"))

@@ -444,6 +444,23 @@ def test_recorded_config_is_served_exactly(replay):
         assert (res.latency_us, res.spread_us) == (row["latency_us"], row["spread_us"])
 
 
+def test_a_configuration_that_launches_a_recorded_one_is_served_as_measured():
+    # The run of record measured trial 18 and its local step 32, which moved only the clustered out-projection's
+    # prefetch ratio (1.0 to 0.8: all 3 of its 64-wide K tiles a split either way): one launch, measured twice. A
+    # replay serves such a configuration the recorded launch's timing as its own; one that launches otherwise is still
+    # approximated.
+    rec = ReplayEvaluator(REPLAY.parent / "replay-bert-base-h200-20261128")
+    trials = pd.read_csv(REPLAY.parent / "replay-bert-base-h200-20261128" / "trials.csv").set_index("number")
+    assert trials.loc[32, "neighbour_of"] == 18 and (trials.loc[18, "out.prefetch_ratio"],
+                                                     trials.loc[32, "out.prefetch_ratio"]) == (1.0, 0.8)
+    t18 = recorded_config(trials.loc[18])
+    for p in (0.9, 0.7):  # (off the grid: no recorded row holds it; 0.7 rounds up to 3 of 3 tiles too)
+        res = rec.evaluate(replace(t18, out=replace(t18.out, prefetch_ratio=p)))
+        assert not res.approximated and (res.latency_us, res.spread_us) == tuple(trials.loc[18, ["latency_us",
+                                                                                                  "spread_us"]])
+    assert rec.evaluate(replace(t18, out=replace(t18.out, prefetch_ratio=0.3))).approximated  # 1 of 3 tiles
+
+
 def test_a_replay_repairs_for_the_recordings_gpu(tmp_path):
     # session 46's run on an H200 without nvcc (its CUDA kernels repaired to the Triton ones): the clustered seed and
     # the hand-picked tiles with the attention in QKV's kernel, as that study measured them, are served as
@@ -648,6 +665,7 @@ def test_idle_kernels_are_those_the_layer_does_not_launch():
 def test_launched_config_leaves_out_only_what_no_launch_reads():
     from devices import A100, H200
 
+    from tuner.kernels import gemm as gemm_k
     from tuner.layer import repair_config
     from tuner.study import config_hash
 
@@ -655,7 +673,8 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
 
     def same(shape, a, b, device=H200):
         shape = PRESETS[shape]
-        return config_hash(repair_config(a, shape, 2, device)) == config_hash(repair_config(b, shape, 2, device))
+        return (config_hash(repair_config(a, shape, 2, device), shape)
+                == config_hash(repair_config(b, shape, 2, device), shape))
 
     def edit(cfg, **kernels):
         return replace(cfg, **{k: replace(getattr(cfg, k), **f) for k, f in kernels.items()})
@@ -699,6 +718,19 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
     assert repair_config(attn_qkv, BERT_BASE, 2, H200).qkv.fuse == 1
     assert same("bert-base", attn_qkv, edit(attn_qkv, qkv=dict(block_n=128, group_m=1, split_k=2)))
     assert not same("bert-base", attn_qkv, edit(attn_qkv, qkv=dict(num_stages=attn_qkv.qkv.num_stages + 1)))
+    # the ratios as the launches read them: a trigger and a prefetch count in K tiles. FFN1 in 256-wide K tiles has 3:
+    # prefetch 0.8 and 1.0 both take all 3, 0.2 and 0.4 take 1 and 2; overlap 0 to 0.4 trigger after the first, 0.6
+    # after the second, and -1 launches without PDL
+    wide = edit(seed, ffn1=dict(block_k=256, num_stages=3, split_k=1))
+    assert gemm_k.triton_knobs(repair_config(wide, BERT_BASE, 2, H200).ffn1, 768) == (0, 3, -1)
+    assert same("bert-base", wide, edit(wide, ffn1=dict(prefetch_ratio=0.8)))
+    assert not same("bert-base", edit(wide, ffn1=dict(prefetch_ratio=0.2)), edit(wide, ffn1=dict(prefetch_ratio=0.4)))
+    assert same("bert-base", wide, edit(wide, ffn1=dict(overlap_ratio=0.4)))
+    assert not same("bert-base", wide, edit(wide, ffn1=dict(overlap_ratio=0.6)))
+    assert not same("bert-base", wide, edit(wide, ffn1=dict(overlap_ratio=-1.0)))
+    # QKV's kernel with the attention counts its 12 K tiles of 64: every ratio of the grid is its own launch
+    assert not same("bert-base", seed, edit(seed, qkv=dict(overlap_ratio=0.2)))
+    assert not same("bert-base", seed, edit(seed, qkv=dict(prefetch_ratio=0.8)))
     # the one-kernel layer's fields where it is off; the seven kernels' where it is on
     base = default_config(BERT_BASE)
     assert same("bert-base", base, edit(base, layer=dict(num_warps=4, block_k=128)))
@@ -708,31 +740,65 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
     assert not same("bert-base", fused, edit(fused, layer=dict(num_stages=fused.layer.num_stages + 1)))
 
 
-def test_the_cluster_kernels_launch_reads_no_group_m(monkeypatch):
-    # launched_config leaves group_m out of a GEMM on the cluster kernel: gemm.linear must pass that kernel nothing
-    # that group_m decides (the launch's arguments recorded, on the CPU, where the kernel itself cannot run)
+@pytest.mark.parametrize("kernel", ["cluster", "triton"])
+def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
+    # config_hash leaves out what the out-projection's launch does not read (a clustered GEMM's group_m) and keys its
+    # ratios by the K tiles they round to (a trigger and a prefetch count, and the split-K reduction's trigger): two
+    # configurations must hash alike exactly where gemm.linear launches them alike. The launches are recorded, not
+    # run (on the CPU, with PDL as on Hopper), for every pair of a sweep of ratios and group_m.
+    import itertools
+
     import torch
 
-    from tuner.kernels import cluster_gemm
+    from tuner.kernels import _common, cluster_gemm
     from tuner.kernels import gemm as gemm_k
+    from tuner.study import config_hash
 
     launched = []
+
+    class Recorder:  # a Triton kernel: kernel[grid](*args, **meta)
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((self.name, grid, a, kw))
+
+    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
+    for module in (_common, gemm_k):
+        monkeypatch.setattr(module, "launch_mode", lambda t: hopper)
     monkeypatch.setattr(cluster_gemm, "usable", lambda device: True)
-    monkeypatch.setattr(cluster_gemm, "launch", lambda *a, **kw: launched.append((a, kw)))
+    monkeypatch.setattr(cluster_gemm, "launch", lambda *a, **kw: launched.append(("cluster", None, a, kw)))
+    monkeypatch.setattr(gemm_k, "_gemm_kernel", Recorder("gemm"))
+    monkeypatch.setattr(gemm_k, "_splitk_reduce_kernel", Recorder("reduce"))
     x, w, b, res, out = (torch.randn(*s).half() for s in ((128, 768), (768, 768), (768,), (128, 768), (128, 768)))
-    seed = hand_picked_cluster(BERT_BASE).out
-    assert seed.cluster and seed.group_m == 8
-    for group_m in (1, 4, 8):
-        gemm_k.linear(x, w, b, config=replace(seed, group_m=group_m), residual=res, out=out)
+    seed = hand_picked_cluster(BERT_BASE)
+    base = seed.out if kernel == "cluster" else replace(seed.out, cluster=0, tma=0, block_k=64)  # 12 K tiles, 4 splits
+    assert base.split_k == 4 and bool(base.cluster) == (kernel == "cluster")
+    ws = torch.empty(gemm_k.workspace_numel(base, 128, 768))
+    ratios = (-1.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    configs = [replace(base, overlap_ratio=o, prefetch_ratio=p, group_m=g)
+               for o, p, g in itertools.product(ratios, ratios, (1, 8))]
+    calls = []
+    for c in configs:
+        launched.clear()
+        gemm_k.linear(x, w, b, config=c, residual=res, out=out, workspace=ws)
+        calls.append(list(launched))
 
     def same(u, v):  # (the same tensors, or equal values)
         return u is v if torch.is_tensor(u) or torch.is_tensor(v) else u == v
 
-    (a0, kw0), *rest = launched
-    assert len(rest) == 2 and kw0["split"] == seed.split_k
-    for a, kw in rest:
-        assert len(a) == len(a0) and all(map(same, a, a0)) and kw.keys() == kw0.keys(), (a, kw)
-        assert all(same(kw[k], kw0[k]) for k in kw0), kw
+    def alike(p, q):
+        return len(p) == len(q) and all(
+            n1 == n2 and g1 == g2 and len(a1) == len(a2) and all(map(same, a1, a2)) and kw1.keys() == kw2.keys()
+            and all(same(kw1[k], kw2[k]) for k in kw1) for (n1, g1, a1, kw1), (n2, g2, a2, kw2) in zip(p, q))
+
+    hashes = [config_hash(replace(seed, out=c), BERT_BASE) for c in configs]
+    merged = 0
+    for i, j in itertools.combinations(range(len(configs)), 2):
+        assert (hashes[i] == hashes[j]) == alike(calls[i], calls[j]), (configs[i], configs[j])
+        merged += hashes[i] == hashes[j]
+    assert {n for n, *_ in calls[-1]} == ({"cluster"} if kernel == "cluster" else {"gemm", "reduce"})
+    assert merged > len(configs) // 2  # (the sweep has launches alike to merge, not only the group_m pairs)
 
 
 def test_local_step_moves_what_the_launches_read():
@@ -906,15 +972,16 @@ def test_a_study_continued_from_an_older_hash_merges_what_launches_the_same(tmp_
     from tuner import study as study_mod
 
     real = study_mod.config_hash
-    monkeypatch.setattr(study_mod, "config_hash", lambda cfg: hashlib.sha1(
+    monkeypatch.setattr(study_mod, "config_hash", lambda cfg, shape=None: hashlib.sha1(
         json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12])
     run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=6, sampler="random", seed=3)
     before = load_study(tmp_path, "old").trials
     measured = [t for t in before if "duplicate_of" not in t.user_attrs and not t.user_attrs.get("is_baseline")
                 and t.user_attrs.get("knobs_off_of") is None]
     monkeypatch.setattr(study_mod, "config_hash", real)
-    assert len({study_mod.stored_hash(t) for t in measured}) < len(measured)  # the old hash measured one set twice
-    assert all(study_mod.stored_hash(t) == real(DecoderConfig.from_dict(t.user_attrs["config"])) for t in before)
+    assert len({study_mod.stored_hash(t, BERT_BASE) for t in measured}) < len(measured)  # one set measured twice
+    assert all(study_mod.stored_hash(t, BERT_BASE) == real(DecoderConfig.from_dict(t.user_attrs["config"]), BERT_BASE)
+               for t in before)
     run(tmp_path, replay, _one_set_of_launches(), study_name="old", trials=9, sampler="random", seed=4)
     new = [t for t in load_study(tmp_path, "old").trials if t.number >= len(before)]
     assert new and all("duplicate_of" in t.user_attrs for t in new), [(t.number, t.user_attrs) for t in new]

@@ -469,11 +469,33 @@ class ReplayEvaluator:
         bad = check_config(cfg, self.shape, 2, self.measured_on)
         return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
 
+    def _launches(self) -> dict[str, int]:
+        """The recorded rows by what they launch (tuner.study.config_hash on the recording's shape), the first of each
+        that did not fail where several launch the same (computed once)."""
+        if getattr(self, "_by_launch", None) is None:
+            from tuner.space import to_config
+            from tuner.study import config_hash
+
+            self._by_launch = {}
+            for i, (params, status) in enumerate(zip(self.rows[self.params].to_dict("records"), self.rows["status"])):
+                try:
+                    h = config_hash(to_config(params), self.shape)
+                except (KeyError, TypeError, ValueError):  # (ConfigError is a ValueError)
+                    continue
+                first = self._by_launch.get(h)
+                if first is None or (status == "ok" and self.rows["status"].iloc[first] != "ok"):
+                    self._by_launch[h] = i
+        return self._by_launch
+
     def _lookup(self, cfg: DecoderConfig) -> tuple[dict, bool]:
         from tuner.space import from_config
 
         want = self._key(from_config(cfg))
         i = self.keys.get(want)
+        if i is None:  # a configuration that launches what a recorded one launched was measured: served as its own
+            from tuner.study import config_hash
+
+            i = self._launches().get(config_hash(cfg, self.shape))
         if i is not None:
             return self.rows.iloc[i].to_dict(), False
         import numpy as np

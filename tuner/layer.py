@@ -325,6 +325,48 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
     return replace(cfg, **out)
 
 
+def qkv_attn_knobs(c: gemm_k.GemmConfig, shape: DecoderShape) -> tuple[int, int]:
+    """What QKV's kernel with the attention (``qkv.fuse`` 1) reads of QKV's two ratios: its trigger and prefetch
+    count in 64-wide K tiles. The one place: the launch (layer_launches) and the launch key (:func:`launch_key`)."""
+    k_tiles = shape.d_model // 64
+    return trigger_index(k_tiles, c.overlap_ratio), prefetch_count(k_tiles, c.prefetch_ratio)
+
+
+def launch_key(cfg: DecoderConfig, shape: DecoderShape | None = None) -> dict:
+    """What ``cfg`` (as repair_config leaves it) launches, as a dict the study hashes (tuner.study.config_hash):
+    :func:`launched_config`'s fields, and with ``shape`` each GEMM's two ratios replaced by what its launches read of
+    them (a trigger and a prefetch count in K tiles: gemm.triton_knobs, gemm.cluster_knobs, qkv_attn_knobs, and
+    mlp_cluster.early_tiles for FFN1 as the feed-forward block), so ratios that round to the same K tile are one
+    launch. A GEMM that may run on either kernel (a clustered one with a folded LayerNorm) keys both kernels'."""
+    key = launched_config(cfg).to_dict()
+    if shape is None or cfg.fused:
+        return key
+    from tuner.kernels import mlp_cluster
+
+    unlaunched = unlaunched_kernels(cfg)
+    for g, (_, _, k) in shape.gemms().items():
+        c = getattr(cfg, g)
+        if g in unlaunched:
+            continue
+        if g == "ffn1" and cfg.ffn2.fuse:  # the block: on PDL, the weight tiles it loads before its wait
+            pdl = c.overlap_ratio >= 0
+            kinds = [("block", pdl, mlp_cluster.early_tiles(c.prefetch_ratio, shape.d_model, mlp_fs(cfg),
+                                                            bool(cfg.out.fuse)) if pdl else -1)]
+        elif g == "qkv" and c.fuse == 1:  # (the first layer under norm1.fuse 2 runs QKV on the Triton kernels)
+            kinds = [("qkv_attn", *qkv_attn_knobs(c, shape))]
+            if cfg.norm1.fuse == 2:
+                kinds.append(("triton", *gemm_k.triton_knobs(c, k)))
+        elif _on_cluster_kernel(cfg, g):
+            kinds = [("cluster", *gemm_k.cluster_knobs(c, k))]
+        else:
+            kinds = [("triton", *gemm_k.triton_knobs(c, k))] + ([("cluster", *gemm_k.cluster_knobs(c, k))]
+                                                                 if c.cluster else [])
+        entry = key["kernels"][g]
+        del entry["overlap_ratio"], entry["prefetch_ratio"]
+        entry["launches"] = [list(kind) for kind in kinds]
+    return key
+
+
 def default_config(shape: DecoderShape) -> DecoderConfig:
     """The baseline of every comparison: default tiles (fitted to the shape), every pair at (-1, -1)."""
     return fit_config(DecoderConfig(), shape)
@@ -520,11 +562,10 @@ def layer_launches(shape: DecoderShape, cfg: DecoderConfig, w: LayerWeights, x: 
         # (the first layer of a stack with norm1.fuse 2 has no row sums of x: there QKV and the attention run apart)
         from tuner.kernels import qkv_attn
 
-        k_tiles = shape.d_model // 64
+        trigger_k, n_pref = qkv_attn_knobs(cfg.qkv, shape)
         launches[1] = ("qkv", lambda: qkv_attn.launch(
             x if ln1 else b.ln1, w_qkv, b_qkv, b.attn, seq=shape.seq, stages=gemm_k.cluster_stages(cfg.qkv),
-            trigger_k=trigger_index(k_tiles, cfg.qkv.overlap_ratio),
-            n_pref=prefetch_count(k_tiles, cfg.qkv.prefetch_ratio), ln_stats=ln1.get("ln_stats"),
+            trigger_k=trigger_k, n_pref=n_pref, ln_stats=ln1.get("ln_stats"),
             ln_colsum=ln1.get("ln_colsum"), ln_eps=LN_EPS, racy=r("qkv"), hints=gemm_k.l2_hints(cfg.qkv)))
         skip.add("attn")
         replaced.add("qkv")

@@ -30,7 +30,7 @@ from tuner import manifest
 from tuner.config import GEMMS, ConfigError, DecoderConfig
 from tuner.evaluate import TrialResult
 from tuner.kernels import cluster_gemm
-from tuner.layer import default_config, idle_kernels, launched_config, qkv_attn_error, unlaunched_kernels
+from tuner.layer import default_config, idle_kernels, launch_key, qkv_attn_error, unlaunched_kernels
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config, trial_params
 from tuner.storage import (LATENCY_ATTR, OWNER_ATTR, await_owners, default_url, interrupted, open_storage,
@@ -99,20 +99,21 @@ def study_name(shape: DecoderShape, dtype: str, device_name: str, l2: str, repla
     return name + ("-replay" if replayed else "")
 
 
-def config_hash(cfg: DecoderConfig) -> str:
-    """What a measured configuration launches (tuner.layer.launched_config: fields no launch reads left out), hashed:
-    the study measures once each set of launches, and a trial that repeats one reuses its measurement."""
-    return hashlib.sha1(json.dumps(launched_config(cfg).to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+def config_hash(cfg: DecoderConfig, shape: DecoderShape | None = None) -> str:
+    """What a measured configuration launches (tuner.layer.launch_key: fields no launch reads left out and, on
+    ``shape``, the GEMMs' ratios as their launches read them), hashed: the study measures once each set of launches,
+    and a trial that repeats one reuses its measurement. Every hash a study compares is taken on its shape."""
+    return hashlib.sha1(json.dumps(launch_key(cfg, shape), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def stored_hash(trial) -> str | None:
+def stored_hash(trial, shape: DecoderShape | None = None) -> str | None:
     """:func:`config_hash` of the configuration a stored trial measured (its ``config`` attribute), recomputed: a study
     continued from an older tuner, whose hash kept fields no launch reads, then merges what launches the same. The
     stored ``config_hash`` where the configuration does not load."""
     attrs = trial.user_attrs
     if "config" in attrs:
         try:
-            return config_hash(DecoderConfig.from_dict(attrs["config"]))
+            return config_hash(DecoderConfig.from_dict(attrs["config"]), shape)
         except (ConfigError, KeyError, TypeError, ValueError):
             pass
     return attrs.get("config_hash")
@@ -143,13 +144,13 @@ class StudyOptions:
     rechecks: int = 5
 
 
-def _record(trial, cfg: DecoderConfig, res: TrialResult):
+def _record(trial, cfg: DecoderConfig, res: TrialResult, shape: DecoderShape):
     """The measurement's attributes on ``trial`` (anything with ``set_user_attr``). The status goes last: a trial
     whose process died with the status written has the rest too, and storage.recover_orphans ends it as measured."""
     trial.set_user_attr("reason", res.reason[:500])
     trial.set_user_attr("spread_us", res.spread_us if not math.isnan(res.spread_us) else None)
     trial.set_user_attr("approximated", res.approximated)
-    trial.set_user_attr("config_hash", config_hash(cfg))
+    trial.set_user_attr("config_hash", config_hash(cfg, shape))
     trial.set_user_attr("config", cfg.to_dict())
     trial.set_user_attr(LATENCY_ATTR, res.latency_us if res.status == "ok" else None)
     trial.set_user_attr("status", res.status)
@@ -329,7 +330,7 @@ def _enqueue_first_trials(study, shape: DecoderShape, pdl: bool, space: SearchSp
 def _unread_params(cfg: DecoderConfig):
     """A predicate on search-space parameter names: True for those no launch of ``cfg`` reads (``kernel.field``; a
     kernel's ``fuse`` switch is always read: it decides what runs)."""
-    idle = unlaunched_kernels(cfg)  # (as launched_config counts them)
+    idle = unlaunched_kernels(cfg)  # (as launch_key counts them)
 
     def unread(name: str) -> bool:
         kernel, field = name.split(".", 1)
@@ -454,7 +455,7 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
     for t in done:  # (where several launch the same, the first that did not fail)
         if interrupted(t):  # (no result to reuse; its retry measures it)
             continue
-        h = stored_hash(t)
+        h = stored_hash(t, shape)
         if h is not None and (h not in cache or cache[h][2].get("status") in (None, "crashed", "timeout")):
             cache[h] = (t.number, t.value, dict(t.user_attrs))
 
@@ -465,7 +466,7 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
         # Tiles beyond the problem, the shared memory or the registers are moved to the nearest config
         # that runs (the trial records the config it measured); what still fails check() is invalid.
         cfg = repaired(params)
-        h = config_hash(cfg)
+        h = config_hash(cfg, shape)
         if h in cache and cache[h][2].get("status") not in (None, "crashed", "timeout"):
             number, value, attrs = cache[h]
             trial.set_user_attr("duplicate_of", number)
@@ -474,7 +475,7 @@ def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget
                     trial.set_user_attr(k, v)
             return value if value is not None else float("nan")
         res = evaluator.evaluate(cfg)
-        _record(trial, cfg, res)
+        _record(trial, cfg, res, shape)
         # a FAIL trial for Optuna where the candidate failed; the status says why
         value = res.latency_us if res.status == "ok" else float("nan")
         cache[h] = (trial.number, value, dict(trial.user_attrs))
@@ -594,12 +595,13 @@ def _best_trial(trials):
 
 
 def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, number: int, trials,
-                     repaired=None, budget: int | None = None) -> bool:
+                     repaired=None, budget: int | None = None, shape: DecoderShape | None = None) -> bool:
     """After every ``local_every``-th trial: queue a neighbour of the best so far, while the budget
     leaves room for it and the sampler's own next proposal (nothing is left waiting at the end).
     ``trials``: the study's trials as just read; ``repaired``: params -> the config measured for them
     (_repairer), whose kernels not launched the step leaves alone and whose launches it changes (local_step);
-    ``budget``: the search's (default the study's). Returns whether a trial was queued."""
+    ``budget``: the search's (default the study's); ``shape``: the study's, on which launches are compared
+    (config_hash). Returns whether a trial was queued."""
     if opts.sampler != "tpe" or opts.local_every <= 0 or number % opts.local_every != opts.local_every - 1:
         return False
     budget = opts.trials if budget is None else budget
@@ -612,23 +614,24 @@ def _queue_neighbour(study, space: SearchSpace, pdl: bool, opts: StudyOptions, n
 
     # (the best trial's params went through ``repaired`` when it was evaluated: this cannot fail where that did not)
     p = local_step(best.params, space, pdl, np.random.default_rng(opts.seed + 1000 * opts.worker_index + number),
-                   repaired)
+                   repaired, shape)
     if p is None:
         return False
     study.enqueue_trial(p, user_attrs={"neighbour_of": best.number})
     return True
 
 
-def local_step(params: dict, space: SearchSpace, pdl: bool, rng, repaired=None) -> dict | None:
+def local_step(params: dict, space: SearchSpace, pdl: bool, rng, repaired=None,
+               shape: DecoderShape | None = None) -> dict | None:
     """A :func:`neighbour` of ``params`` that launches something else: ``repaired`` (params -> the config measured
     for them, _repairer) names the kernels that are not launched, and a draw whose config launches what ``params``
     do (:func:`config_hash`) is drawn again, :data:`NEIGHBOUR_TRIES` times at most. None where no draw moves."""
     here = repaired(params) if repaired is not None else None
     idle = idle_kernels(here) if here is not None else frozenset()
-    launches = config_hash(here) if here is not None else None
+    launches = config_hash(here, shape) if here is not None else None
     for _ in range(NEIGHBOUR_TRIES):
         p = neighbour(params, space, pdl, rng, idle)
-        if p is None or here is None or config_hash(repaired(p)) != launches:
+        if p is None or here is None or config_hash(repaired(p), shape) != launches:
             return p
     return None
 
@@ -667,7 +670,7 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
         # One read of the trial list serves the rest of the hook (again only after it queued a trial).
         recover_orphans(st)  # a sibling process may have died mid-trial (it reads the running ones)
         trials = st.get_trials(deepcopy=False)
-        if _queue_neighbour(st, space, pdl, opts, tr.number, trials, repaired, budget):
+        if _queue_neighbour(st, space, pdl, opts, tr.number, trials, repaired, budget, shape):
             trials = st.get_trials(deepcopy=False)
         if bar is not None:
             update_progress(bar, st, timeout_s - (time.time() - t0) if timeout_s else None, trials)
@@ -703,8 +706,8 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
         return False
     params = {**best.params, **{n: -1.0 for n in ratios}}
     cfg = _repairer(shape, evaluator)(params)
-    launches = config_hash(cfg)
-    if any(stored_hash(t) == launches for t in trials):
+    launches = config_hash(cfg, shape)
+    if any(stored_hash(t, shape) == launches for t in trials):
         return False
 
     class Attrs(dict):
@@ -713,7 +716,7 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
     attrs = Attrs(knobs_off_of=best.number)
     try:
         res = evaluator.evaluate(cfg)
-        _record(attrs, cfg, res)
+        _record(attrs, cfg, res, shape)
         value = res.latency_us if res.status == "ok" else None
     except WorkerStartError:
         raise
@@ -822,7 +825,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     ok = df[(df["status"] == "ok")]
     # one row for each set of launches (config_hash), the first trial that measured it (a study continued from before
     # config_hash left out what no launch reads may hold two trials of one)
-    launches = ok["number"].map(lambda n: config_hash(trial_cfg[n]) if n in trial_cfg else f"trial {n}")
+    launches = ok["number"].map(lambda n: config_hash(trial_cfg[n], shape) if n in trial_cfg else f"trial {n}")
     ok = ok[~launches.duplicated()]
     # (a replay serves a configuration it does not hold its nearest recorded one's timing: on a tie the recorded one
     # ranks first, so the top-1 and best.json are a configuration the recording measured wherever one ties it)
