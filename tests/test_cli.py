@@ -1308,7 +1308,8 @@ def test_an_install_without_the_recordings_still_runs_every_command(tmp_path, mo
     assert main(["shapes"]) == 0 and "bert-base" in capsys.readouterr().out
     assert main(["decoder", "--replay", "replay-bert-base-h200-20261128", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no such file or folder (recordings shipped with pdl-tune: none in this install)" in err
+    assert err.count("\n") == 1, err
+    assert "no such file or folder (recordings shipped with pdl-tune: none in this install)" in err
     assert not (tmp_path / "results").exists()
 
 
