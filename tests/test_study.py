@@ -323,6 +323,15 @@ def test_a_replay_serves_a_breakdown_only_for_the_kernels_it_timed(tmp_path, rep
     assert exported["approximated"] == top["rows"][0]["approximated"]
     assert (folder / "breakdown.json").is_file() == (replay.breakdown(DecoderConfig.from_dict(exported["config"]))
                                                        is not None)
+    # and a configuration that launches what the best launched (the run of record's trials 40 and 46: FFN1's
+    # prefetch at 0.8 or 1.0 over its 3 K tiles, the clustered out-projection's group_m) timed the same kernels
+    record = ReplayEvaluator(REPLAY.parent / "replay-bert-base-h200-20261128")
+    trials = pd.read_csv(REPLAY.parent / "replay-bert-base-h200-20261128" / "trials.csv").set_index("number")
+    best46 = json.loads((REPLAY.parent / "replay-bert-base-h200-20261128" / "best.json").read_text())["config"]
+    assert best46 == recorded_config(trials.loc[46]).to_dict()
+    expected = json.loads((REPLAY.parent / "replay-bert-base-h200-20261128" / "breakdown.json").read_text())["best"]
+    assert record.breakdown(recorded_config(trials.loc[40])) == expected
+    assert record.breakdown(recorded_config(trials.loc[38])) is None
     marked = sum("≈" in ln.split("|")[1] for ln in (folder / "topk.md").read_text().splitlines()
                  if ln.startswith("|") and ln.split("|")[1].strip()[:1].isdigit())
     assert marked == sum(r["approximated"] for r in top["rows"])

@@ -435,6 +435,7 @@ class ReplayEvaluator:
                               self._key(df[df["status"] == "ok"].sort_values("latency_us").iloc[0].to_dict()))
         except (ValueError, KeyError, TypeError):  # (then no breakdown is served for any config but the baseline)
             pass
+        self._best_launch = None  # (its launch key, computed where first asked: breakdown)
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         # The recording's GPU as its search saw it (tuner.device.DeviceInfo): a sampled config is repaired for it
         # (study._repairer) and checked against it, so that a config the search measured is found again as itself (on
@@ -530,13 +531,22 @@ class ReplayEvaluator:
 
     def breakdown(self, cfg):
         """The recorded per-kernel breakdown: the baseline's for the default config, the best's for the recording's
-        best configuration; None for any other (a breakdown belongs to the kernels it timed)."""
+        best configuration or one that launches what it launched (tuner.study.config_hash); None for any other (a
+        breakdown belongs to the kernels it timed)."""
         from tuner.layer import default_config
-        from tuner.space import from_config
+        from tuner.space import from_config, to_config
+        from tuner.study import config_hash
 
         if cfg == default_config(self.shape):
             return (self._breakdown or {}).get("baseline")
-        if self._best_key is not None and self._key(from_config(cfg)) == self._best_key:
+        if self._best_key is None:
+            return None
+        if self._best_launch is None:
+            try:
+                self._best_launch = config_hash(to_config(dict(zip(self.params, self._best_key))), self.shape)
+            except (KeyError, TypeError, ValueError):
+                self._best_launch = ""
+        if self._key(from_config(cfg)) == self._best_key or config_hash(cfg, self.shape) == self._best_launch:
             return (self._breakdown or {}).get("best")
         return None
 
