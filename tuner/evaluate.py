@@ -481,8 +481,8 @@ class ReplayEvaluator:
             for i, (params, status) in enumerate(zip(self.rows[self.params].to_dict("records"), self.rows["status"])):
                 try:
                     h = config_hash(to_config(params), self.shape)
-                except (KeyError, TypeError, ValueError):  # (ConfigError is a ValueError)
-                    continue
+                except (ArithmeticError, KeyError, TypeError, ValueError):  # (a row that does not load; ConfigError
+                    continue  # is a ValueError)
                 first = self._by_launch.get(h)
                 if first is None or (status == "ok" and self.rows["status"].iloc[first] != "ok"):
                     self._by_launch[h] = i
@@ -544,7 +544,7 @@ class ReplayEvaluator:
         if self._best_launch is None:
             try:
                 self._best_launch = config_hash(to_config(dict(zip(self.params, self._best_key))), self.shape)
-            except (KeyError, TypeError, ValueError):
+            except (ArithmeticError, KeyError, TypeError, ValueError):
                 self._best_launch = ""
         if self._key(from_config(cfg)) == self._best_key or config_hash(cfg, self.shape) == self._best_launch:
             return (self._breakdown or {}).get("best")
