@@ -263,15 +263,20 @@ def triton_knobs(c: GemmConfig, k: int) -> tuple[int, int, int]:
     prefetch count, in K tiles of its split, and the split-K reduction kernel's trigger (-1 without one). The one
     place these are computed: :func:`linear` launches with them, and the study's launch key (tuner.layer) reads
     them, so two ratios that launch the same are measured once."""
-    per_split = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
+    per_split = _tiles_a_split(c, k)
     return (trigger_index(per_split, c.overlap_ratio), prefetch_count(per_split, c.prefetch_ratio),
             trigger_index(c.split_k, c.overlap_ratio) if c.split_k > 1 else -1)
 
 
 def cluster_knobs(c: GemmConfig, k: int) -> tuple[int, int, int]:
     """:func:`triton_knobs` for the cluster kernel: its K tiles a split (64 wide), trigger and prefetch count."""
-    per64 = triton.cdiv(triton.cdiv(k, c.block_k), c.split_k) * c.block_k // cluster_gemm.BLOCK
+    per64 = _tiles_a_split(c, k) * c.block_k // cluster_gemm.BLOCK
     return per64, trigger_index(per64, c.overlap_ratio), prefetch_count(per64, c.prefetch_ratio)
+
+
+def _tiles_a_split(c: GemmConfig, k: int) -> int:
+    """The ``block_k``-wide K tiles of one split-K program (the last one may hold fewer)."""
+    return triton.cdiv(triton.cdiv(k, c.block_k), c.split_k)
 
 
 def cluster_stages(c: GemmConfig) -> int:

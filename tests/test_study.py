@@ -826,14 +826,14 @@ def test_local_step_moves_what_the_launches_read():
     def repaired(p):
         return repair_config(space.to_config(p), tiny, 2, H200)
 
-    here = config_hash(repaired(params))
+    here = config_hash(repaired(params), tiny)
     plain = [neighbour(params, sp, True, np.random.default_rng(seed)) for seed in range(200)]
     tile = {f"ffn1.{f}" for f in ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "split_k")}
     ffn1_tiles = [p for p in plain if set() < {k for k in p if p[k] != params[k]} <= tile]
-    assert ffn1_tiles and all(config_hash(repaired(p)) == here for p in ffn1_tiles)  # what the retry is for
+    assert ffn1_tiles and all(config_hash(repaired(p), tiny) == here for p in ffn1_tiles)  # what the retry is for
     for seed in range(200):
-        p = local_step(params, sp, True, np.random.default_rng(seed), repaired)
-        assert p is not None and config_hash(repaired(p)) != here, seed
+        p = local_step(params, sp, True, np.random.default_rng(seed), repaired, tiny)
+        assert p is not None and config_hash(repaired(p), tiny) != here, seed
 
 
 def test_neighbour_leaves_the_kernels_not_launched_alone_but_their_switch():

@@ -435,7 +435,8 @@ class ReplayEvaluator:
                               self._key(df[df["status"] == "ok"].sort_values("latency_us").iloc[0].to_dict()))
         except (ValueError, KeyError, TypeError):  # (then no breakdown is served for any config but the baseline)
             pass
-        self._best_launch = None  # (its launch key, computed where first asked: breakdown)
+        # (computed where first asked: the best's launch hash by breakdown, the rows' by _launches)
+        self._best_launch, self._by_launch = None, None
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         # The recording's GPU as its search saw it (tuner.device.DeviceInfo): a sampled config is repaired for it
         # (study._repairer) and checked against it, so that a config the search measured is found again as itself (on
@@ -470,21 +471,26 @@ class ReplayEvaluator:
         bad = check_config(cfg, self.shape, 2, self.measured_on)
         return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
 
-    def _launches(self) -> dict[str, int]:
-        """The recorded rows by what they launch (tuner.study.config_hash on the recording's shape), the first of each
-        that did not fail where several launch the same (computed once)."""
-        if getattr(self, "_by_launch", None) is None:
-            from tuner.space import to_config
-            from tuner.study import config_hash
+    def _launch_of(self, params: dict) -> str | None:
+        """What recorded parameters launch (tuner.study.config_hash on the recording's shape); None where they do not
+        load (ConfigError is a ValueError)."""
+        from tuner.space import to_config
+        from tuner.study import config_hash
 
+        try:
+            return config_hash(to_config(params), self.shape)
+        except (ArithmeticError, KeyError, TypeError, ValueError):
+            return None
+
+    def _launches(self) -> dict[str, int]:
+        """The recorded rows by what they launch, the first of each that did not fail where several launch the same
+        (computed once)."""
+        if self._by_launch is None:
             self._by_launch = {}
             for i, (params, status) in enumerate(zip(self.rows[self.params].to_dict("records"), self.rows["status"])):
-                try:
-                    h = config_hash(to_config(params), self.shape)
-                except (ArithmeticError, KeyError, TypeError, ValueError):  # (a row that does not load; ConfigError
-                    continue  # is a ValueError)
+                h = self._launch_of(params)
                 first = self._by_launch.get(h)
-                if first is None or (status == "ok" and self.rows["status"].iloc[first] != "ok"):
+                if h is not None and (first is None or (status == "ok" and self.rows["status"].iloc[first] != "ok")):
                     self._by_launch[h] = i
         return self._by_launch
 
@@ -534,7 +540,7 @@ class ReplayEvaluator:
         best configuration or one that launches what it launched (tuner.study.config_hash); None for any other (a
         breakdown belongs to the kernels it timed)."""
         from tuner.layer import default_config
-        from tuner.space import from_config, to_config
+        from tuner.space import from_config
         from tuner.study import config_hash
 
         if cfg == default_config(self.shape):
@@ -542,10 +548,7 @@ class ReplayEvaluator:
         if self._best_key is None:
             return None
         if self._best_launch is None:
-            try:
-                self._best_launch = config_hash(to_config(dict(zip(self.params, self._best_key))), self.shape)
-            except (ArithmeticError, KeyError, TypeError, ValueError):
-                self._best_launch = ""
+            self._best_launch = self._launch_of(dict(zip(self.params, self._best_key))) or ""
         if self._key(from_config(cfg)) == self._best_key or config_hash(cfg, self.shape) == self._best_launch:
             return (self._breakdown or {}).get("best")
         return None

@@ -332,14 +332,14 @@ def qkv_attn_knobs(c: gemm_k.GemmConfig, shape: DecoderShape) -> tuple[int, int]
     return trigger_index(k_tiles, c.overlap_ratio), prefetch_count(k_tiles, c.prefetch_ratio)
 
 
-def launch_key(cfg: DecoderConfig, shape: DecoderShape | None = None) -> dict:
+def launch_key(cfg: DecoderConfig, shape: DecoderShape) -> dict:
     """What ``cfg`` (as repair_config leaves it) launches, as a dict the study hashes (tuner.study.config_hash):
-    :func:`launched_config`'s fields, and with ``shape`` each GEMM's two ratios replaced by what its launches read of
+    :func:`launched_config`'s fields, and on ``shape`` each GEMM's two ratios replaced by what its launches read of
     them (a trigger and a prefetch count in K tiles: gemm.triton_knobs, gemm.cluster_knobs, qkv_attn_knobs, and
     mlp_cluster.early_tiles for FFN1 as the feed-forward block), so ratios that round to the same K tile are one
     launch. A GEMM that may run on either kernel (a clustered one with a folded LayerNorm) keys both kernels'."""
     key = launched_config(cfg).to_dict()
-    if shape is None or cfg.fused:
+    if cfg.fused:
         return key
     from tuner.kernels import mlp_cluster
 

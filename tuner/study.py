@@ -99,14 +99,14 @@ def study_name(shape: DecoderShape, dtype: str, device_name: str, l2: str, repla
     return name + ("-replay" if replayed else "")
 
 
-def config_hash(cfg: DecoderConfig, shape: DecoderShape | None = None) -> str:
+def config_hash(cfg: DecoderConfig, shape: DecoderShape) -> str:
     """What a measured configuration launches (tuner.layer.launch_key: fields no launch reads left out and, on
     ``shape``, the GEMMs' ratios as their launches read them), hashed: the study measures once each set of launches,
     and a trial that repeats one reuses its measurement. Every hash a study compares is taken on its shape."""
     return hashlib.sha1(json.dumps(launch_key(cfg, shape), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def stored_hash(trial, shape: DecoderShape | None = None) -> str | None:
+def stored_hash(trial, shape: DecoderShape) -> str | None:
     """:func:`config_hash` of the configuration a stored trial measured (its ``config`` attribute), recomputed: a study
     continued from an older tuner, whose hash kept fields no launch reads, then merges what launches the same. The
     stored ``config_hash`` where the configuration does not load."""
@@ -625,7 +625,8 @@ def local_step(params: dict, space: SearchSpace, pdl: bool, rng, repaired=None,
                shape: DecoderShape | None = None) -> dict | None:
     """A :func:`neighbour` of ``params`` that launches something else: ``repaired`` (params -> the config measured
     for them, _repairer) names the kernels that are not launched, and a draw whose config launches what ``params``
-    do (:func:`config_hash`) is drawn again, :data:`NEIGHBOUR_TRIES` times at most. None where no draw moves."""
+    do (:func:`config_hash` on ``shape``, the study's: given with ``repaired``) is drawn again,
+    :data:`NEIGHBOUR_TRIES` times at most. None where no draw moves."""
     here = repaired(params) if repaired is not None else None
     idle = idle_kernels(here) if here is not None else frozenset()
     launches = config_hash(here, shape) if here is not None else None
