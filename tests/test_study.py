@@ -27,7 +27,7 @@ from tuner.evaluate import ReplayEvaluator
 from tuner.kernels.norm import NormConfig
 from tuner.layer import check_config, default_config
 from tuner.shapes import PRESETS, resolve
-from tuner.study import SAMPLERS, StudyError, StudyOptions, _repairer, make_sampler, run_study, study_name
+from tuner.study import SAMPLERS, StudyError, StudyOptions, _repairer, config_hash, make_sampler, run_study, study_name
 
 REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
 BERT_BASE = PRESETS["bert-base"]
@@ -523,19 +523,69 @@ def test_study_counts_approximated_trials(tmp_path, replay):
     assert f"{n} trials approximated by the replay" in (folder / "topk.md").read_text()
 
 
-def test_a_recorded_configuration_ranks_above_the_approximated_ones_it_ties(tmp_path):
-    # A replay serves an unrecorded configuration its nearest recorded one's timing, so the local steps around the
-    # recording's best tie it exactly. Until session 51 the first such trial ranked first and went into best.json:
-    # a configuration no GPU measured (80 trials of the run of record's bert-base: the top-1 was one).
-    rec = ReplayEvaluator(REPLAY.parent / "replay-bert-base-h200-20261128")
+def test_a_replay_table_shows_each_recorded_measurement_once_as_measured(tmp_path):
+    # A replay serves an unrecorded configuration its nearest recorded one's timing. Until session 51 the local steps
+    # around the recording's best tied it exactly and the first such trial went into best.json: a configuration no GPU
+    # measured. Session 51 ranked the recorded one first on a tie; the table still showed nine neighbours at the best's
+    # timing, and trials that differ from their nearest recorded configuration in 30 parameters at its timing. Now an
+    # approximated trial stands in the table for the configuration it was served, which the recording measured.
+    src = REPLAY.parent / "replay-bert-base-h200-20261128"
+    rec = ReplayEvaluator(src)
     run_dir = run(tmp_path, rec, trials=80, top_k=10)
+    top = json.loads((run_dir / "topk.json").read_text())
+    rows, trials = top["rows"], pd.read_csv(run_dir / "trials.csv").set_index("number")
+    assert len(rows) == 10 and trials["approximated"].sum() > 0
+    recorded = pd.read_csv(src / "trials.csv").set_index("number")
+    for r in rows:
+        cfg = DecoderConfig.from_dict(r["config"])
+        served = rec.evaluate(cfg)  # a configuration the recording measured, at the recorded figures
+        assert not r["approximated"] and not served.approximated, r
+        assert r["served_from"] == trials.loc[r["trial"], "served_from"] == served.served_from
+        assert r["latency_us"] == served.latency_us == recorded.loc[served.served_from, "latency_us"]
+        # a row reached through an approximated trial shows the recorded configuration, not the trial's
+        assert r["via_neighbour"] == bool(trials.loc[r["trial"], "approximated"])
+        if r["via_neighbour"]:
+            assert r["config"] == rec.recorded_config(r["served_from"]).to_dict()
+            assert r["config"] != recorded_config(trials.loc[r["trial"]]).to_dict()
+    assert any(r["via_neighbour"] for r in rows), "no row reached through an approximated trial"
+    assert len({r["served_from"] for r in rows}) == len({config_hash(DecoderConfig.from_dict(r["config"]), rec.shape)
+                                                         for r in rows}) == len(rows)  # each measurement, launch once
+    assert [r["latency_us"] for r in rows] == sorted(r["latency_us"] for r in rows)
+    best = json.loads((run_dir / "best.json").read_text())
+    assert best["config"] == rows[0]["config"] and best["approximated"] is False
+    n = sum(r["via_neighbour"] for r in rows)
+    assert f"{n} of these rows {'was' if n == 1 else 'were'} reached by a trial the recording does not hold" in (
+        run_dir / "topk.md").read_text()
+    # the recording's ranks 1-3 launch alike (trials 40, 44 and 46): one row
+    assert sum(r["served_from"] in (40, 44, 46) for r in rows) <= 1
+
+
+def test_a_replay_row_keeps_its_trial_where_todays_checks_refuse_the_recorded_configuration(tmp_path):
+    # The recording's GPU as the manifest names it, with less shared memory: most recorded configurations are refused
+    # today, so an approximated trial served one of them stays in the table as itself, marked approximated, and each
+    # recorded timing is still shown once.
+    copy_dir = tmp_path / "recording"
+    shutil.copytree(REPLAY.parent / "replay-bert-base-h200-20261128", copy_dir)
+    man = json.loads((copy_dir / "manifest.json").read_text())
+    man["measured_on"]["smem_per_block_bytes"] = 150_000
+    (copy_dir / "manifest.json").write_text(json.dumps(man))
+    rec = ReplayEvaluator(copy_dir)
+    run_dir = run(tmp_path / "out", rec, trials=40, top_k=10)
     rows = json.loads((run_dir / "topk.json").read_text())["rows"]
-    assert any(r["approximated"] and r["latency_us"] == rows[0]["latency_us"] for r in rows), "no tie to rank"
-    for a, b in zip(rows, rows[1:]):
-        assert a["latency_us"] < b["latency_us"] or not a["approximated"] or b["approximated"], (a, b)
-    best = json.loads((run_dir / "best.json").read_text())["config"]
-    assert best == rows[0]["config"] and not rows[0]["approximated"]
-    assert rec.evaluate(DecoderConfig.from_dict(best)).approximated is False
+    trials = pd.read_csv(run_dir / "trials.csv").set_index("number")
+    kept = [r for r in rows if r["approximated"]]
+    assert kept, "no row of a refused recorded configuration"
+    for r in kept:
+        assert rec.recorded_config(r["served_from"]) is None and not r["via_neighbour"]
+        assert r["config"] == recorded_config(trials.loc[r["trial"]]).to_dict()
+    assert len({r["served_from"] for r in rows}) == len(rows)
+    # exported, such a row says whose timing it carries
+    from tuner.export import config_of, ranked
+
+    got = ranked(run_dir, kept[0]["rank"])
+    assert got["approximated"] is True and got["config"] == kept[0]["config"]
+    with pytest.warns(UserWarning, match=r"chosen in a replay: .*\(the nearest recorded configuration's\)"):
+        config_of(got, run_dir, gpu="NVIDIA H200")
 
 
 def test_baseline_is_measured_when_the_space_excludes_default_tiles(tmp_path, replay):
@@ -1160,10 +1210,11 @@ class _RecheckedReplay(ReplayEvaluator):
 
 
 def test_a_top_config_that_fails_its_recheck_is_left_out(tmp_path, replay):
-    clean = run(tmp_path / "a", replay, top_k=3)
+    replayed = run(tmp_path / "r", replay, top_k=3)
+    assert json.loads((replayed / "topk.json").read_text())["recheck"] == {"checks": 0, "failed": []}  # a replay
+    assert "not re-checked (replayed)" in (replayed / "topk.md").read_text()
+    clean = run(tmp_path / "a", _RecheckedReplay(REPLAY, {}), top_k=3)  # (its rows are its trials' configurations)
     first = json.loads((clean / "topk.json").read_text())["rows"]
-    assert json.loads((clean / "topk.json").read_text())["recheck"] == {"checks": 0, "failed": []}  # a replay
-    assert "not re-checked (replayed)" in (clean / "topk.md").read_text()
     top1, top2 = (DecoderConfig.from_dict(r["config"]) for r in first[:2])
     ev = _RecheckedReplay(REPLAY, {top1: "rel. error inf > 0.01 in check 3 of 5", top2: "raise"})
     got = run(tmp_path / "b", ev, top_k=3)

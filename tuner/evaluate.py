@@ -26,6 +26,9 @@ class TrialResult:
     reason: str = ""
     rel_error: float = math.nan
     approximated: bool = False
+    # a replay: the recorded trial whose timing was served (its number in the recording; the configuration's own
+    # where it launches what that trial launched, its nearest recorded one's where approximated)
+    served_from: int | None = None
 
     def __post_init__(self):
         assert self.status in STATUSES, self.status
@@ -494,7 +497,8 @@ class ReplayEvaluator:
                     self._by_launch[h] = i
         return self._by_launch
 
-    def _lookup(self, cfg: DecoderConfig) -> tuple[dict, bool]:
+    def _lookup(self, cfg: DecoderConfig) -> tuple[int, bool]:
+        """The position of the recorded row that serves ``cfg``, and whether it is another configuration's."""
         from tuner.space import from_config
 
         want = self._key(from_config(cfg))
@@ -504,7 +508,7 @@ class ReplayEvaluator:
 
             i = self._launches().get(config_hash(cfg, self.shape))
         if i is not None:
-            return self.rows.iloc[i].to_dict(), False
+            return i, False
         import numpy as np
 
         arr = self.rows[self.params].to_numpy(dtype=float)
@@ -513,18 +517,44 @@ class ReplayEvaluator:
         dist = np.abs(np.log2(np.abs(arr) + 2) - np.log2(np.abs(w) + 2)).sum(axis=1)
         ok = (self.rows["status"] == "ok").to_numpy()
         order = np.lexsort((dist, diff, ~ok))  # prefer ok rows, then fewest differences, then closest
-        return self.rows.iloc[int(order[0])].to_dict(), True
+        return int(order[0]), True
+
+    def _number(self, i: int) -> int:
+        """The recorded trial number of row ``i`` (its position where the recording numbers none)."""
+        n = self.rows["number"].iloc[i] if "number" in self.rows.columns else None
+        try:
+            return int(n)
+        except (TypeError, ValueError):  # (None, or NaN: no number)
+            return i
+
+    def recorded_config(self, number: int) -> DecoderConfig | None:
+        """The configuration that recorded trial ``number`` measured, as today's code loads it (served as measured:
+        :meth:`evaluate` finds its own row, or the first of its launch); None where it does not load, or today's checks
+        refuse it (for the recording's GPU)."""
+        from tuner.space import to_config
+
+        at = [i for i in range(len(self.rows)) if self._number(i) == number]
+        if not at:
+            return None
+        row = self.rows[self.params].iloc[at[0]]
+        try:
+            cfg = to_config({k: float(v) if k.endswith("_ratio") else int(v) for k, v in row.items()})
+        except (ArithmeticError, KeyError, TypeError, ValueError):
+            return None
+        return None if self.invalid(cfg) else cfg
 
     def evaluate(self, cfg: DecoderConfig) -> TrialResult:
         why = self.invalid(cfg)
         if why:
             return TrialResult("invalid", reason=why)
-        row, approx = self._lookup(cfg)
+        i, approx = self._lookup(cfg)
+        row, n = self.rows.iloc[i].to_dict(), self._number(i)
         status = row["status"] if row["status"] in STATUSES else "crashed"
         reason = row.get("reason") if isinstance(row.get("reason"), str) else ""
         return TrialResult(status, float(row["latency_us"]), float(row["spread_us"]),
-                           reason=("replayed" + (", approximated" if approx else "") + (f": {reason}" if reason else "")),
-                           approximated=approx)
+                           reason=("replayed" + (f", approximated by recorded trial {n}" if approx else "")
+                                   + (f": {reason}" if reason else "")),
+                           approximated=approx, served_from=n)
 
     def recheck(self, cfg, checks: int = 5) -> None:
         """A recording cannot be checked again: nothing is run (the study asks for no re-check of a replay)."""

@@ -493,6 +493,11 @@ def _header_lines(run: Run, k: int) -> list[str]:
     if n_rows:
         facts.append(f"≈: {n_rows} of these rows are configurations the recording does not hold, each served the "
                      "timing of its nearest recorded configuration (not its own)")
+    n_via = sum(bool(r.get("via_neighbour")) for r in run.rows)
+    if n_via:
+        facts.append(f"{n_via} of these rows {'was' if n_via == 1 else 'were'} reached by a trial the recording "
+                     "does not hold, served the timing of its nearest recorded configuration: the row shows that "
+                     "configuration, which the recording measured")
     if run.l2_policy == "hot":
         facts.append("L2 hot: the weights stay in L2 between layers; a model larger than L2 will not see "
                      "these latencies")

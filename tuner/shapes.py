@@ -126,7 +126,8 @@ PRESETS: dict[str, DecoderShape] = {
 def parse_spec(text: str) -> DecoderShape:
     parts = text.lower().split("x")
     if len(parts) != 5:
-        raise ShapeError(f"shape {text!r}: expected a preset ({', '.join(PRESETS)}) or BxSxDxHxF, e.g. 1x128x768x12x3072")
+        raise ShapeError(f"shape {text!r}: expected a preset ({', '.join(PRESETS)}) or BxSxDxHxF, "
+                         "e.g. 1x128x768x12x3072")
     parts = [p.strip() for p in parts]
     if not all(re.fullmatch(r"-?[0-9]+", p) for p in parts):  # (not int()'s "1_28" or "+128")
         raise ShapeError(f"shape {text!r}: BxSxDxHxF needs five integers, e.g. 1x128x768x12x3072")

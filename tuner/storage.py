@@ -116,7 +116,8 @@ def _rdb(url: str, heartbeat_interval_s: int, grace_period_s: int):
 
     url = _with_driver(url)
     params = inspect.signature(optuna.storages.RDBStorage).parameters
-    cb_name = "heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params else "failed_trial_callback"
+    cb_name = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback" in params
+               else "failed_trial_callback")
     engine_kwargs = {}
     if url.startswith("postgresql"):
         engine_kwargs = {"connect_args": {"connect_timeout": 10}}  # an unreachable host fails in 10 s, not 2 min

@@ -150,6 +150,8 @@ def _record(trial, cfg: DecoderConfig, res: TrialResult, shape: DecoderShape):
     trial.set_user_attr("reason", res.reason[:500])
     trial.set_user_attr("spread_us", res.spread_us if not math.isnan(res.spread_us) else None)
     trial.set_user_attr("approximated", res.approximated)
+    if res.served_from is not None:  # (a replay)
+        trial.set_user_attr("served_from", res.served_from)
     trial.set_user_attr("config_hash", config_hash(cfg, shape))
     trial.set_user_attr("config", cfg.to_dict())
     trial.set_user_attr(LATENCY_ATTR, res.latency_us if res.status == "ok" else None)
@@ -808,29 +810,49 @@ def trials_frame(study):
                "duplicate_of": ua.get("duplicate_of", ""), "retry_of": t.system_attrs.get("failed_trial", ""),
                "neighbour_of": ua.get("neighbour_of", ""), "knobs_off_of": ua.get("knobs_off_of", ""),
                "worker_pid": (ua.get(OWNER_ATTR) or {}).get("pid", "")}
+        if "served_from" in ua:  # (a replay's trial: the recorded trial whose timing it was served)
+            row["served_from"] = ua["served_from"]
         if cfg:
             for k, c in cfg["kernels"].items():
                 for f, v in c.items():
                     row[f"{k}.{f}"] = v
         rows.append(row)
-    return pd.DataFrame(rows)
+    df = pd.DataFrame(rows)
+    if "served_from" in df.columns:  # (beside approximated; a trial number, blank where none was served)
+        df.insert(df.columns.get_loc("approximated") + 1, "served_from", df.pop("served_from").astype("Int64"))
+    return df
 
 
 def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, storage, log) -> Path:
     """Re-measure the top-k interleaved, measure baselines and knobs-off, write the run folder."""
     import optuna.importance
+    import pandas as pd
 
     df = trials_frame(study)
     trial_cfg = {t.number: DecoderConfig.from_dict(t.user_attrs["config"]) for t in study.trials
                  if "config" in t.user_attrs}
     ok = df[(df["status"] == "ok")]
+    cfg_of = dict(trial_cfg)  # the configuration each row of the table shows
+    via: set[int] = set()
+    if evaluator.replayed and "served_from" in ok.columns:
+        # An approximated trial was served the timing of the recorded configuration nearest it, not its own: it stands
+        # in the table for that configuration, which the recording measured at that timing (as a duplicate trial shows
+        # the configuration measured). Where today's code does not load that configuration, the trial's own stays, ≈.
+        ok = ok.copy()
+        for at, n, src in zip(ok.index, ok["number"], ok["served_from"]):
+            recorded = (evaluator.recorded_config(int(src)) if n in trial_cfg and ok.at[at, "approximated"]
+                        and not pd.isna(src) else None)
+            if recorded is not None:
+                cfg_of[n], ok.at[at, "approximated"] = recorded, False
+                via.add(int(n))
     # one row for each set of launches (config_hash), the first trial that measured it (a study continued from before
     # config_hash left out what no launch reads may hold two trials of one)
-    launches = ok["number"].map(lambda n: config_hash(trial_cfg[n], shape) if n in trial_cfg else f"trial {n}")
+    launches = ok["number"].map(lambda n: config_hash(cfg_of[n], shape) if n in cfg_of else f"trial {n}")
     ok = ok[~launches.duplicated()]
-    # (a replay serves a configuration it does not hold its nearest recorded one's timing: on a tie the recorded one
-    # ranks first, so the top-1 and best.json are a configuration the recording measured wherever one ties it)
+    # (a replay: on a tie the recorded configuration ranks first, and each recorded timing is shown once)
     ok = ok.sort_values(["latency_us", "approximated", "number"], kind="stable")
+    if evaluator.replayed and "served_from" in ok.columns:
+        ok = ok[ok["served_from"].isna() | ~ok["served_from"].duplicated()]
     if ok.empty:
         raise StudyError(f"{shape.label}: no trial passed (statuses: {df['status'].value_counts().to_dict()})")
     # Each trial passed one correctness check; the fastest are checked again before they are ranked, since a race
@@ -841,7 +863,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
     for n in ok["number"]:
         if len(kept) == opts.top_k:
             break
-        why = _recheck(evaluator, trial_cfg[int(n)], checks)
+        why = _recheck(evaluator, cfg_of[int(n)], checks)
         if why:
             failed.append({"trial": int(n), "reason": why})
             log(f"{shape.label}: trial {int(n)} failed its re-check ({why}): left out of the top-k")
@@ -853,7 +875,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
         raise StudyError(f"{shape.label}: no trial passed its re-check (statuses: "
                          f"{df['status'].value_counts().to_dict()})")
     top = ok[ok["number"].isin(kept)]
-    top_cfgs = [trial_cfg[int(n)] for n in top["number"]]
+    top_cfgs = [cfg_of[int(n)] for n in top["number"]]
     log(f"{shape.label}: " + (f"serving top-{len(top_cfgs)} and the baseline from the recording" if evaluator.replayed
                               else f"re-measuring top-{len(top_cfgs)} and the baseline, interleaved"))
     meas = evaluator.remeasure(top_cfgs + [base_cfg], rounds=opts.remeasure_rounds, anchor=len(top_cfgs))
@@ -871,8 +893,11 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
             tie = abs(lat - prev["latency_us"]) <= spr + prev["spread_us"]
         rows.append({"rank": rank, "trial": int(top["number"].iloc[i]), "latency_us": lat, "spread_us": spr,
                      "speedup": beside / lat, "tie": tie, "config": top_cfgs[i].to_dict()})
-        if evaluator.replayed:  # served the timing of the nearest recorded configuration, not its own
+        if evaluator.replayed:  # (≈: served the timing of the nearest recorded configuration, not its own)
             rows[-1]["approximated"] = bool(top["approximated"].iloc[i])
+            rows[-1]["via_neighbour"] = int(top["number"].iloc[i]) in via  # (the recorded one, in its trial's place)
+            if "served_from" in top.columns and not pd.isna(top["served_from"].iloc[i]):
+                rows[-1]["served_from"] = int(top["served_from"].iloc[i])
     best_cfg = DecoderConfig.from_dict(rows[0]["config"])
     # Do the knobs pay? The re-measured top-1 against itself with every pair at (-1,-1), tiles kept,
     # interleaved A B A B in one process (the seed's 1.01x was this comparison).

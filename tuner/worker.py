@@ -106,7 +106,8 @@ def describe_exit(code: int | None) -> str:
 
 class IsolatedEvaluator:
     """The evaluator interface of tuner.evaluate (evaluate, remeasure, breakdown, baselines, policy, final_policy,
-    invalid; pdl, replayed, device, device_name, shape), served by a supervised worker process."""
+    invalid, a replay's recorded_config; pdl, replayed, device, device_name, shape), served by a supervised worker
+    process."""
 
     isolated = True
 
@@ -170,6 +171,12 @@ class IsolatedEvaluator:
 
     def recheck(self, cfg, checks: int = 5):
         return self._call("recheck", cfg.to_dict(), checks, timeout=self.call_timeout_s)
+
+    def recorded_config(self, number: int):  # (a replay's)
+        from tuner.config import DecoderConfig
+
+        d = self._call("recorded_config", number, timeout=self.call_timeout_s)
+        return None if d is None else DecoderConfig.from_dict(d)
 
     def baselines(self, default, with_compile: bool = True):
         return self._call("baselines", default.to_dict(), with_compile, timeout=self.call_timeout_s)
@@ -336,6 +343,9 @@ def _dispatch(ev, method: str, args: tuple):
         return ev.breakdown(cfg(args[0]))
     if method == "recheck":
         return ev.recheck(cfg(args[0]), args[1])
+    if method == "recorded_config":
+        got = ev.recorded_config(args[0])
+        return None if got is None else got.to_dict()
     if method == "baselines":
         return ev.baselines(cfg(args[0]), with_compile=args[1])
     if method == "invalid":
