@@ -505,6 +505,47 @@ def _header_lines(run: Run, k: int) -> list[str]:
     return lines
 
 
+ALIKE_NOTE = "Rows that read alike (the table shows each GEMM's (o,p) and tiles; topk.csv has every field):"
+
+
+def _field(v) -> str:
+    """A configuration field as the tables print it: an integer as such, a ratio with its decimals (1.0, 0.25)."""
+    f = _num(v)
+    if f is None:
+        return str(v)
+    return str(float(f)) if isinstance(v, float) else str(int(f)) if f.is_integer() else str(f)
+
+
+def alike_lines(run: Run, most: int = 4) -> list[str]:
+    """For each row of the table that reads as an earlier one (the same (o,p) pairs and tiles), the fields in which
+    its configuration differs from that row's: a norm's or the attention's fields, a GEMM's ``group_m`` (up to
+    ``most``, then how many more). Empty where every row reads apart."""
+    first: dict = {}
+    out = []
+    for i, r in enumerate(run.rows):
+        kernels = (r.get("config") or {}).get("kernels") or {}
+        if not isinstance(kernels, dict):
+            continue
+        shown = (tuple(gemm_op(kernels, g) for g in GEMMS), format_tiles(kernels))
+        rank = int(r.get("rank", i + 1))
+        if shown not in first:
+            first[shown] = (rank, kernels)
+            continue
+        at, other = first[shown]
+        diff = []
+        for k in list(KERNELS) + sorted((set(kernels) | set(other)) - set(KERNELS)):
+            mine, theirs = kernels.get(k) or {}, other.get(k) or {}
+            if not isinstance(mine, dict) or not isinstance(theirs, dict):
+                continue
+            for f in list(mine) + [f for f in theirs if f not in mine]:
+                if mine.get(f) != theirs.get(f):
+                    diff.append(f"{k}.{f} {_field(mine.get(f))} (rank {at}: {_field(theirs.get(f))})")
+        what = ("; ".join(diff[:most]) + (f"; and {len(diff) - most} more" if len(diff) > most else "")
+                if diff else "nothing: the same configuration, measured twice")
+        out.append(f"- rank {rank} reads as rank {at} and differs in {what}")
+    return [ALIKE_NOTE] + out if out else []
+
+
 def topk_markdown(run: Run) -> str:
     """The seed's 'Top 10 configurations' table, with spread and tie marks, as Markdown."""
     df = topk_frame(run)
@@ -524,6 +565,9 @@ def topk_markdown(run: Run) -> str:
         lines.append("")
         lines.append("No configuration passed: every trial failed (see the status column of trials.csv).")
     lines += ["", TIES_NOTE, ""]
+    alike = alike_lines(run)
+    if alike:
+        lines += alike + [""]
     return "\n".join(lines)
 
 
