@@ -560,6 +560,21 @@ def test_a_replay_table_shows_each_recorded_measurement_once_as_measured(tmp_pat
     assert sum(r["served_from"] in (40, 44, 46) for r in rows) <= 1
 
 
+def test_a_replay_approximates_by_what_the_launches_read(tmp_path):
+    # The run of record's best (trial 40) switched to the one-kernel layer of its trial 5, at 3 stages, which it did
+    # not measure: nothing of trial 40's seven kernels is launched, so the nearest recorded configuration is trial 5
+    # (one field apart), not trial 40, whose unread seven kernels' fields it shares (it served 17.40 us, a one-kernel
+    # layer at the best's timing, before session 52).
+    rec = ReplayEvaluator(REPLAY.parent / "replay-bert-base-h200-20261128")
+    recorded = pd.read_csv(REPLAY.parent / "replay-bert-base-h200-20261128" / "trials.csv").set_index("number")
+    t5 = rec.recorded_config(5)
+    cfg = replace(rec.recorded_config(40), layer=replace(t5.layer, num_stages=3))
+    assert t5.layer.fuse == 1 and t5.layer.num_stages == 4
+    got = rec.evaluate(cfg)
+    assert got.approximated and got.served_from == 5, got
+    assert got.latency_us == recorded.loc[5, "latency_us"]
+
+
 def test_a_replay_row_keeps_its_trial_where_todays_checks_refuse_the_recorded_configuration(tmp_path):
     # The recording's GPU as the manifest names it, with less shared memory: most recorded configurations are refused
     # today, so an approximated trial served one of them stays in the table as itself, marked approximated, and each

@@ -317,7 +317,8 @@ class ReplayEvaluator:
     """Serves a recording (an earlier GPU run folder, or its trials.csv with manifest.json beside it).
 
     A config that was recorded gets its recorded result; any other gets the nearest recorded config's
-    result (fewest differing parameters, then smallest index distance) and is flagged ``approximated``.
+    result (fewest differing parameters among those its launches read, then smallest index distance) and is flagged
+    ``approximated``.
     """
 
     replayed = True
@@ -439,7 +440,7 @@ class ReplayEvaluator:
         except (ValueError, KeyError, TypeError):  # (then no breakdown is served for any config but the baseline)
             pass
         # (computed where first asked: the best's launch hash by breakdown, the rows' by _launches)
-        self._best_launch, self._by_launch = None, None
+        self._best_launch, self._by_launch, self._launched = None, None, None
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         # The recording's GPU as its search saw it (tuner.device.DeviceInfo): a sampled config is repaired for it
         # (study._repairer) and checked against it, so that a config the search measured is found again as itself (on
@@ -511,13 +512,28 @@ class ReplayEvaluator:
             return i, False
         import numpy as np
 
-        arr = self.rows[self.params].to_numpy(dtype=float)
-        w = np.asarray(want)
+        # Nearest in what the launches read (tuner.layer.launched_config): a field no launch reads, such as the
+        # one-kernel layer's where it is off, counts for nothing on either side.
+        if self._launched is None:
+            self._launched = np.asarray([self._launched_key(p) for p in self.rows[self.params].to_dict("records")])
+        arr = self._launched
+        w = np.asarray(self._launched_key(from_config(cfg)))
         diff = (arr != w).sum(axis=1)
         dist = np.abs(np.log2(np.abs(arr) + 2) - np.log2(np.abs(w) + 2)).sum(axis=1)
         ok = (self.rows["status"] == "ok").to_numpy()
         order = np.lexsort((dist, diff, ~ok))  # prefer ok rows, then fewest differences, then closest
         return int(order[0]), True
+
+    def _launched_key(self, params: dict) -> tuple:
+        """The parameters of what ``params`` launch (launched_config's fields), as :meth:`_key` orders them; the
+        parameters as given where they do not load."""
+        from tuner.layer import launched_config
+        from tuner.space import from_config, to_config
+
+        try:
+            return self._key(from_config(launched_config(to_config(params))))
+        except (ArithmeticError, KeyError, TypeError, ValueError):
+            return self._key(params)
 
     def _number(self, i: int) -> int:
         """The recorded trial number of row ``i`` (its position where the recording numbers none)."""
