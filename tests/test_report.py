@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import statistics
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -434,6 +435,39 @@ def test_plots_are_written_with_a_palette_that_keeps_what_they_show(tmp_path):
     Image.new("RGBA", (4, 4), (255, 0, 0, 0)).save(clear, format="PNG")
     assert report.compact_png(clear.getvalue()) == clear.getvalue()  # transparency is kept as it is
     assert report.compact_png(small) == small
+
+
+def test_the_topk_plot_spans_its_rows_and_names_the_references_beyond_them(tmp_path, monkeypatch):
+    # On an axis down from the baseline, ten rows within 1 us of each other were one flat line (session 52): the axis
+    # spans the rows with their spreads, and a reference beyond it is a legend entry with its ratio to the top-1.
+    drawn = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: drawn.append(fig) or Path(path))
+    run = report.load_run(make_run(tmp_path / "a"))
+    report.plot_topk(run, tmp_path / "topk.png")
+    ax = drawn[-1].axes[0]
+    lats = [r["latency_us"] for r in run.rows]
+    lo, hi = ax.get_ylim()
+    assert lo < min(lats) and max(lats) < hi
+    assert hi < BASELINE_US and hi < COMPILE_US, (lo, hi)
+    labels = ax.get_legend_handles_labels()[1]
+    top1 = lats[0]
+    assert labels == [f"baseline {BASELINE_US:.2f} us (above the axis: {BASELINE_US / top1:.2f}x the top-1)",
+                      f"torch.compile {COMPILE_US:.2f} us (above the axis: {COMPILE_US / top1:.2f}x the top-1)"]
+    assert not [ln for ln in ax.get_lines() if len(ln.get_ydata()) and ln.get_ydata()[0] in (BASELINE_US,
+                                                                                               COMPILE_US)]
+    assert sorted(t.get_text() for t in ax.texts) == sorted(f"{v:.2f}" for v in lats)
+    # a reference within the rows' span is drawn as a line
+    topk = json.loads((run.path / "topk.json").read_text())
+    topk["compile_us"] = lats[1]
+    (run.path / "topk.json").write_text(json.dumps(topk))
+    man = json.loads((run.path / "manifest.json").read_text())
+    man["baselines"]["compile_us"] = lats[1]
+    (run.path / "manifest.json").write_text(json.dumps(man))
+    run = report.load_run(run.path)
+    report.plot_topk(run, tmp_path / "topk.png")
+    ax = drawn[-1].axes[0]
+    assert f"torch.compile {lats[1]:.2f} us" in ax.get_legend_handles_labels()[1]
+    assert [ln for ln in ax.get_lines() if list(ln.get_ydata()) == [lats[1], lats[1]]]
 
 
 def test_write_reports_skips_plots_without_data(tmp_path):

@@ -903,16 +903,31 @@ def plot_topk(run: Run, path) -> Path | None:
     fig = _figure(8, 4.5)
     ax = fig.add_subplot()
     colors = ["C1" if t else "C0" for t in df["tie"]]
-    ax.errorbar(df["rank"], df["latency_us"], yerr=df["spread_us"].fillna(0.0), fmt="none", ecolor="0.4",
-                capsize=4)
+    spread = df["spread_us"].fillna(0.0)
+    ax.errorbar(df["rank"], df["latency_us"], yerr=spread, fmt="none", ecolor="0.4", capsize=4)
     ax.scatter(df["rank"], df["latency_us"], c=colors, zorder=3)
-    _hline(ax, run.baseline_us, "baseline", "--", "0.3")
-    _hline(ax, run.compile_us, "torch.compile", ":", "C2")
+    # The axis spans the rows (their differences are what the plot is for: on a scale that reaches the baseline,
+    # ten rows within 1 us of each other were one flat line); a reference beyond it is named in the legend.
+    lo, hi = float((df["latency_us"] - spread).min()), float((df["latency_us"] + spread).max())
+    pad = max(0.15 * (hi - lo), 0.01 * hi, 0.02)
+    lo, hi = lo - pad, hi + 2 * pad
+    ax.set_ylim(lo, hi)
+    for x, y in zip(df["rank"], df["latency_us"]):
+        ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(6, 0), ha="left", va="center",
+                    fontsize=7)
+    for y, label, style, color in ((run.baseline_us, "baseline", "--", "0.3"),
+                                   (run.compile_us, "torch.compile", ":", "C2")):
+        if y is not None and not lo <= y <= hi:  # (an empty line: its entry in the legend, off the axis)
+            ax.plot([], [], linestyle=style, color=color, linewidth=1.2,
+                    label=f"{label} {y:.2f} us ({'above' if y > hi else 'below'} the axis: "
+                          f"{y / float(df['latency_us'].iloc[0]):.2f}x the top-1)")
+        else:
+            _hline(ax, y, label, style, color)
     ax.set_xticks(df["rank"], [f"{int(r)} (tie)" if t else str(int(r)) for r, t in zip(df["rank"], df["tie"])])
     ax.set_xlabel("rank (tie: within the combined spread of the row above; bars: median ± IQR/2)")
     ax.set_ylabel("latency per layer (us)")
     ax.set_title(_title(run, f"Top {len(df)}"), fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")  # (the rows rise to the right)
     return _save(fig, path)
 
 
