@@ -113,8 +113,11 @@ def run(run_dir):
 
 
 def _table(md: str) -> list[list[str]]:
-    """The pipe table of a Markdown text as cells (header first, separator dropped)."""
-    rows = [ln for ln in md.splitlines() if ln.startswith("|")]
+    """The first pipe table of a Markdown text as cells (header first, separator dropped)."""
+    lines = md.splitlines()
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("|")), len(lines))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    rows = lines[start:end]
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in rows]
     return [cells[0]] + cells[2:]
 
@@ -221,7 +224,7 @@ def test_topk_markdown_names_what_rows_that_read_alike_differ_in(tmp_path):
     md = report.topk_markdown(report.load_run(run_dir))
     lines = md.splitlines()
     at = lines.index(report.ALIKE_NOTE)
-    assert lines[at + 1:] == [
+    assert lines[at + 1:lines.index("", at)] == [
         "- rank 3 reads as rank 2 and differs in norm1.num_warps 2 (rank 2: 4); qkv.group_m 1 (rank 2: 8); "
         "norm2.overlap_ratio 0.4 (rank 2: 0.0)",
         "- rank 4 reads as rank 2 and differs in nothing: the same configuration, measured twice"]
@@ -233,6 +236,42 @@ def test_topk_markdown_names_what_rows_that_read_alike_differ_in(tmp_path):
     assert report.alike_lines(report.load_run(run_dir))[1].endswith("; and 2 more")
     # rows that all read apart: no such lines
     assert report.ALIKE_NOTE not in report.topk_markdown(report.load_run(make_run(tmp_path / "b")))
+
+
+def test_topk_markdown_shows_the_top1_per_kernel_against_each_kernels_floor(tmp_path):
+    # breakdown.json under the table: each kernel alone (best 2.0/6.0/5.0/3.0/2.0/8.0/8.5 us in make_run), its
+    # baseline, and each GEMM's share of the 3.4 us floor (its weights' share of the layer's)
+    from tuner.shapes import DecoderShape
+
+    shape = DecoderShape.from_dict(SHAPE)
+    share = {g: 3.4 * n * k / shape.weight_params for g, (_, n, k) in shape.gemms().items()}
+    run_dir = make_run(tmp_path / "a")
+    lines = report.topk_markdown(report.load_run(run_dir)).splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("Per-kernel breakdown of the top-1"))
+    table = {row[0]: row[1:] for row in _table("\n".join(lines[at:]))[1:]}
+    assert list(table) == list(KERNELS) + ["sum"]
+    assert table["qkv"] == ["6.00", "7.00", f"{share['qkv']:.2f}", f"{6.0 / share['qkv']:.2f}x"]
+    assert table["norm1"] == ["2.00", "3.00", "-", "-"]  # (no weights to speak of)
+    assert table["sum"] == ["34.50", "41.50", "3.40", f"{34.5 / 3.4:.2f}x"]
+    # the feed-forward block (tiny's): the out-projection and FFN2 computed inside FFN1's kernel, whose floor is then
+    # all three GEMMs' weights
+    bd = json.loads((run_dir / "breakdown.json").read_text())
+    bd["best"].update(attn=0.0, out=0.0, norm2=0.0, ffn2=0.0)
+    (run_dir / "breakdown.json").write_text(json.dumps(bd))
+    lines = report.topk_markdown(report.load_run(run_dir)).splitlines()
+    table = {row[0]: row[1:] for row in _table("\n".join(lines[at:]))[1:]}
+    block = share["out"] + share["ffn1"] + share["ffn2"]
+    assert table["ffn1"] == ["8.00", "9.00", f"{block:.2f}", f"{8.0 / block:.2f}x"]
+    assert table["out"] == ["-", "4.00", "-", "-"] and table["ffn2"] == ["-", "9.50", "-", "-"]
+    # the one-kernel layer: one figure, all the GEMMs' floors
+    bd["best"] = {"layer": 30.0}
+    (run_dir / "breakdown.json").write_text(json.dumps(bd))
+    lines = report.topk_markdown(report.load_run(run_dir)).splitlines()
+    table = {row[0]: row[1:] for row in _table("\n".join(lines[at:]))[1:]}
+    assert table["layer"][2] == f"{sum(share.values()):.2f}" and table["qkv"][0] == table["qkv"][2] == "-"
+    # no breakdown.json: no such lines
+    md = report.topk_markdown(report.load_run(make_run(tmp_path / "b", breakdown=False)))
+    assert "Per-kernel breakdown" not in md
 
 
 def test_topk_markdown_header(run):

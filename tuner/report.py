@@ -546,6 +546,58 @@ def alike_lines(run: Run, most: int = 4) -> list[str]:
     return [ALIKE_NOTE] + out if out else []
 
 
+def kernel_floors(run: Run) -> dict[str, float]:
+    """Each GEMM's share of the floor (the layer's weights read once): its weights' share of the layer's. Empty where
+    the run names no floor or no shape."""
+    floor = run.floor_us
+    if floor is None:
+        return {}
+    from tuner.shapes import DecoderShape, ShapeError
+
+    try:
+        shape = DecoderShape.from_dict(run.shape)
+    except (ShapeError, ValueError, TypeError):
+        return {}
+    return {g: floor * n * k / shape.weight_params for g, (_, n, k) in shape.gemms().items()}
+
+
+def breakdown_lines(run: Run) -> list[str]:
+    """The per-kernel breakdown (breakdown.json) of the top-1 against the baseline and each GEMM's floor, as Markdown;
+    empty without one."""
+    df = breakdown_data(run)
+    if df.empty:
+        return []
+    floors = kernel_floors(run)
+    kernels = df[df["kernel"] != "sum"]
+    # (0, or no figure beside the one-kernel layer's: computed inside another kernel)
+    inside = [k for k, b in zip(kernels["kernel"], kernels["best_us"]) if b == 0 or math.isnan(b)]
+    launched = [k for k in kernels["kernel"] if k not in inside]
+    own = {k: floors.get(k) for k in launched}
+    names = list(kernels["kernel"])
+    for k in inside:  # a GEMM computed inside another kernel: its weights are that kernel's to read (the next one
+        # launched after it, else the one before: the out-projection and FFN2 inside FFN1's feed-forward block)
+        if floors.get(k) is None:
+            continue
+        at = names.index(k)
+        host = next((n for n in names[at + 1:] if n in launched), None) or next(
+            (n for n in reversed(names[:at]) if n in launched), None)
+        if host is not None:
+            own[host] = (own.get(host) or 0.0) + floors[k]
+    rows = []
+    for _, r in df.iterrows():
+        k = r["kernel"]
+        floor = run.floor_us if k == "sum" else own.get(k)
+        best = None if k in inside else r["best_us"]
+        rows.append([k, _us(best), _us(r["baseline_us"]), _us(floor),
+                     _times(best / floor) if best is not None and floor and not math.isnan(best) else "-"])
+    return ["Per-kernel breakdown of the top-1 (each kernel's launches alone in one graph, us a layer; '-': computed "
+            "inside another kernel; floor: the weights it reads, those of the GEMMs inside it too, read once at the "
+            "measured copy bandwidth). Alone, a kernel pays its whole launch and drain, so the sum is above the "
+            "layer's latency:", "",
+            _markdown_table(["Kernel", "Top-1(us)", "Baseline(us)", "Floor(us)", "Top-1/floor"], rows,
+                            right={1, 2, 3, 4})]
+
+
 def topk_markdown(run: Run) -> str:
     """The seed's 'Top 10 configurations' table, with spread and tie marks, as Markdown."""
     df = topk_frame(run)
@@ -565,9 +617,9 @@ def topk_markdown(run: Run) -> str:
         lines.append("")
         lines.append("No configuration passed: every trial failed (see the status column of trials.csv).")
     lines += ["", TIES_NOTE, ""]
-    alike = alike_lines(run)
-    if alike:
-        lines += alike + [""]
+    for extra in (alike_lines(run), breakdown_lines(run)):
+        if extra:
+            lines += extra + [""]
     return "\n".join(lines)
 
 
