@@ -385,7 +385,8 @@ plt.show()
 # CUDA graph, per layer, over a stack deep enough that the kernel's own weights are 3x the L2; runs before
 # session 43 used the layer's stack, where small kernels' weights stayed in L2), then their sum. Below
 # them the whole layer as it really runs (one chain, which is what PDL shortens) and the floor: the
-# layer's weights read once at the measured copy bandwidth.
+# layer's weights read once at the measured copy bandwidth. `floor_us`: each kernel's own floor, the weights it
+# reads (those of the GEMMs computed inside it too) at that bandwidth.
 
 # %%
 bd = report.breakdown_data(run)
@@ -401,6 +402,10 @@ else:
     table = pd.concat([bd, extra], ignore_index=True)
     table["saved_us"] = table["baseline_us"] - table["best_us"]
     table["best_share_of_sum"] = table["best_us"] / float(bd["best_us"].iloc[-1])
+    # each kernel's floor: the weights it reads, those of the GEMMs computed inside it too (topk.md's last table)
+    floors, inside = report.breakdown_floors(run)
+    table["floor_us"] = table["kernel"].map(floors)
+    table["best_over_floor"] = table["best_us"] / table["floor_us"]
     display(table.round(2))
     display(Image(filename=str(drawn["breakdown"])))
     if run.floor_us:

@@ -561,28 +561,36 @@ def kernel_floors(run: Run) -> dict[str, float]:
     return {g: floor * n * k / shape.weight_params for g, (_, n, k) in shape.gemms().items()}
 
 
-def breakdown_lines(run: Run) -> list[str]:
-    """The per-kernel breakdown (breakdown.json) of the top-1 against the baseline and each GEMM's floor, as Markdown;
-    empty without one."""
+def breakdown_floors(run: Run) -> tuple[dict[str, float], list[str]]:
+    """Each kernel's floor in the breakdown of the top-1: the weights it reads (a GEMM's share of the layer's floor,
+    plus those of the GEMMs computed inside it), and the kernels computed inside another (their figure is 0, or
+    missing beside the one-kernel layer's). Empty without a breakdown."""
     df = breakdown_data(run)
-    if df.empty:
-        return []
-    floors = kernel_floors(run)
     kernels = df[df["kernel"] != "sum"]
-    # (0, or no figure beside the one-kernel layer's: computed inside another kernel)
+    floors = kernel_floors(run)
     inside = [k for k, b in zip(kernels["kernel"], kernels["best_us"]) if b == 0 or math.isnan(b)]
-    launched = [k for k in kernels["kernel"] if k not in inside]
-    own = {k: floors.get(k) for k in launched}
     names = list(kernels["kernel"])
+    launched = [k for k in names if k not in inside]
+    own = {k: floors[k] for k in launched if k in floors}
     for k in inside:  # a GEMM computed inside another kernel: its weights are that kernel's to read (the next one
         # launched after it, else the one before: the out-projection and FFN2 inside FFN1's feed-forward block)
-        if floors.get(k) is None:
+        if k not in floors:
             continue
         at = names.index(k)
         host = next((n for n in names[at + 1:] if n in launched), None) or next(
             (n for n in reversed(names[:at]) if n in launched), None)
         if host is not None:
-            own[host] = (own.get(host) or 0.0) + floors[k]
+            own[host] = own.get(host, 0.0) + floors[k]
+    return own, inside
+
+
+def breakdown_lines(run: Run) -> list[str]:
+    """The per-kernel breakdown (breakdown.json) of the top-1 against the baseline and each kernel's floor
+    (:func:`breakdown_floors`), as Markdown; empty without one."""
+    df = breakdown_data(run)
+    if df.empty:
+        return []
+    own, inside = breakdown_floors(run)
     rows = []
     for _, r in df.iterrows():
         k = r["kernel"]
