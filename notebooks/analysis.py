@@ -403,7 +403,7 @@ else:
     table["saved_us"] = table["baseline_us"] - table["best_us"]
     table["best_share_of_sum"] = table["best_us"] / float(bd["best_us"].iloc[-1])
     # each kernel's floor: the weights it reads, those of the GEMMs computed inside it too (topk.md's last table)
-    floors, inside = report.breakdown_floors(run)
+    floors, _ = report.breakdown_floors(run)
     table["floor_us"] = table["kernel"].map(floors)
     table["best_over_floor"] = table["best_us"] / table["floor_us"]
     display(table.round(2))

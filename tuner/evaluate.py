@@ -475,16 +475,23 @@ class ReplayEvaluator:
         bad = check_config(cfg, self.shape, 2, self.measured_on)
         return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
 
-    def _launch_of(self, params: dict) -> str | None:
-        """What recorded parameters launch (tuner.study.config_hash on the recording's shape); None where they do not
-        load (ConfigError is a ValueError)."""
+    @staticmethod
+    def _loaded(params: dict, what):
+        """``what`` of the configuration of recorded parameters ``params``, as today's code loads it; None where they do
+        not load or ``what`` fails on them (ConfigError is a ValueError; a tile of 0 divides by zero)."""
         from tuner.space import to_config
-        from tuner.study import config_hash
 
         try:
-            return config_hash(to_config(params), self.shape)
+            return what(to_config(params))
         except (ArithmeticError, KeyError, TypeError, ValueError):
             return None
+
+    def _launch_of(self, params: dict) -> str | None:
+        """What recorded parameters launch (tuner.study.config_hash on the recording's shape); None where they do not
+        load."""
+        from tuner.study import config_hash
+
+        return self._loaded(params, lambda cfg: config_hash(cfg, self.shape))
 
     def _launches(self) -> dict[str, int]:
         """The recorded rows by what they launch, the first of each that did not fail where several launch the same
@@ -502,7 +509,8 @@ class ReplayEvaluator:
         """The position of the recorded row that serves ``cfg``, and whether it is another configuration's."""
         from tuner.space import from_config
 
-        want = self._key(from_config(cfg))
+        params = from_config(cfg)
+        want = self._key(params)
         i = self.keys.get(want)
         if i is None:  # a configuration that launches what a recorded one launched was measured: served as its own
             from tuner.study import config_hash
@@ -517,7 +525,7 @@ class ReplayEvaluator:
         if self._launched is None:
             self._launched = np.asarray([self._launched_key(p) for p in self.rows[self.params].to_dict("records")])
         arr = self._launched
-        w = np.asarray(self._launched_key(from_config(cfg)))
+        w = np.asarray(self._launched_key(params))
         diff = (arr != w).sum(axis=1)
         dist = np.abs(np.log2(np.abs(arr) + 2) - np.log2(np.abs(w) + 2)).sum(axis=1)
         ok = (self.rows["status"] == "ok").to_numpy()
@@ -528,12 +536,10 @@ class ReplayEvaluator:
         """The parameters of what ``params`` launch (launched_config's fields), as :meth:`_key` orders them; the
         parameters as given where they do not load."""
         from tuner.layer import launched_config
-        from tuner.space import from_config, to_config
+        from tuner.space import from_config
 
-        try:
-            return self._key(from_config(launched_config(to_config(params))))
-        except (ArithmeticError, KeyError, TypeError, ValueError):
-            return self._key(params)
+        key = self._loaded(params, lambda cfg: self._key(from_config(launched_config(cfg))))
+        return self._key(params) if key is None else key
 
     def _number(self, i: int) -> int:
         """The recorded trial number of row ``i`` (its position where the recording numbers none)."""
@@ -547,17 +553,11 @@ class ReplayEvaluator:
         """The configuration that recorded trial ``number`` measured, as today's code loads it (served as measured:
         :meth:`evaluate` finds its own row, or the first of its launch); None where it does not load, or today's checks
         refuse it (for the recording's GPU)."""
-        from tuner.space import to_config
-
         at = [i for i in range(len(self.rows)) if self._number(i) == number]
         if not at:
             return None
-        row = self.rows[self.params].iloc[at[0]]
-        try:
-            cfg = to_config({k: float(v) if k.endswith("_ratio") else int(v) for k, v in row.items()})
-        except (ArithmeticError, KeyError, TypeError, ValueError):
-            return None
-        return None if self.invalid(cfg) else cfg
+        cfg = self._loaded(self.rows[self.params].iloc[at[0]].to_dict(), lambda cfg: cfg)
+        return None if cfg is None or self.invalid(cfg) else cfg
 
     def evaluate(self, cfg: DecoderConfig) -> TrialResult:
         why = self.invalid(cfg)

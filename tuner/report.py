@@ -516,18 +516,19 @@ def _field(v) -> str:
     return str(float(f)) if isinstance(v, float) else str(int(f)) if f.is_integer() else str(f)
 
 
-def alike_lines(run: Run, most: int = 4) -> list[str]:
-    """For each row of the table that reads as an earlier one (the same (o,p) pairs and tiles), the fields in which
-    its configuration differs from that row's: a norm's or the attention's fields, a GEMM's ``group_m`` (up to
-    ``most``, then how many more). Empty where every row reads apart."""
+def alike_lines(run: Run, df: pd.DataFrame | None = None, most: int = 4) -> list[str]:
+    """For each row of the table that reads as an earlier one (the same (o,p) pairs and tiles, as :func:`topk_frame`
+    ``df`` shows them), the fields in which its configuration differs from that row's: a norm's or the attention's
+    fields, a GEMM's ``group_m`` (up to ``most``, then how many more). Empty where every row reads apart."""
+    df = topk_frame(run) if df is None else df
     first: dict = {}
     out = []
-    for i, r in enumerate(run.rows):
+    for r, (_, row) in zip(run.rows, df.iterrows()):  # (topk_frame: one row each, in order)
         kernels = (r.get("config") or {}).get("kernels") or {}
         if not isinstance(kernels, dict):
             continue
-        shown = (tuple(gemm_op(kernels, g) for g in GEMMS), format_tiles(kernels))
-        rank = int(r.get("rank", i + 1))
+        shown = tuple(row[f"{g}_op"] for g in GEMMS) + (row["tiles"],)
+        rank = int(row["rank"])
         if shown not in first:
             first[shown] = (rank, kernels)
             continue
@@ -625,7 +626,7 @@ def topk_markdown(run: Run) -> str:
         lines.append("")
         lines.append("No configuration passed: every trial failed (see the status column of trials.csv).")
     lines += ["", TIES_NOTE, ""]
-    for extra in (alike_lines(run), breakdown_lines(run)):
+    for extra in (alike_lines(run, df), breakdown_lines(run)):
         if extra:
             lines += extra + [""]
     return "\n".join(lines)
