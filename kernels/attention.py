@@ -21,6 +21,7 @@ PDL (the same contract as the GEMM, DESIGN.md):
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, replace
 
 import torch
@@ -123,6 +124,33 @@ def check(config: AttnConfig, problem: AttnProblem, device: DeviceInfo | None = 
 
 
 @triton.jit
+def _trigger_block(n_blocks, overlap):
+    """The KV block after which a program of ``n_blocks`` triggers its dependents: floor((n_blocks - 1) * overlap),
+    in fp32 as the kernel computes it (:func:`launch_knobs` reads the same in Python)."""
+    return ((n_blocks - 1) * overlap).to(tl.int32)
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def launch_knobs(c: AttnConfig, seq: int, causal: bool = True) -> tuple[int, ...]:
+    """What a launch over ``seq`` reads of ``c``'s overlap ratio: the KV block after which its programs trigger
+    their dependents (:func:`_trigger_block`, -1: no PDL), one for each count of KV blocks a program reads (causal
+    programs stop at their diagonal), fewest first. The study's launch key (tuner.layer.launch_key) reads it, so two
+    ratios that launch the same are measured once. The kernel computes the product in fp32; so does this (the product
+    of two fp32 values is exact in a Python float, and rounds once to fp32)."""
+    if c.overlap_ratio < 0:
+        return (-1,)
+    if causal:
+        counts = {triton.cdiv(min(seq, (i + 1) * c.block_m), c.block_n) for i in range(triton.cdiv(seq, c.block_m))}
+    else:
+        counts = {triton.cdiv(seq, c.block_n)}
+    overlap = _f32(max(c.overlap_ratio, 0.0))
+    return tuple(int(_f32(float(n - 1) * overlap)) for n in sorted(counts))
+
+
+@triton.jit
 def _attn_rows(q, k_base, v_base, offs_m, seq, head_dim, stride_qt, stride_qc, qk_scale, n_blocks, trigger_j,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
                USE_PDL: tl.constexpr, UPCAST: tl.constexpr):
@@ -214,7 +242,7 @@ def _attn_fwd_kernel(
     if USE_PDL:
         # After floor((n_blocks - 1) * overlap) of this program's KV blocks (overlap in [0, 1]); after 0:
         # before gdc_wait, so that the out-projection launches and prefetches its weights meanwhile.
-        trigger_j = ((n_blocks - 1) * overlap).to(tl.int32)
+        trigger_j = _trigger_block(n_blocks, overlap)
     else:
         trigger_j = -1
     pdl_trigger(0, trigger_j, USE_PDL)

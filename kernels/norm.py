@@ -79,6 +79,20 @@ def check(config: NormConfig, problem: NormProblem, device: DeviceInfo | None = 
     return ratio_error("overlap_ratio", c.overlap_ratio) or ratio_error("prefetch_ratio", c.prefetch_ratio)
 
 
+def _lines(cols: int, elem_bytes: int) -> int:
+    """The 128-byte lines of a weight vector of ``cols`` elements."""
+    return triton.cdiv(cols * elem_bytes, 128)
+
+
+def launch_knobs(c: NormConfig, cols: int, elem_bytes: int) -> tuple[int, int]:
+    """What a launch over rows of ``cols`` elements of ``elem_bytes`` reads of ``c``'s two ratios: the rows a program
+    completes before its trigger (-1: no PDL) and the weight lines it prefetches. The one place these are computed:
+    the launch reads them, and so does the study's launch key (tuner.layer.launch_key), so two ratios that launch the
+    same are measured once."""
+    return trigger_index(c.rows_per_program, c.overlap_ratio), prefetch_count(_lines(cols, elem_bytes),
+                                                                              c.prefetch_ratio)
+
+
 @triton.jit
 def _norm_kernel(
     # pointers
@@ -184,8 +198,8 @@ def _norm(fn, x, weight, bias, eps, config, residual, out, residual_out, is_rms,
     c = effective_config(config, x)
     use_pdl = c.overlap_ratio >= 0
     rpp = c.rows_per_program
-    total_lines = triton.cdiv(N * weight.element_size(), 128)
-    n_lines = prefetch_count(total_lines, c.prefetch_ratio)
+    total_lines = _lines(N, weight.element_size())
+    trigger, n_lines = launch_knobs(c, N, weight.element_size())
     dummy = out  # never read or written when the matching HAS_* flag is off
     grid = (triton.cdiv(M, rpp),)
     _norm_kernel[grid](
@@ -194,7 +208,7 @@ def _norm(fn, x, weight, bias, eps, config, residual, out, residual_out, is_rms,
         M, N, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         residual_out.stride(0) if residual_out is not None else 0,
-        trigger_index(rpp, c.overlap_ratio), n_lines,
+        trigger, n_lines,
         BLOCK_N=triton.next_power_of_2(N), ROWS=rpp, IS_RMS=is_rms, HAS_BIAS=bias is not None,
         HAS_RES=residual is not None, USE_PDL=use_pdl, PREFETCH=n_lines > 0,
         LINES=triton.next_power_of_2(total_lines), LINE_ELEMS=128 // weight.element_size(),

@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -230,6 +231,34 @@ def test_attn_config_json_roundtrip():
     assert c.without_knobs() == AttnConfig(block_m=128, block_n=32, num_warps=8, num_stages=3)
     with pytest.raises(ValueError, match="unknown keys"):
         AttnConfig.from_dict({"block_k": 3})
+
+
+def test_launch_knobs_are_the_kernels_trigger_blocks():
+    # The study keys the attention's overlap ratio by the KV block its programs trigger after (launch_knobs, in
+    # Python); the kernel computes that block in fp32 (_trigger_block, run here by the interpreter). They must agree
+    # for every count of KV blocks and every ratio, the awkward ones (thirds, values just under a step) too.
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def triggers(n_ptr, out_ptr, overlap, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, attn_mod._trigger_block(tl.load(n_ptr + offs), overlap))
+
+    counts = torch.arange(1, 33, dtype=torch.int32)
+    ratios = [0.0, 0.1, 0.2, 0.29, 0.3, 1 / 3, 0.4, 0.6, 2 / 3, 0.7, 0.8, 0.9, 0.99999, 1.0]
+    ratios += [math.nextafter(r, 0.0) for r in (1 / 3, 0.5, 1.0)]  # (floor in float64 says 0 at 3, 1 and 1 blocks)
+    for r in ratios:
+        got = torch.empty_like(counts)
+        triggers[(1,)](counts, got, r, N=32)
+        want = [attn_mod.launch_knobs(AttnConfig(block_m=16, block_n=16, overlap_ratio=r), 16 * int(n), causal=False)
+                for n in counts]
+        assert want == [(int(t),) for t in got], r
+    # causal programs read 1..n blocks: one trigger for each count, fewest first; -1 without PDL
+    c = AttnConfig(block_m=32, block_n=16, overlap_ratio=0.5)
+    assert attn_mod.launch_knobs(c, 100) == (0, 1, 2, 3)  # 2, 4, 6 and 7 KV blocks
+    assert attn_mod.launch_knobs(c, 100, causal=False) == (3,)
+    assert attn_mod.launch_knobs(AttnConfig(), 100) == (-1,)
 
 
 def test_interpreter_switches_pdl_off():

@@ -875,6 +875,81 @@ def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
     assert merged > len(configs) // 2  # (the sweep has launches alike to merge, not only the group_m pairs)
 
 
+@pytest.mark.parametrize("name", ["tiny", "bert-base"])
+def test_the_norms_launch_key_is_equal_where_the_launches_are(name, monkeypatch):
+    # A norm kernel's ratios are keyed by its trigger row and prefetch lines (norm.launch_knobs). The key does not know
+    # the layer's dtype, and a weight vector in fp32 has twice the lines: configurations must hash alike exactly where
+    # norm.layer_norm launches them alike in fp16 and in fp32. Recorded, not run, with PDL as on Hopper, over a sweep
+    # of ratios and rows a program (1 row: every ratio in [0, 1] triggers at the start). tiny's 256 columns are 4
+    # lines in fp16, where prefetch 0.8 and 1.0 take all 4, and 8 in fp32, where they do not.
+    import itertools
+
+    import torch
+
+    from tuner.kernels import _common
+    from tuner.kernels import norm as norm_k
+    from tuner.study import config_hash
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((grid, a, kw))
+
+    monkeypatch.setattr(_common, "launch_mode", lambda t: _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False))
+    monkeypatch.setattr(norm_k, "_norm_kernel", Recorder())
+    shape = PRESETS[name]
+    cfg = default_config(shape)
+    assert cfg.norm1.fuse == 0 and cfg.norm2.fuse == 0  # both norm kernels launch
+    ratios = (-1.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    configs = [replace(cfg.norm2, overlap_ratio=o, prefetch_ratio=p, rows_per_program=r)
+               for o, p, r in itertools.product(ratios, ratios, (1, 2, 4))]
+
+    def launches(dtype):
+        d = shape.d_model
+        x, w, b, out = (torch.randn(*s).to(dtype) for s in ((128, d), (d,), (d,), (128, d)))
+        calls = []
+        for c in configs:
+            launched.clear()
+            norm_k.layer_norm(x, w, b, config=c, out=out)
+            (grid, a, kw), = launched
+            calls.append((grid, tuple(v for v in a if not torch.is_tensor(v)), kw))
+        return calls
+
+    half, single = launches(torch.float16), launches(torch.float32)
+    hashes = [config_hash(replace(cfg, norm2=c), shape) for c in configs]
+    merged = apart_in_fp32 = 0
+    for i, j in itertools.combinations(range(len(configs)), 2):
+        assert (hashes[i] == hashes[j]) == (half[i] == half[j] and single[i] == single[j]), (configs[i], configs[j])
+        merged += hashes[i] == hashes[j]
+        apart_in_fp32 += half[i] == half[j] and single[i] != single[j]
+    assert merged > len(configs)  # (rows_per_program 1's ratios, and prefetch 0 beside -1)
+    assert bool(apart_in_fp32) == (name == "tiny")
+    assert config_hash(replace(cfg, norm1=configs[10]), shape) != config_hash(cfg, shape)
+
+
+def test_the_attentions_launch_key_is_its_trigger_blocks():
+    # The attention kernel's overlap ratio is keyed by the KV blocks its programs trigger after
+    # (attention.launch_knobs, checked against the kernel's own fp32 arithmetic in tests/test_attention.py)
+    import itertools
+
+    from tuner.kernels import attention as attn_k
+    from tuner.study import config_hash
+
+    cfg = default_config(BERT_BASE)
+    assert cfg.qkv.fuse == 0 and cfg.attn.fuse == 0  # the attention kernel launches
+    ratios = (-1.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    configs = [replace(cfg.attn, overlap_ratio=o, block_n=n) for o, n in itertools.product(ratios, (16, 64, 128))]
+    hashes = [config_hash(replace(cfg, attn=c), BERT_BASE) for c in configs]
+    for i, j in itertools.combinations(range(len(configs)), 2):
+        a, b = configs[i], configs[j]
+        launch_alike = a.block_n == b.block_n and attn_k.launch_knobs(a, 128) == attn_k.launch_knobs(b, 128)
+        assert (hashes[i] == hashes[j]) == launch_alike, (a, b)
+    # 128-wide KV blocks: one a program, so every ratio in [0, 1] triggers at the start; 16-wide: each its own
+    assert len({h for h, c in zip(hashes, configs) if c.block_n == 128}) == 2
+    assert len({h for h, c in zip(hashes, configs) if c.block_n == 16}) == len(ratios)
+
+
 def test_local_step_moves_what_the_launches_read():
     # tiny's studies of sessions 29 and 35 spent 7-8 of their ~48 measurements on local steps that moved only FFN1's
     # tiles under the one-kernel feed-forward block, which reads none of them

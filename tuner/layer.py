@@ -337,7 +337,9 @@ def launch_key(cfg: DecoderConfig, shape: DecoderShape) -> dict:
     :func:`launched_config`'s fields, and on ``shape`` each GEMM's two ratios replaced by what its launches read of
     them (a trigger and a prefetch count in K tiles: gemm.triton_knobs, gemm.cluster_knobs, qkv_attn_knobs, and
     mlp_cluster.early_tiles for FFN1 as the feed-forward block), so ratios that round to the same K tile are one
-    launch. A GEMM that may run on either kernel (a clustered one with a folded LayerNorm) keys both kernels'."""
+    launch. A GEMM that may run on either kernel (a clustered one with a folded LayerNorm) keys both kernels'. A norm
+    kernel's ratios likewise by its trigger row and prefetch lines (norm.launch_knobs), the attention kernel's overlap
+    ratio by its programs' trigger blocks (attention.launch_knobs)."""
     key = launched_config(cfg).to_dict()
     if cfg.fused:
         return key
@@ -361,10 +363,22 @@ def launch_key(cfg: DecoderConfig, shape: DecoderShape) -> dict:
         else:
             kinds = [("triton", *gemm_k.triton_knobs(c, k))] + ([("cluster", *gemm_k.cluster_knobs(c, k))]
                                                                  if c.cluster else [])
-        entry = key["kernels"][g]
-        del entry["overlap_ratio"], entry["prefetch_ratio"]
-        entry["launches"] = [list(kind) for kind in kinds]
+        _key_launches(key, g, kinds)
+    # A norm kernel's trigger and prefetch lines; the lines of a weight vector count its element's bytes, which the
+    # key does not know: it holds both sizes the layer runs in (2: fp16 and bf16, 4: fp32), merging only where both do
+    for n in ("norm1", "norm2"):
+        if n not in unlaunched:
+            _key_launches(key, n, [("norm", *norm_k.launch_knobs(getattr(cfg, n), shape.d_model, b)) for b in (2, 4)])
+    if "attn" not in unlaunched:
+        _key_launches(key, "attn", [("attn", *attn_k.launch_knobs(cfg.attn, shape.seq))])
     return key
+
+
+def _key_launches(key: dict, kernel: str, kinds: list[tuple]) -> None:
+    """In :func:`launch_key`'s ``key``, ``kernel``'s two ratios replaced by what its launches read of them."""
+    entry = key["kernels"][kernel]
+    del entry["overlap_ratio"], entry["prefetch_ratio"]
+    entry["launches"] = [list(kind) for kind in kinds]
 
 
 def default_config(shape: DecoderShape) -> DecoderConfig:

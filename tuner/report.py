@@ -562,11 +562,12 @@ def kernel_floors(run: Run) -> dict[str, float]:
     return {g: floor * n * k / shape.weight_params for g, (_, n, k) in shape.gemms().items()}
 
 
-def breakdown_floors(run: Run) -> tuple[dict[str, float], list[str]]:
+def breakdown_floors(run: Run, df: pd.DataFrame | None = None) -> tuple[dict[str, float], list[str]]:
     """Each kernel's floor in the breakdown of the top-1: the weights it reads (a GEMM's share of the layer's floor,
     plus those of the GEMMs computed inside it), and the kernels computed inside another (their figure is 0, or
-    missing beside the one-kernel layer's). Empty without a breakdown."""
-    df = breakdown_data(run)
+    missing beside the one-kernel layer's). Empty without a breakdown. ``df``: the run's :func:`breakdown_data`,
+    where the caller has it."""
+    df = breakdown_data(run) if df is None else df
     kernels = df[df["kernel"] != "sum"]
     floors = kernel_floors(run)
     inside = [k for k, b in zip(kernels["kernel"], kernels["best_us"]) if b == 0 or math.isnan(b)]
@@ -591,7 +592,7 @@ def breakdown_lines(run: Run) -> list[str]:
     df = breakdown_data(run)
     if df.empty:
         return []
-    own, inside = breakdown_floors(run)
+    own, inside = breakdown_floors(run, df)
     rows = []
     for _, r in df.iterrows():
         k = r["kernel"]
