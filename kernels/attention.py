@@ -21,9 +21,9 @@ PDL (the same contract as the GEMM, DESIGN.md):
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -130,24 +130,21 @@ def _trigger_block(n_blocks, overlap):
     return ((n_blocks - 1) * overlap).to(tl.int32)
 
 
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 def launch_knobs(c: AttnConfig, seq: int, causal: bool = True) -> tuple[int, ...]:
     """What a launch over ``seq`` reads of ``c``'s overlap ratio: the KV block after which its programs trigger
     their dependents (:func:`_trigger_block`, -1: no PDL), one for each count of KV blocks a program reads (causal
     programs stop at their diagonal), fewest first. The study's launch key (tuner.layer.launch_key) reads it, so two
-    ratios that launch the same are measured once. The kernel computes the product in fp32; so does this (the product
-    of two fp32 values is exact in a Python float, and rounds once to fp32)."""
+    ratios that launch the same are measured once. In fp32, as the kernel computes it (numpy's float32 product is
+    IEEE's, as the GPU's and the interpreter's are)."""
     if c.overlap_ratio < 0:
         return (-1,)
     if causal:
-        counts = {triton.cdiv(min(seq, (i + 1) * c.block_m), c.block_n) for i in range(triton.cdiv(seq, c.block_m))}
+        ends = np.minimum(seq, np.arange(1, triton.cdiv(seq, c.block_m) + 1, dtype=np.int64) * c.block_m)
+        counts = np.unique(-(-ends // c.block_n))
     else:
-        counts = {triton.cdiv(seq, c.block_n)}
-    overlap = _f32(max(c.overlap_ratio, 0.0))
-    return tuple(int(_f32(float(n - 1) * overlap)) for n in sorted(counts))
+        counts = np.array([triton.cdiv(seq, c.block_n)])
+    triggers = (counts - 1).astype(np.float32) * np.float32(max(c.overlap_ratio, 0.0))
+    return tuple(triggers.astype(np.int32).tolist())
 
 
 @triton.jit
