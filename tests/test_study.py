@@ -787,6 +787,14 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
     assert plain.norm1.fuse == 2 and not same("bert-base", plain, edit(plain, qkv=dict(group_m=1)))
     no_norm = edit(plain, norm1=dict(fuse=0))
     assert same("bert-base", no_norm, edit(no_norm, qkv=dict(group_m=1)))
+    # FFN1 clustered with LayerNorm 2 folded on the out-projection's row sums (norm2.fuse 2) runs on the cluster kernel
+    # in every layer where that kernel reads all their parts: the seed's split out-projection writes 12; in 16-column
+    # tiles unsplit it writes 48, more than the 32 the cluster kernel reads, and FFN1 runs on the Triton kernels
+    folded = edit(seed, ffn1=dict(cluster=2, split_k=2))
+    assert folded.norm2.fuse == 2 and repair_config(folded, BERT_BASE, 2, H200).ffn1.cluster == 2
+    assert same("bert-base", folded, edit(folded, ffn1=dict(group_m=1)))
+    narrow = edit(folded, out=dict(cluster=0, split_k=1, block_n=16))
+    assert not same("bert-base", narrow, edit(narrow, ffn1=dict(group_m=1)))
     # QKV's Triton tiles under QKV's kernel with the attention, where no layer runs QKV on Triton (norm1.fuse 0)
     attn_qkv = edit(seed, norm1=dict(fuse=0))
     assert repair_config(attn_qkv, BERT_BASE, 2, H200).qkv.fuse == 1
@@ -873,6 +881,81 @@ def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
         merged += hashes[i] == hashes[j]
     assert {n for n, *_ in calls[-1]} == ({"cluster"} if kernel == "cluster" else {"gemm", "reduce"})
     assert merged > len(configs) // 2  # (the sweep has launches alike to merge, not only the group_m pairs)
+
+
+@pytest.mark.parametrize("name,out_tiles", [("bert-base", None), ("bert-base", 32), ("bert-base", 16),
+                                             ("bert-large", 32), ("bert-large", 16)])
+def test_a_folded_ffn1_is_keyed_by_the_kernel_it_launches(name, out_tiles, monkeypatch):
+    # FFN1 clustered with LayerNorm 2 folded on the out-projection's row sums (norm2.fuse 2): gemm.linear runs it on the
+    # cluster kernel where that reads every part of the row sums (cluster_gemm.MAX_LN_PARTS), else on the Triton
+    # kernels. The key judges that on the shape (tuner.layer.ln_parts: the parts the layer's buffer holds): the
+    # kernel it names, and configurations that hash alike, must be what the launch does. The out-projection split
+    # (12 / 16 parts) or unsplit in 32- or 16-column tiles (24 / 32 on bert-base, 32 / 64 on bert-large: 32 is the
+    # most the cluster kernel reads). Recorded, not run, with PDL as on Hopper, over group_m and a sweep of ratios.
+    import itertools
+
+    import torch
+    from devices import H200
+
+    from tuner.kernels import _common, cluster_gemm
+    from tuner.kernels import gemm as gemm_k
+    from tuner.layer import _gemm_kernels, ln_parts, repair_config
+
+    launched = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((self.kernel, grid, a, kw))
+
+    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
+    for module in (_common, gemm_k):
+        monkeypatch.setattr(module, "launch_mode", lambda t: hopper)
+    monkeypatch.setattr(cluster_gemm, "usable", lambda device: True)
+    monkeypatch.setattr(cluster_gemm, "launch", lambda *a, **kw: launched.append(("cluster", None, a, kw)))
+    monkeypatch.setattr(gemm_k, "_gemm_kernel", Recorder("gemm"))
+    monkeypatch.setattr(gemm_k, "_splitk_reduce_kernel", Recorder("reduce"))
+    shape = PRESETS[name]
+    seed = hand_picked_cluster(shape)
+    cfg = replace(seed, ffn1=replace(seed.ffn1, cluster=2, split_k=2))
+    if out_tiles:
+        cfg = replace(cfg, out=replace(cfg.out, cluster=0, split_k=1, block_n=out_tiles))
+    cfg = repair_config(cfg, shape, 2, H200)
+    assert cfg.norm2.fuse == 2 and cfg.ffn1.cluster == 2 and cfg.out.block_n == (out_tiles or cfg.out.block_n)
+    parts = ln_parts(shape, cfg)["ffn1"]
+    m, d, f = shape.tokens, shape.d_model, shape.ffn
+    x, w, b, u, out = (torch.randn(*s).half() for s in ((m, d), (f, d), (f,), (f,), (m, f)))
+    u = u.float()
+    stats = torch.zeros(parts, m, 2)
+    ws = torch.empty(gemm_k.workspace_numel(cfg.ffn1, m, f))
+    ratios = (-1.0, 0.0, 0.4, 1.0)
+    configs = [replace(cfg, ffn1=replace(cfg.ffn1, overlap_ratio=o, prefetch_ratio=p, group_m=g))
+               for o, p, g in itertools.product(ratios, ratios, (1, 8))]
+    calls = []
+    for c in configs:
+        launched.clear()
+        gemm_k.linear(x, w, b, config=c.ffn1, activation="gelu", out=out, workspace=ws, ln_colsum=u, ln_stats=stats)
+        calls.append(list(launched))
+    on_cluster = parts <= cluster_gemm.MAX_LN_PARTS
+    assert _gemm_kernels(cfg, "ffn1", shape) == (("cluster",) if on_cluster else ("triton",))
+    assert {k for k, *_ in calls[0]} == ({"cluster"} if on_cluster else {"gemm", "reduce"})
+
+    def same(u, v):  # (the same memory, as the same view: the Triton path slices its row sums from the workspace)
+        if torch.is_tensor(u) and torch.is_tensor(v):
+            return (u.data_ptr(), u.shape, u.stride(), u.dtype) == (v.data_ptr(), v.shape, v.stride(), v.dtype)
+        return not torch.is_tensor(u) and not torch.is_tensor(v) and u == v
+
+    def alike(p, q):
+        return len(p) == len(q) and all(
+            n1 == n2 and g1 == g2 and len(a1) == len(a2) and all(map(same, a1, a2)) and kw1.keys() == kw2.keys()
+            and all(same(kw1[k], kw2[k]) for k in kw1) for (n1, g1, a1, kw1), (n2, g2, a2, kw2) in zip(p, q))
+
+    hashes = [config_hash(c, shape) for c in configs]
+    for i, j in itertools.combinations(range(len(configs)), 2):
+        assert (hashes[i] == hashes[j]) == alike(calls[i], calls[j]), (configs[i].ffn1, configs[j].ffn1)
+    assert (hashes[0] == hashes[1]) == on_cluster  # (group_m 1 and 8: the cluster kernel's tile order is fixed)
 
 
 @pytest.mark.parametrize("name", ["tiny", "bert-base"])

@@ -538,7 +538,7 @@ class ReplayEvaluator:
         from tuner.layer import launched_config
         from tuner.space import from_config
 
-        key = self._loaded(params, lambda cfg: self._key(from_config(launched_config(cfg))))
+        key = self._loaded(params, lambda cfg: self._key(from_config(launched_config(cfg, self.shape))))
         return self._key(params) if key is None else key
 
     def _number(self, i: int) -> int:
@@ -553,10 +553,13 @@ class ReplayEvaluator:
         """The configuration that recorded trial ``number`` measured, as today's code loads it (served as measured:
         :meth:`evaluate` finds its own row, or the first of its launch); None where it does not load, or today's checks
         refuse it (for the recording's GPU)."""
-        at = [i for i in range(len(self.rows)) if self._number(i) == number]
-        if not at:
+        if "_row_of" not in self.__dict__:  # (recorded number -> its first row, built once: finish asks per trial)
+            self._row_of = {}
+            for i in range(len(self.rows)):
+                self._row_of.setdefault(self._number(i), i)
+        if number not in self._row_of:
             return None
-        cfg = self._loaded(self.rows[self.params].iloc[at[0]].to_dict(), lambda cfg: cfg)
+        cfg = self._loaded(self.rows[self.params].iloc[self._row_of[number]].to_dict(), lambda cfg: cfg)
         return None if cfg is None or self.invalid(cfg) else cfg
 
     def evaluate(self, cfg: DecoderConfig) -> TrialResult:

@@ -263,19 +263,30 @@ _BLOCK_UNREAD = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_s
 _QKV_ATTN_UNREAD = ("block_m", "block_n", "group_m", "num_warps", "split_k", "tma", "cluster")
 
 
-def _on_cluster_kernel(cfg: DecoderConfig, gemm: str) -> bool:
-    """Whether every layer of the stack runs ``gemm`` on the cluster kernel, as gemm.linear decides at its launch: a
-    clustered GEMM (``cluster`` 1 or 2, as repair_config leaves it) that folds no LayerNorm. A folded one runs on the
-    Triton kernels where its row sums come from the K loop (``fuse`` 1, and the first layer under ``norm1.fuse`` 2) or
-    from more producer parts than the cluster kernel reads (a count the shape decides): not judged here."""
+def _gemm_kernels(cfg: DecoderConfig, gemm: str, shape: DecoderShape | None = None) -> tuple[str, ...]:
+    """The kernels that run ``gemm`` in the stack's layers, as gemm.linear decides at its launch, for a GEMM launched
+    as itself (not QKV with the attention, nor FFN1 as the feed-forward block): ``("triton",)``, ``("cluster",)``
+    or, where layers differ or ``shape`` is not given to judge, both. An unclustered GEMM (``cluster`` 0, as
+    repair_config leaves it) runs on the Triton kernels, a clustered one that folds no LayerNorm on the cluster
+    kernel. A folded one runs on the Triton kernels where its row sums come from its K loop (``fuse`` 1), and where
+    they come from its producer (``fuse`` 2) on the cluster kernel if that reads all their parts (``shape``'s
+    :func:`ln_parts`, the size of the buffer the launch reads), else on the Triton kernels. QKV's producer is the
+    previous layer's FFN2: the stack's first layer has no row sums, and runs QKV on the Triton kernels."""
+    from tuner.kernels import cluster_gemm
+
     c = getattr(cfg, gemm)
-    if not c.cluster or c.fuse:  # (fuse: QKV with the attention, the out-projection or FFN2 in the block)
-        return False
-    if gemm == "qkv":
-        return cfg.norm1.fuse == 0
-    if gemm == "ffn1":
-        return cfg.norm2.fuse == 0 and not cfg.ffn2.fuse
-    return True
+    if not c.cluster:
+        return ("triton",)
+    norm = {"qkv": cfg.norm1, "ffn1": cfg.norm2}.get(gemm)
+    if norm is None or norm.fuse == 0:
+        return ("cluster",)
+    if norm.fuse == 1:
+        return ("triton",)
+    if shape is None:
+        return ("triton", "cluster")
+    if ln_parts(shape, cfg)[gemm] > cluster_gemm.MAX_LN_PARTS:
+        return ("triton",)
+    return ("triton", "cluster") if gemm == "qkv" else ("cluster",)
 
 
 def unlaunched_kernels(cfg: DecoderConfig) -> set[str]:
@@ -287,7 +298,7 @@ def unlaunched_kernels(cfg: DecoderConfig) -> set[str]:
     return idle
 
 
-def launched_config(cfg: DecoderConfig) -> DecoderConfig:
+def launched_config(cfg: DecoderConfig, shape: DecoderShape | None = None) -> DecoderConfig:
     """``cfg`` (as :func:`repair_config` leaves it) with every field that no launch of any layer of the stack reads
     set to its default: two configurations that launch the same kernels with the same arguments become equal, so
     the study measures such a pair once (tuner.study.config_hash). Reset:
@@ -300,10 +311,11 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
       kernel nor FFN1 as the feed-forward block): they ignore it (gemm.GemmConfig.hints);
     * under QKV's kernel with the attention (``qkv.fuse`` 1), QKV's Triton tile fields (_QKV_ATTN_UNREAD), but where
       ``norm1.fuse`` is 2: the stack's first layer then runs QKV on the Triton kernels;
-    * ``group_m`` of a GEMM on the cluster kernel (:func:`_on_cluster_kernel`), whose tile order is fixed.
+    * ``group_m`` of a GEMM that only the cluster kernel runs (:func:`_gemm_kernels`, judged on ``shape`` where a
+      folded LayerNorm may run it on the Triton kernels), whose tile order is fixed.
 
     Fields a launch reads in a coarser form (a ratio rounded to a K tile, QKV's depth under ``qkv.fuse`` 1) are kept as
-    they are, and so is a clustered GEMM's ``group_m`` where its folded LayerNorm may run it on the Triton kernels."""
+    they are."""
     default = DecoderConfig()
     if cfg.fused:
         return replace(default, layer=cfg.layer)
@@ -320,7 +332,7 @@ def launched_config(cfg: DecoderConfig) -> DecoderConfig:
         c = out.get(g, getattr(cfg, g))
         if c.hints != getattr(default, g).hints and not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse):
             c = out[g] = replace(c, hints=getattr(default, g).hints)
-        if _on_cluster_kernel(cfg, g):
+        if not c.fuse and not (g == "ffn1" and cfg.ffn2.fuse) and _gemm_kernels(cfg, g, shape) == ("cluster",):
             out[g] = replace(c, group_m=getattr(default, g).group_m)
     return replace(cfg, **out)
 
@@ -337,10 +349,10 @@ def launch_key(cfg: DecoderConfig, shape: DecoderShape) -> dict:
     :func:`launched_config`'s fields, and on ``shape`` each GEMM's two ratios replaced by what its launches read of
     them (a trigger and a prefetch count in K tiles: gemm.triton_knobs, gemm.cluster_knobs, qkv_attn_knobs, and
     mlp_cluster.early_tiles for FFN1 as the feed-forward block), so ratios that round to the same K tile are one
-    launch. A GEMM that may run on either kernel (a clustered one with a folded LayerNorm) keys both kernels'. A norm
+    launch. A GEMM that runs on both kernels (QKV clustered under ``norm1.fuse`` 2) keys both kernels'. A norm
     kernel's ratios likewise by its trigger row and prefetch lines (norm.launch_knobs), the attention kernel's overlap
     ratio by its programs' trigger blocks (attention.launch_knobs)."""
-    key = launched_config(cfg).to_dict()
+    key = launched_config(cfg, shape).to_dict()
     if cfg.fused:
         return key
     from tuner.kernels import mlp_cluster
@@ -358,11 +370,9 @@ def launch_key(cfg: DecoderConfig, shape: DecoderShape) -> dict:
             kinds = [("qkv_attn", *qkv_attn_knobs(c, shape))]
             if cfg.norm1.fuse == 2:
                 kinds.append(("triton", *gemm_k.triton_knobs(c, k)))
-        elif _on_cluster_kernel(cfg, g):
-            kinds = [("cluster", *gemm_k.cluster_knobs(c, k))]
         else:
-            kinds = [("triton", *gemm_k.triton_knobs(c, k))] + ([("cluster", *gemm_k.cluster_knobs(c, k))]
-                                                                 if c.cluster else [])
+            knobs = {"triton": gemm_k.triton_knobs, "cluster": gemm_k.cluster_knobs}
+            kinds = [(kind, *knobs[kind](c, k)) for kind in _gemm_kernels(cfg, g, shape)]
         _key_launches(key, g, kinds)
     # A norm kernel's trigger and prefetch lines; the lines of a weight vector count its element's bytes, which the
     # key does not know: it holds both sizes the layer runs in (2: fp16 and bf16, 4: fp32), merging only where both do

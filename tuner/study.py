@@ -629,6 +629,8 @@ def local_step(params: dict, space: SearchSpace, pdl: bool, rng, repaired=None,
     for them, _repairer) names the kernels that are not launched, and a draw whose config launches what ``params``
     do (:func:`config_hash` on ``shape``, the study's: given with ``repaired``) is drawn again,
     :data:`NEIGHBOUR_TRIES` times at most. None where no draw moves."""
+    if repaired is not None and shape is None:
+        raise TypeError("local_step: repaired needs the study's shape, on which launches are compared")
     here = repaired(params) if repaired is not None else None
     idle = idle_kernels(here) if here is not None else frozenset()
     launches = config_hash(here, shape) if here is not None else None
