@@ -883,15 +883,19 @@ def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
     assert merged > len(configs) // 2  # (the sweep has launches alike to merge, not only the group_m pairs)
 
 
-@pytest.mark.parametrize("name,out_tiles", [("bert-base", None), ("bert-base", 32), ("bert-base", 16),
-                                             ("bert-large", 32), ("bert-large", 16)])
-def test_a_folded_ffn1_is_keyed_by_the_kernel_it_launches(name, out_tiles, monkeypatch):
-    # FFN1 clustered with LayerNorm 2 folded on the out-projection's row sums (norm2.fuse 2): gemm.linear runs it on the
-    # cluster kernel where that reads every part of the row sums (cluster_gemm.MAX_LN_PARTS), else on the Triton
-    # kernels. The key judges that on the shape (tuner.layer.ln_parts: the parts the layer's buffer holds): the
-    # kernel it names, and configurations that hash alike, must be what the launch does. The out-projection split
-    # (12 / 16 parts) or unsplit in 32- or 16-column tiles (24 / 32 on bert-base, 32 / 64 on bert-large: 32 is the
-    # most the cluster kernel reads). Recorded, not run, with PDL as on Hopper, over group_m and a sweep of ratios.
+@pytest.mark.parametrize("name,gemm,norm_fuse,producer_tiles", [
+    ("bert-base", "ffn1", 2, None), ("bert-base", "ffn1", 2, 32), ("bert-base", "ffn1", 2, 16),
+    ("bert-large", "ffn1", 2, 32), ("bert-large", "ffn1", 2, 16), ("bert-base", "ffn1", 1, None),
+    ("bert-base", "qkv", 2, None), ("bert-base", "qkv", 2, 16), ("bert-base", "qkv", 1, None)])
+def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse, producer_tiles, monkeypatch):
+    # A clustered GEMM that folds its LayerNorm: gemm.linear runs it on the Triton kernels where the row sums come from
+    # its K loop (fuse 1) and, where they come from its producer (fuse 2: FFN1's the out-projection, QKV's the previous
+    # layer's FFN2, so none in the stack's first layer), on the cluster kernel if that reads all their parts
+    # (cluster_gemm.MAX_LN_PARTS). The key judges that on the shape (tuner.layer.ln_parts: the parts the layer's
+    # buffer holds): the kernels it names, and configurations that hash alike, must be what the stack's launches do.
+    # The producer split (12 / 16 parts) or unsplit in 32- or 16-column tiles (24 / 32 on bert-base, 32 / 64 on
+    # bert-large: 32 is the most the cluster kernel reads). Recorded, not run, with PDL as on Hopper, over group_m and
+    # a sweep of ratios; QKV under fuse 2 as the first layer and as the later ones launch it.
     import itertools
 
     import torch
@@ -919,28 +923,37 @@ def test_a_folded_ffn1_is_keyed_by_the_kernel_it_launches(name, out_tiles, monke
     monkeypatch.setattr(gemm_k, "_splitk_reduce_kernel", Recorder("reduce"))
     shape = PRESETS[name]
     seed = hand_picked_cluster(shape)
-    cfg = replace(seed, ffn1=replace(seed.ffn1, cluster=2, split_k=2))
-    if out_tiles:
-        cfg = replace(cfg, out=replace(cfg.out, cluster=0, split_k=1, block_n=out_tiles))
+    norm, producer = ("norm2", "out") if gemm == "ffn1" else ("norm1", "ffn2")
+    cfg = replace(seed, **{gemm: replace(getattr(seed, gemm), cluster=2, split_k=2, fuse=0),
+                           norm: replace(getattr(seed, norm), fuse=norm_fuse)})
+    if producer_tiles:
+        cfg = replace(cfg, **{producer: replace(getattr(cfg, producer), cluster=0, split_k=1, block_n=producer_tiles)})
     cfg = repair_config(cfg, shape, 2, H200)
-    assert cfg.norm2.fuse == 2 and cfg.ffn1.cluster == 2 and cfg.out.block_n == (out_tiles or cfg.out.block_n)
-    parts = ln_parts(shape, cfg)["ffn1"]
-    m, d, f = shape.tokens, shape.d_model, shape.ffn
-    x, w, b, u, out = (torch.randn(*s).half() for s in ((m, d), (f, d), (f,), (f,), (m, f)))
+    c0 = getattr(cfg, gemm)
+    assert getattr(cfg, norm).fuse == norm_fuse and c0.cluster == 2 and not c0.fuse and not cfg.ffn2.fuse
+    assert producer_tiles is None or getattr(cfg, producer).block_n == producer_tiles
+    parts = ln_parts(shape, cfg).get(gemm, 0)
+    m, k, n = shape.tokens, shape.d_model, shape.gemms()[gemm][1]
+    x, w, b, u, out = (torch.randn(*s).half() for s in ((m, k), (n, k), (n,), (n,), (m, n)))
     u = u.float()
+    # the layers' launches: QKV under fuse 2 without row sums (the first layer) and with them (the later ones)
     stats = torch.zeros(parts, m, 2)
-    ws = torch.empty(gemm_k.workspace_numel(cfg.ffn1, m, f))
+    layers = [None] if norm_fuse == 1 else [stats] if gemm == "ffn1" else [None, stats]
+    ws = torch.empty(gemm_k.workspace_numel(c0, m, n))
     ratios = (-1.0, 0.0, 0.4, 1.0)
-    configs = [replace(cfg, ffn1=replace(cfg.ffn1, overlap_ratio=o, prefetch_ratio=p, group_m=g))
+    configs = [replace(cfg, **{gemm: replace(c0, overlap_ratio=o, prefetch_ratio=p, group_m=g)})
                for o, p, g in itertools.product(ratios, ratios, (1, 8))]
     calls = []
     for c in configs:
         launched.clear()
-        gemm_k.linear(x, w, b, config=c.ffn1, activation="gelu", out=out, workspace=ws, ln_colsum=u, ln_stats=stats)
+        for ln_stats in layers:
+            gemm_k.linear(x, w, b, config=getattr(c, gemm), out=out, workspace=ws, ln_colsum=u, ln_stats=ln_stats)
         calls.append(list(launched))
-    on_cluster = parts <= cluster_gemm.MAX_LN_PARTS
-    assert _gemm_kernels(cfg, "ffn1", shape) == (("cluster",) if on_cluster else ("triton",))
-    assert {k for k, *_ in calls[0]} == ({"cluster"} if on_cluster else {"gemm", "reduce"})
+    kernels = {"gemm": "triton", "reduce": "triton", "cluster": "cluster"}
+    ran = {kernels[kind] for kind, *_ in calls[0]}
+    assert set(_gemm_kernels(cfg, gemm, shape)) == ran
+    assert ran == ({"triton"} if norm_fuse == 1 or parts > cluster_gemm.MAX_LN_PARTS
+                   else {"triton", "cluster"} if gemm == "qkv" else {"cluster"})
 
     def same(u, v):  # (the same memory, as the same view: the Triton path slices its row sums from the workspace)
         if torch.is_tensor(u) and torch.is_tensor(v):
@@ -954,8 +967,9 @@ def test_a_folded_ffn1_is_keyed_by_the_kernel_it_launches(name, out_tiles, monke
 
     hashes = [config_hash(c, shape) for c in configs]
     for i, j in itertools.combinations(range(len(configs)), 2):
-        assert (hashes[i] == hashes[j]) == alike(calls[i], calls[j]), (configs[i].ffn1, configs[j].ffn1)
-    assert (hashes[0] == hashes[1]) == on_cluster  # (group_m 1 and 8: the cluster kernel's tile order is fixed)
+        assert (hashes[i] == hashes[j]) == alike(calls[i], calls[j]), (getattr(configs[i], gemm),
+                                                                       getattr(configs[j], gemm))
+    assert (hashes[0] == hashes[1]) == (ran == {"cluster"})  # (group_m 1 and 8: the cluster kernel's order is fixed)
 
 
 @pytest.mark.parametrize("name", ["tiny", "bert-base"])
@@ -979,7 +993,8 @@ def test_the_norms_launch_key_is_equal_where_the_launches_are(name, monkeypatch)
         def __getitem__(self, grid):
             return lambda *a, **kw: launched.append((grid, a, kw))
 
-    monkeypatch.setattr(_common, "launch_mode", lambda t: _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False))
+    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
+    monkeypatch.setattr(_common, "launch_mode", lambda t: hopper)
     monkeypatch.setattr(norm_k, "_norm_kernel", Recorder())
     shape = PRESETS[name]
     cfg = default_config(shape)
