@@ -822,19 +822,11 @@ def test_launched_config_leaves_out_only_what_no_launch_reads():
     assert not same("bert-base", fused, edit(fused, layer=dict(num_stages=fused.layer.num_stages + 1)))
 
 
-@pytest.mark.parametrize("kernel", ["cluster", "triton"])
-def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
-    # config_hash leaves out what the out-projection's launch does not read (a clustered GEMM's group_m) and keys its
-    # ratios by the K tiles they round to (a trigger and a prefetch count, and the split-K reduction's trigger): two
-    # configurations must hash alike exactly where gemm.linear launches them alike. The launches are recorded, not
-    # run (on the CPU, with PDL as on Hopper), for every pair of a sweep of ratios and group_m.
-    import itertools
-
-    import torch
-
+def _record_gemm_launches(monkeypatch) -> list:
+    """gemm.linear's launches recorded, not run (on the CPU, with PDL and prefetch as on Hopper, the cluster kernel
+    usable): the list each launch appends (kernel, grid, args, meta) to; the caller clears it between configs."""
     from tuner.kernels import _common, cluster_gemm
     from tuner.kernels import gemm as gemm_k
-    from tuner.study import config_hash
 
     launched = []
 
@@ -852,6 +844,38 @@ def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
     monkeypatch.setattr(cluster_gemm, "launch", lambda *a, **kw: launched.append(("cluster", None, a, kw)))
     monkeypatch.setattr(gemm_k, "_gemm_kernel", Recorder("gemm"))
     monkeypatch.setattr(gemm_k, "_splitk_reduce_kernel", Recorder("reduce"))
+    return launched
+
+
+def _launches_alike(p: list, q: list) -> bool:
+    """Two configs' recorded launches (_record_gemm_launches) are the same kernels, grids and arguments: tensors as the
+    same view of the same memory (the Triton path slices its row sums from the workspace anew each launch)."""
+    import torch
+
+    def same(u, v):
+        if torch.is_tensor(u) and torch.is_tensor(v):
+            return (u.data_ptr(), u.shape, u.stride(), u.dtype) == (v.data_ptr(), v.shape, v.stride(), v.dtype)
+        return not torch.is_tensor(u) and not torch.is_tensor(v) and u == v
+
+    return len(p) == len(q) and all(
+        n1 == n2 and g1 == g2 and len(a1) == len(a2) and all(map(same, a1, a2)) and kw1.keys() == kw2.keys()
+        and all(same(kw1[k], kw2[k]) for k in kw1) for (n1, g1, a1, kw1), (n2, g2, a2, kw2) in zip(p, q))
+
+
+@pytest.mark.parametrize("kernel", ["cluster", "triton"])
+def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
+    # config_hash leaves out what the out-projection's launch does not read (a clustered GEMM's group_m) and keys its
+    # ratios by the K tiles they round to (a trigger and a prefetch count, and the split-K reduction's trigger): two
+    # configurations must hash alike exactly where gemm.linear launches them alike. The launches are recorded, not
+    # run (on the CPU, with PDL as on Hopper), for every pair of a sweep of ratios and group_m.
+    import itertools
+
+    import torch
+
+    from tuner.kernels import gemm as gemm_k
+    from tuner.study import config_hash
+
+    launched = _record_gemm_launches(monkeypatch)
     x, w, b, res, out = (torch.randn(*s).half() for s in ((128, 768), (768, 768), (768,), (128, 768), (128, 768)))
     seed = hand_picked_cluster(BERT_BASE)
     base = seed.out if kernel == "cluster" else replace(seed.out, cluster=0, tma=0, block_k=64)  # 12 K tiles, 4 splits
@@ -866,18 +890,10 @@ def test_the_launch_key_is_equal_where_the_launches_are(kernel, monkeypatch):
         gemm_k.linear(x, w, b, config=c, residual=res, out=out, workspace=ws)
         calls.append(list(launched))
 
-    def same(u, v):  # (the same tensors, or equal values)
-        return u is v if torch.is_tensor(u) or torch.is_tensor(v) else u == v
-
-    def alike(p, q):
-        return len(p) == len(q) and all(
-            n1 == n2 and g1 == g2 and len(a1) == len(a2) and all(map(same, a1, a2)) and kw1.keys() == kw2.keys()
-            and all(same(kw1[k], kw2[k]) for k in kw1) for (n1, g1, a1, kw1), (n2, g2, a2, kw2) in zip(p, q))
-
     hashes = [config_hash(replace(seed, out=c), BERT_BASE) for c in configs]
     merged = 0
     for i, j in itertools.combinations(range(len(configs)), 2):
-        assert (hashes[i] == hashes[j]) == alike(calls[i], calls[j]), (configs[i], configs[j])
+        assert (hashes[i] == hashes[j]) == _launches_alike(calls[i], calls[j]), (configs[i], configs[j])
         merged += hashes[i] == hashes[j]
     assert {n for n, *_ in calls[-1]} == ({"cluster"} if kernel == "cluster" else {"gemm", "reduce"})
     assert merged > len(configs) // 2  # (the sweep has launches alike to merge, not only the group_m pairs)
@@ -901,26 +917,11 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
     import torch
     from devices import H200
 
-    from tuner.kernels import _common, cluster_gemm
+    from tuner.kernels import cluster_gemm
     from tuner.kernels import gemm as gemm_k
     from tuner.layer import _gemm_kernels, ln_parts, repair_config
 
-    launched = []
-
-    class Recorder:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append((self.kernel, grid, a, kw))
-
-    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
-    for module in (_common, gemm_k):
-        monkeypatch.setattr(module, "launch_mode", lambda t: hopper)
-    monkeypatch.setattr(cluster_gemm, "usable", lambda device: True)
-    monkeypatch.setattr(cluster_gemm, "launch", lambda *a, **kw: launched.append(("cluster", None, a, kw)))
-    monkeypatch.setattr(gemm_k, "_gemm_kernel", Recorder("gemm"))
-    monkeypatch.setattr(gemm_k, "_splitk_reduce_kernel", Recorder("reduce"))
+    launched = _record_gemm_launches(monkeypatch)
     shape = PRESETS[name]
     seed = hand_picked_cluster(shape)
     norm, producer = ("norm2", "out") if gemm == "ffn1" else ("norm1", "ffn2")
@@ -955,20 +956,10 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
     assert ran == ({"triton"} if norm_fuse == 1 or parts > cluster_gemm.MAX_LN_PARTS
                    else {"triton", "cluster"} if gemm == "qkv" else {"cluster"})
 
-    def same(u, v):  # (the same memory, as the same view: the Triton path slices its row sums from the workspace)
-        if torch.is_tensor(u) and torch.is_tensor(v):
-            return (u.data_ptr(), u.shape, u.stride(), u.dtype) == (v.data_ptr(), v.shape, v.stride(), v.dtype)
-        return not torch.is_tensor(u) and not torch.is_tensor(v) and u == v
-
-    def alike(p, q):
-        return len(p) == len(q) and all(
-            n1 == n2 and g1 == g2 and len(a1) == len(a2) and all(map(same, a1, a2)) and kw1.keys() == kw2.keys()
-            and all(same(kw1[k], kw2[k]) for k in kw1) for (n1, g1, a1, kw1), (n2, g2, a2, kw2) in zip(p, q))
-
     hashes = [config_hash(c, shape) for c in configs]
     for i, j in itertools.combinations(range(len(configs)), 2):
-        assert (hashes[i] == hashes[j]) == alike(calls[i], calls[j]), (getattr(configs[i], gemm),
-                                                                       getattr(configs[j], gemm))
+        assert (hashes[i] == hashes[j]) == _launches_alike(calls[i], calls[j]), (getattr(configs[i], gemm),
+                                                                                getattr(configs[j], gemm))
     assert (hashes[0] == hashes[1]) == (ran == {"cluster"})  # (group_m 1 and 8: the cluster kernel's order is fixed)
 
 
