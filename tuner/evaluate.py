@@ -426,7 +426,7 @@ class ReplayEvaluator:
         rec_shape = DecoderShape.from_dict(self.manifest["shape"])  # (a ShapeError, a ValueError, names what is wrong)
         self.shape = shape or rec_shape
         if shape is not None and shape.spec != rec_shape.spec:
-            raise ValueError(f"replay recording {path} is for shape {rec_shape.spec}, not {shape.spec}")
+            raise ValueError(f"replay recording {path}: recorded on shape {rec_shape.spec}, not {shape.spec}")
         bpath = folder / "breakdown.json"
         self._breakdown = read(bpath) if bpath.is_file() else None
         if self._breakdown is not None and (why := breakdown_problem(self._breakdown)):
