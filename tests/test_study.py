@@ -910,8 +910,8 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
     # (cluster_gemm.MAX_LN_PARTS). The key judges that on the shape (tuner.layer.ln_parts: the parts the layer's
     # buffer holds): the kernels it names, and configurations that hash alike, must be what the stack's launches do.
     # The producer split (12 / 16 parts) or unsplit in 32- or 16-column tiles (24 / 32 on bert-base, 32 / 64 on
-    # bert-large: 32 is the most the cluster kernel reads). Recorded, not run, with PDL as on Hopper, over group_m and
-    # a sweep of ratios; QKV under fuse 2 as the first layer and as the later ones launch it.
+    # bert-large: 32 is the most the cluster kernel reads). Recorded, not run, with PDL as on Hopper, over group_m, the
+    # L2 hints and a sweep of ratios; QKV under fuse 2 as the first layer and as the later ones launch it.
     import itertools
 
     import torch
@@ -942,8 +942,8 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
     layers = [None] if norm_fuse == 1 else [stats] if gemm == "ffn1" else [None, stats]
     ws = torch.empty(gemm_k.workspace_numel(c0, m, n))
     ratios = (-1.0, 0.0, 0.4, 1.0)
-    configs = [replace(cfg, **{gemm: replace(c0, overlap_ratio=o, prefetch_ratio=p, group_m=g)})
-               for o, p, g in itertools.product(ratios, ratios, (1, 8))]
+    configs = [replace(cfg, **{gemm: replace(c0, overlap_ratio=o, prefetch_ratio=p, group_m=g, hints=h)})
+               for o, p, g, h in itertools.product(ratios, ratios, (1, 8), (0, 1))]
     calls = []
     for c in configs:
         launched.clear()
@@ -960,7 +960,8 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
     for i, j in itertools.combinations(range(len(configs)), 2):
         assert (hashes[i] == hashes[j]) == _launches_alike(calls[i], calls[j]), (getattr(configs[i], gemm),
                                                                                 getattr(configs[j], gemm))
-    assert (hashes[0] == hashes[1]) == (ran == {"cluster"})  # (group_m 1 and 8: the cluster kernel's order is fixed)
+    # group_m 1 and 8: the cluster kernel's tile order is fixed; L2 hints 0 and 1: the Triton kernels ignore them
+    assert (hashes[0] == hashes[2]) == (ran == {"cluster"}) and (hashes[0] == hashes[1]) == (ran == {"triton"})
 
 
 @pytest.mark.parametrize("name", ["tiny", "bert-base"])

@@ -308,7 +308,8 @@ def launched_config(cfg: DecoderConfig, shape: DecoderShape | None = None) -> De
       (``qkv.fuse`` 1) with ``norm1.fuse`` 2, which the stack's first layer runs with its own config;
     * under the one-kernel feed-forward block, FFN1's tile fields, and its overlap ratio to 0 where it is on;
     * the L2 hints of a GEMM that only the Triton kernels run (``cluster`` 0, and neither QKV in the attention's
-      kernel nor FFN1 as the feed-forward block): they ignore it (gemm.GemmConfig.hints);
+      kernel nor FFN1 as the feed-forward block; or a clustered one that :func:`_gemm_kernels` runs on them alone):
+      they ignore it (gemm.GemmConfig.hints);
     * under QKV's kernel with the attention (``qkv.fuse`` 1), QKV's Triton tile fields (_QKV_ATTN_UNREAD), but where
       ``norm1.fuse`` is 2: the stack's first layer then runs QKV on the Triton kernels;
     * ``group_m`` of a GEMM that only the cluster kernel runs (:func:`_gemm_kernels`, judged on ``shape`` where a
@@ -330,9 +331,11 @@ def launched_config(cfg: DecoderConfig, shape: DecoderShape | None = None) -> De
         out["qkv"] = replace(cfg.qkv, **{k: getattr(default.qkv, k) for k in _QKV_ATTN_UNREAD})
     for g in GEMMS:
         c = out.get(g, getattr(cfg, g))
-        if c.hints != getattr(default, g).hints and not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse):
+        kernels = None if c.fuse or (g == "ffn1" and cfg.ffn2.fuse) else _gemm_kernels(cfg, g, shape)
+        if c.hints != getattr(default, g).hints and (not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse)
+                                                     or kernels == ("triton",)):
             c = out[g] = replace(c, hints=getattr(default, g).hints)
-        if not c.fuse and not (g == "ffn1" and cfg.ffn2.fuse) and _gemm_kernels(cfg, g, shape) == ("cluster",):
+        if kernels == ("cluster",):
             out[g] = replace(c, group_m=getattr(default, g).group_m)
     return replace(cfg, **out)
 
