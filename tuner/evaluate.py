@@ -439,8 +439,9 @@ class ReplayEvaluator:
                               self._key(df[df["status"] == "ok"].sort_values("latency_us").iloc[0].to_dict()))
         except (ValueError, KeyError, TypeError):  # (then no breakdown is served for any config but the baseline)
             pass
-        # (computed where first asked: the best's launch hash by breakdown, the rows' by _launches)
-        self._best_launch, self._by_launch, self._launched = None, None, None
+        # (computed where first asked: the best's launch hash by breakdown, the rows' by _launches, their launched
+        # fields by _lookup, recorded trial number -> first row by recorded_config)
+        self._best_launch, self._by_launch, self._launched, self._row_of = None, None, None, None
         self.device_name = g.get("name", "unknown")  # (g: the manifest's gpu, checked above)
         # The recording's GPU as its search saw it (tuner.device.DeviceInfo): a sampled config is repaired for it
         # (study._repairer) and checked against it, so that a config the search measured is found again as itself (on
@@ -553,7 +554,7 @@ class ReplayEvaluator:
         """The configuration that recorded trial ``number`` measured, as today's code loads it (served as measured:
         :meth:`evaluate` finds its own row, or the first of its launch); None where it does not load, or today's checks
         refuse it (for the recording's GPU)."""
-        if "_row_of" not in self.__dict__:  # (recorded number -> its first row, built once: finish asks per trial)
+        if self._row_of is None:  # (built once: finish asks per approximated trial)
             self._row_of = {}
             for i in range(len(self.rows)):
                 self._row_of.setdefault(self._number(i), i)

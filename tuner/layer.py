@@ -264,17 +264,20 @@ _QKV_ATTN_UNREAD = ("block_m", "block_n", "group_m", "num_warps", "split_k", "tm
 
 
 def _gemm_kernels(cfg: DecoderConfig, gemm: str, shape: DecoderShape | None = None) -> tuple[str, ...]:
-    """The kernels that run ``gemm`` in the stack's layers, as gemm.linear decides at its launch, for a GEMM launched
-    as itself (not QKV with the attention, nor FFN1 as the feed-forward block): ``("triton",)``, ``("cluster",)``
-    or, where layers differ or ``shape`` is not given to judge, both. An unclustered GEMM (``cluster`` 0, as
-    repair_config leaves it) runs on the Triton kernels, a clustered one that folds no LayerNorm on the cluster
-    kernel. A folded one runs on the Triton kernels where its row sums come from its K loop (``fuse`` 1), and where
-    they come from its producer (``fuse`` 2) on the cluster kernel if that reads all their parts (``shape``'s
-    :func:`ln_parts`, the size of the buffer the launch reads), else on the Triton kernels. QKV's producer is the
-    previous layer's FFN2: the stack's first layer has no row sums, and runs QKV on the Triton kernels."""
+    """The kernels that run ``gemm`` in the stack's layers, as gemm.linear decides at its launch: ``("triton",)``,
+    ``("cluster",)`` or, where layers differ or ``shape`` is not given to judge, both; ``()`` for a GEMM computed in
+    another kernel's launch (QKV with the attention, FFN1 as the feed-forward block, the out-projection or FFN2 inside
+    it), whose fields launch_key reads apart. An unclustered GEMM (``cluster`` 0, as repair_config leaves it) runs on
+    the Triton kernels, a clustered one that folds no LayerNorm on the cluster kernel. A folded one runs on the Triton
+    kernels where its row sums come from its K loop (``fuse`` 1), and where they come from its producer (``fuse`` 2) on
+    the cluster kernel if that reads all their parts (``shape``'s :func:`ln_parts`, the size of the buffer the launch
+    reads), else on the Triton kernels. QKV's producer is the previous layer's FFN2: the stack's first layer has no row
+    sums, and runs QKV on the Triton kernels."""
     from tuner.kernels import cluster_gemm
 
     c = getattr(cfg, gemm)
+    if c.fuse or (gemm == "ffn1" and cfg.ffn2.fuse):
+        return ()
     if not c.cluster:
         return ("triton",)
     norm = {"qkv": cfg.norm1, "ffn1": cfg.norm2}.get(gemm)
@@ -331,7 +334,7 @@ def launched_config(cfg: DecoderConfig, shape: DecoderShape | None = None) -> De
         out["qkv"] = replace(cfg.qkv, **{k: getattr(default.qkv, k) for k in _QKV_ATTN_UNREAD})
     for g in GEMMS:
         c = out.get(g, getattr(cfg, g))
-        kernels = None if c.fuse or (g == "ffn1" and cfg.ffn2.fuse) else _gemm_kernels(cfg, g, shape)
+        kernels = _gemm_kernels(cfg, g, shape)
         if c.hints != getattr(default, g).hints and (not reads_l2_hints(g, c.cluster, c.fuse, cfg.ffn2.fuse)
                                                      or kernels == ("triton",)):
             c = out[g] = replace(c, hints=getattr(default, g).hints)
