@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+# cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read (the tuner's copy)
+from tuner.names import MAX_LN_PARTS  # noqa: F401
+
 from . import _nvcc
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
@@ -29,7 +32,6 @@ SLOW_NS = 20_000
 BLOCK = 64  # K is consumed in 64-wide tiles (the 128-byte swizzle span of 16-bit elements)
 TILES = (64, 128)  # the output tile's rows (one consumer warpgroup per 64) and columns
 MAX_STAGES = 12  # cluster_gemm.cu's MAX_STAGES
-MAX_LN_PARTS = 32  # cluster_gemm.cu's MAX_LN_PARTS: the producer's row-sum parts a fused LayerNorm may read
 # cluster_gemm.cu's epilogue bits (compile time: one library per variant; the activation in bits 6-7) and flags.
 HAS_BIAS, BIAS_F32, HAS_RES, LN_IN, STATS_OUT, XCHG16 = 1, 2, 4, 8, 16, 32
 USE_PDL, EARLY_SHIFT, NO_SPREAD, ALL_SLABS = 64, 8, 4096, 16384

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tuner.names import MAX_LN_PARTS  # mlp_cluster.cu's too: the producer's row-sum parts LN_IN reads
+
 from . import _nvcc
 from ._common import GRID_YZ_LIMIT, SMEM_DEFAULT_BYTES
 
@@ -25,7 +27,6 @@ SOURCE = Path(__file__).with_name("mlp_cluster.cu")
 COLUMNS_PER_GROUP = 128  # mlp_cluster.cu's NG
 SPLITS = {128: (2, 4, 8), 64: (2, 4, 8, 16)}  # hidden columns a CTA (mlp_cluster.cu's FS) -> cluster sizes
 TRACE_SLOTS = 8  # a traced launch's int64 stamps a program (launch's ``trace``)
-MAX_LN_PARTS = 32
 B1_F32, ATT_IN, LN_IN, STATS_OUT, OUT_IN = 2, 4, 8, 16, 32
 USE_PDL = 64
 # Called as launch_enter_hook(kernel name, launched with PDL) before every launch (tune verify's launch census, as

@@ -510,7 +510,7 @@ def side_by_side(a: report.Run, b: report.Run) -> pd.DataFrame:
             "top-1, knobs off (us)": ko.get("latency_us"),
             "ties in top-k": int(sum(bool(x.get("tie")) for x in r.rows)),
             **{f"best {report.GEMM_TITLES[g]} (o,p)": s[f"best_{g}"] for g in report.GEMMS},
-            "best tiles": report.format_tiles((r.best.get("config") or {}).get("kernels") or {}),
+            "best tiles": report.format_tiles((r.best.get("config") or {}).get("kernels") or {}, r.shape),
         }
     return pd.DataFrame(cols)
 

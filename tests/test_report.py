@@ -147,6 +147,80 @@ def test_the_tiles_show_l2_hints_exactly_where_a_launch_keeps_them():
         assert kept == (cluster > 0 or (g == "qkv" and fuse == 1) or (g == "ffn1" and ffn2_fuse > 0))
 
 
+@pytest.mark.parametrize("name", ["tiny", "bert-base", "bert-large"])
+def test_the_tiles_show_the_cluster_kernel_exactly_where_a_layer_runs_it(name):
+    # A clustered QKV or FFN1 that folds its LayerNorm runs on the Triton kernels in every layer where its row sums
+    # come from its K loop or from a producer with more parts than the cluster kernel reads (tuner.names.
+    # gemm_kernels). The report judges that without torch, on the run's shape (report._ln_parts, its copy of
+    # tuner.layer.ln_parts): over repaired random configurations, its parts and its '/cluster' suffixes must be the
+    # layer's. (Producer tiles of 16 columns give bert-base 48 parts, past the 32 the cluster kernel reads.)
+    import random
+
+    from devices import H200
+
+    from tuner.layer import _gemm_kernels, ln_parts, repair_config
+    from tuner.shapes import PRESETS
+
+    shape = PRESETS[name]
+    rng = random.Random(name)
+    seen = set()
+    for _ in range(600):
+        edits = [f"norm1.fuse={rng.choice((0, 1, 2, 2))}", f"norm2.fuse={rng.choice((0, 1, 2, 2))}",
+                 f"ffn2.fuse={rng.choice((0, 0, 1, 2))}", f"out.fuse={rng.choice((0, 0, 1))}",
+                 f"qkv.fuse={rng.choice((0, 0, 1))}"]
+        for g in GEMMS:
+            split = rng.choice((1, 1, 2, 4))
+            edits += [f"{g}.cluster={rng.choice((0, 2)) if split > 1 else 0}", f"{g}.split_k={split}",
+                      f"{g}.block_n={rng.choice((16, 16, 32, 64, 128))}", f"{g}.block_m={rng.choice((32, 64, 64))}",
+                      f"{g}.tma={rng.choice((0, 1, 1))}", f"{g}.hints={rng.choice((0, 1))}"]
+        cfg = repair_config(DecoderConfig().edited(edits), shape, 2, H200)
+        kernels, dims = cfg.to_dict()["kernels"], shape.to_dict()
+        parts = ln_parts(shape, cfg)
+        tiles = {p.split(" ")[0]: p for p in report.format_tiles(kernels, dims).split("; ")}
+        for g in GEMMS:
+            ran = _gemm_kernels(cfg, g, shape)
+            if g in ("qkv", "ffn1") and ran:
+                assert report._ln_parts(kernels, g, dims) == parts.get(g), (g, edits)
+            if not ran or g not in tiles or g == "qkv" and cfg.qkv.fuse:
+                continue  # (computed in another kernel's launch: shown as such)
+            assert ("/cluster" in tiles[g]) == ("cluster" in ran), (g, ran, tiles[g], edits)
+            if getattr(cfg, g).cluster:
+                seen.add((g, {"qkv": cfg.norm1, "ffn1": cfg.norm2}.get(g, cfg.norm1).fuse if g in ("qkv", "ffn1")
+                          else 0, ran))
+    # every judgement of a clustered GEMM came up: by its norm's fuse, and past the parts the cluster kernel reads
+    # where 16-column producer tiles give more than 32 (d_model > 512)
+    want = {("qkv", 1, ("triton",)), ("qkv", 2, ("triton", "cluster")), ("qkv", 0, ("cluster",)),
+            ("ffn1", 1, ("triton",)), ("ffn1", 2, ("cluster",)), ("ffn1", 0, ("cluster",)), ("out", 0, ("cluster",))}
+    if shape.d_model > 512:
+        want |= {("qkv", 2, ("triton",)), ("ffn1", 2, ("triton",))}
+    assert want <= seen, want - seen
+
+
+def test_the_row_sum_parts_limit_is_the_cuda_kernels():
+    # tuner.names.MAX_LN_PARTS (the report's judgement, cluster_gemm's and mlp_cluster's checks) is the limit each
+    # CUDA kernel that folds a LayerNorm compiles in
+    import re
+
+    from tuner.kernels import cluster_gemm
+    from tuner.names import MAX_LN_PARTS
+
+    for cu in ("cluster_gemm.cu", "qkv_attn.cu", "mlp_cluster.cu"):
+        text = (Path(cluster_gemm.__file__).with_name(cu)).read_text()
+        assert re.findall(r"constexpr int MAX_LN_PARTS = (\d+);", text) == [str(MAX_LN_PARTS)], cu
+
+
+def test_the_tiles_judge_a_folded_gemm_only_with_the_shape():
+    cfg = DecoderConfig().edited(["norm2.fuse=2", "ffn1.cluster=2", "ffn1.split_k=2", "out.block_n=16"])
+    kernels = cfg.to_dict()["kernels"]
+    ffn1 = lambda text: next(p for p in text.split("; ") if p.startswith("ffn1 "))  # noqa: E731
+    assert ffn1(report.format_tiles(kernels)).endswith("/cluster16")  # (not judged: shown as configured)
+    # bert-base: 768 / 16 = 48 row-sum parts, more than the cluster kernel reads: FFN1 runs on the Triton kernels
+    assert "/cluster" not in ffn1(report.format_tiles(kernels, {"d_model": 768, "ffn": 3072}))
+    assert ffn1(report.format_tiles(kernels, {"d_model": 256, "ffn": 1024})).endswith("/cluster16")  # 16 parts
+    assert "/cluster" not in ffn1(report.format_tiles(DecoderConfig().edited(
+        ["norm2.fuse=1", "ffn1.cluster=2", "ffn1.split_k=2"]).to_dict()["kernels"]))  # row sums from its K loop
+
+
 def test_load_run_reads_every_file(run):
     assert len(run.trials) == len(TRIALS)
     assert run.trials["is_baseline"].dtype == bool and run.trials["is_baseline"].sum() == 1

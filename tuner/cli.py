@@ -83,16 +83,21 @@ def _dtype(name: str):
 RECORD_REPLAY = "replay-bert-base-h200-20261128"
 
 
-def shipped_recordings() -> list[str]:
-    """The names of the recordings the package ships (none where an install left them out: every command's help
-    names them, so their absence must not stop the command line)."""
+def _recordings() -> dict:
+    """The recordings the package ships, by name (none where an install left them out: every command's help names
+    them, so their absence must not stop the command line)."""
     import importlib.resources
 
     try:
         shipped = importlib.resources.files("tuner.recordings")
-        return sorted(p.name for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-"))
+        return {p.name: p for p in shipped.iterdir() if p.is_dir() and p.name.startswith("replay-")}
     except (ImportError, OSError):
-        return []
+        return {}
+
+
+def shipped_recordings() -> list[str]:
+    """The names of the recordings the package ships (:func:`_recordings`)."""
+    return sorted(_recordings())
 
 
 def _need_gpu(what: str):
@@ -582,16 +587,14 @@ def _replay_path(given: str) -> str:
     (`--replay replay-bert-base-h200`; the README's `tests/data/replay-bert-base-h200` from outside a checkout)."""
     if Path(given).exists():
         return given
-    import importlib.resources
-
-    names = shipped_recordings()
+    shipped = _recordings()
     name = Path(given).name
     # (only as a bare name or the README's tests/data/ form: another missing path that ends in such a name is a typo
     # of the user's own folder, not the shipped recording)
-    if name in names and Path(given).parent.as_posix() in (".", "tests/data"):
-        return str(importlib.resources.files("tuner.recordings") / name)
+    if name in shipped and Path(given).parent.as_posix() in (".", "tests/data"):
+        return str(shipped[name])
     raise UserError(f"--replay {given}: no such file or folder (recordings shipped with pdl-tune: "
-                    f"{', '.join(names) or 'none in this install'})")
+                    f"{', '.join(sorted(shipped)) or 'none in this install'})")
 
 
 def _check_replay(args, shape):

@@ -23,7 +23,7 @@ from tuner.kernels import gemm as gemm_k
 from tuner.kernels import norm as norm_k
 from tuner.kernels._common import (hopper_error, prefetch_count, rel_error, rel_tolerance, smem_limit, tile_cap,
                                    trigger_index)
-from tuner.names import reads_l2_hints
+from tuner.names import gemm_kernels, reads_l2_hints
 from tuner.shapes import DecoderShape
 
 LN_EPS = 1e-5
@@ -264,32 +264,14 @@ _QKV_ATTN_UNREAD = ("block_m", "block_n", "group_m", "num_warps", "split_k", "tm
 
 
 def _gemm_kernels(cfg: DecoderConfig, gemm: str, shape: DecoderShape | None = None) -> tuple[str, ...]:
-    """The kernels that run ``gemm`` in the stack's layers, as gemm.linear decides at its launch: ``("triton",)``,
-    ``("cluster",)`` or, where layers differ or ``shape`` is not given to judge, both; ``()`` for a GEMM computed in
-    another kernel's launch (QKV with the attention, FFN1 as the feed-forward block, the out-projection or FFN2 inside
-    it), whose fields launch_key reads apart. An unclustered GEMM (``cluster`` 0, as repair_config leaves it) runs on
-    the Triton kernels, a clustered one that folds no LayerNorm on the cluster kernel. A folded one runs on the Triton
-    kernels where its row sums come from its K loop (``fuse`` 1), and where they come from its producer (``fuse`` 2) on
-    the cluster kernel if that reads all their parts (``shape``'s :func:`ln_parts`, the size of the buffer the launch
-    reads), else on the Triton kernels. QKV's producer is the previous layer's FFN2: the stack's first layer has no row
-    sums, and runs QKV on the Triton kernels."""
-    from tuner.kernels import cluster_gemm
-
+    """The kernels that run ``gemm`` in the stack's layers (tuner.names.gemm_kernels: the rule, shared with the
+    report), judged on ``shape``'s :func:`ln_parts` (the size of the buffer the launch reads) where its LayerNorm's
+    row sums come from its producer; with ``shape`` None, not judged."""
     c = getattr(cfg, gemm)
-    if c.fuse or (gemm == "ffn1" and cfg.ffn2.fuse):
-        return ()
-    if not c.cluster:
-        return ("triton",)
     norm = {"qkv": cfg.norm1, "ffn1": cfg.norm2}.get(gemm)
-    if norm is None or norm.fuse == 0:
-        return ("cluster",)
-    if norm.fuse == 1:
-        return ("triton",)
-    if shape is None:
-        return ("triton", "cluster")
-    if ln_parts(shape, cfg)[gemm] > cluster_gemm.MAX_LN_PARTS:
-        return ("triton",)
-    return ("triton", "cluster") if gemm == "qkv" else ("cluster",)
+    norm_fuse = norm.fuse if norm is not None else 0
+    parts = ln_parts(shape, cfg).get(gemm) if shape is not None and norm_fuse == 2 else None
+    return gemm_kernels(gemm, c.cluster, c.fuse, cfg.ffn2.fuse, norm_fuse, parts)
 
 
 def unlaunched_kernels(cfg: DecoderConfig) -> set[str]:

@@ -18,7 +18,7 @@ import pandas as pd
 
 from tuner.manifest import (breakdown_problem, read_json, read_table, trials_cut_short, write_bytes_atomic,
                             write_text_atomic)
-from tuner.names import GEMMS, KERNELS, reads_l2_hints  # (torch-free: a report opens on a laptop without torch)
+from tuner.names import GEMMS, KERNELS, gemm_kernels, reads_l2_hints  # (torch-free: a report opens on a laptop without torch)
 
 # Column titles of the seed's tables (decoder layer, seed 003).
 GEMM_TITLES = {"qkv": "QKV", "out": "Output", "ffn1": "FFN1", "ffn2": "FFN2"}
@@ -306,11 +306,34 @@ def gemm_op(kernels: dict, g: str) -> str:
     return format_op(c.get("overlap_ratio"), c.get("prefetch_ratio")) if c else "-"
 
 
-def format_tiles(kernels: dict) -> str:
+def _ln_parts(kernels: dict, gemm: str, shape: dict | None) -> int | None:
+    """The producer's row-sum parts that ``gemm`` reads for its folded LayerNorm (QKV under ``norm1.fuse`` 2, FFN1
+    under ``norm2.fuse`` 2), from a run file's kernels and the manifest's ``shape``; None where it reads none or the
+    shape is not known. The torch-free copy of tuner.layer.ln_parts (gemm.stats_parts, mlp_cluster.stats_parts) for a
+    configuration as a run keeps it (repaired: ``ffn2.fuse`` is set only where the feed-forward block ran);
+    tests/test_report.py checks the two agree."""
+    d, f = _num((shape or {}).get("d_model")), _num((shape or {}).get("ffn"))
+    norm, producer = {"qkv": ("norm1", "ffn2"), "ffn1": ("norm2", "out")}.get(gemm, (None, None))
+    if norm is None or d is None or f is None or _num((kernels.get(norm) or {}).get("fuse")) != 2:
+        return None
+    d, f = int(d), int(f)
+    ffn2_fuse = _num((kernels.get("ffn2") or {}).get("fuse"))
+    if gemm == "qkv" and ffn2_fuse in (1, 2):  # the feed-forward block's: one part a CTA, 128 / SC columns each
+        return d // (128 // (f // (64 if ffn2_fuse == 2 else 128)))
+    c = kernels.get(producer) or {}  # a GEMM's: a part per column tile, or per 64 columns of its split-K reduction
+    block_n, split_k = _num(c.get("block_n")), _num(c.get("split_k", 1))
+    if block_n is None or split_k is None:
+        return None
+    return -(-d // int(block_n if split_k == 1 else 64))
+
+
+def format_tiles(kernels: dict, shape: dict | None = None) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
     '/tma' where the tiles are loaded by TMA, '/cluster' where the CUDA kernel reduces the split-K in a cluster
     ('/cluster16': partials exchanged in 16 bits), '/l2hints' where a CUDA kernel loads with L2 eviction hints (the
-    Triton kernels ignore the field); 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel (then
+    Triton kernels ignore the field). A clustered GEMM that no layer runs on the cluster kernel (tuner.names.
+    gemm_kernels: one that folds a LayerNorm with row sums from its K loop, or from a producer with more parts than
+    it reads, judged on the run's ``shape``) shows neither, as the Triton kernels run its tiles; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel (then
     'ffn1 (mlp)': that kernel, the one-kernel feed-forward block, reads none of FFN1's tile fields), and
     'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too,
     'attn in qkv' where QKV's kernel computes it);
@@ -342,6 +365,10 @@ def format_tiles(kernels: dict) -> str:
             parts.append("ffn2 in ffn1 (mlp" + (", 64 a CTA)" if _num(c.get("fuse")) == 2 else ")"))
             continue
         cluster = _num(c.get("cluster"))
+        norm_fuse = _num((kernels.get({"qkv": "norm1", "ffn1": "norm2"}.get(g, "")) or {}).get("fuse"))
+        if cluster and gemm_kernels(g, cluster, _num(c.get("fuse")), ffn2_fuse, norm_fuse,
+                                    _ln_parts(kernels, g, shape)) == ("triton",):
+            cluster = 0  # (its launches run the Triton kernels, which read neither field)
         hints = "/l2hints" if _num(c.get("hints")) == 1 and reads_l2_hints(g, cluster, _num(c.get("fuse")),
                                                                               ffn2_fuse) else ""
         if g == "ffn1" and ffn2_fuse in (1, 2):  # the block reads no FFN1 tile
@@ -398,7 +425,7 @@ def topk_frame(run: Run) -> pd.DataFrame:
                "speedup": _num(r.get("speedup")), "tie": bool(r.get("tie", False))}
         for g in GEMMS:
             rec[f"{g}_op"] = gemm_op(kernels, g)
-        rec["tiles"] = format_tiles(kernels)
+        rec["tiles"] = format_tiles(kernels, run.shape)
         rec["replayed"] = run.replayed  # topk.csv read on its own still says its timings were not measured now
         rec["approximated"] = bool(r.get("approximated", False))  # (replayed: served a nearest recorded config's)
         for k in list(KERNELS) + sorted(set(kernels) - set(KERNELS)):
