@@ -491,6 +491,17 @@ def programs_for(config: FusedLayerConfig, x: torch.Tensor) -> int:
     return min(sms, config.programs) if config.programs > 0 else sms
 
 
+def launch_knobs(c: FusedLayerConfig, weights: list[int], elem_bytes: int) -> tuple[int, tuple[int, ...]]:
+    """What the Triton layer kernel's launch reads of ``c``'s two ratios: the phase after which it triggers its
+    dependents (``1 + floor(4 * overlap_ratio)``; 0: no PDL) and, for each weight of ``weights`` elements of
+    ``elem_bytes``, the 128-byte lines it prefetches. The one place these are computed: the launch reads them, and so
+    does the study's launch key (tuner.layer.launch_key), so two ratios that launch the same are measured once."""
+    line = 128 // elem_bytes
+    trigger = 1 + int(math.floor(4 * min(c.overlap_ratio, 1.0))) if c.overlap_ratio >= 0 else 0
+    return trigger, tuple(int(math.ceil(c.prefetch_ratio * triton.cdiv(n, line))) if c.prefetch_ratio >= 0 else 0
+                          for n in weights)
+
+
 def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, config: FusedLayerConfig,
                   scratch: LayerScratch, out: torch.Tensor, eps: float = 1e-5,
                   _times: torch.Tensor | None = None, _racy: str | None = None) -> torch.Tensor:
@@ -523,11 +534,7 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
         raise ValueError(f"decoder_layer: the Triton layer kernel's racy variant is its QKV phase, not {_racy!r}")
     use_pdl = c.overlap_ratio >= 0
     line = 128 // x.element_size()
-
-    def lines(t):  # prefetched lines of one weight
-        return int(math.ceil(c.prefetch_ratio * triton.cdiv(t.numel(), line))) if c.prefetch_ratio >= 0 else 0
-
-    pf = [lines(t) for t in (w.w_qkv, w.w_out, w.w_ffn1, w.w_ffn2)]
+    trigger, pf = launch_knobs(c, [t.numel() for t in (w.w_qkv, w.w_out, w.w_ffn1, w.w_ffn2)], x.element_size())
     nprog = programs_for(c, x)
     head_dim = D // heads
     _layer_kernel[(nprog,)](
@@ -535,7 +542,7 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
         scratch.qkv, scratch.attn, scratch.h, scratch.ffn1, out, scratch.ws, scratch.sync,
         _times if _times is not None else scratch.sync,
         M, D, F, M // seq, seq, heads, head_dim, _LOG2E / math.sqrt(head_dim), eps,
-        *pf, 1 + int(math.floor(4 * min(c.overlap_ratio, 1.0))) if use_pdl else 0,
+        *pf, trigger,
         NPROG=nprog, BM=c.block_m, BK=c.block_k, STAGES=c.num_stages,
         BN_QKV=c.qkv_block_n, SK_QKV=c.qkv_split_k, BN_OUT=c.out_block_n, SK_OUT=c.out_split_k,
         BN_F1=c.ffn1_block_n, SK_F1=c.ffn1_split_k, BN_F2=c.ffn2_block_n, SK_F2=c.ffn2_split_k,

@@ -965,6 +965,63 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
 
 
 @pytest.mark.parametrize("name", ["tiny", "bert-base"])
+def test_the_one_kernel_layers_launch_key_is_equal_where_the_launches_are(name, monkeypatch):
+    # The Triton layer kernel (layer.fuse 1) reads its ratios as a trigger phase and each weight's prefetched lines
+    # (fused_layer.launch_knobs); the key holds both element sizes, as the norms' does. Configurations must hash alike
+    # exactly where fused_layer.decoder_layer launches them alike in fp16 and in fp32 (overlap 0 and 0.2 both trigger
+    # after phase 1; prefetch -1 and 0 both take no line). Recorded, not run, with PDL as on Hopper.
+    import itertools
+
+    import torch
+
+    from tuner.bench import hand_picked_fused
+    from tuner.kernels import _common
+    from tuner.kernels import fused_layer as fused_k
+    from tuner.layer import LayerWeights, layer_problem
+    from tuner.study import config_hash
+
+    launched = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((grid, a, kw))
+
+    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
+    monkeypatch.setattr(_common, "launch_mode", lambda t: hopper)
+    monkeypatch.setattr(fused_k, "launch_mode", lambda t: hopper)
+    monkeypatch.setattr(fused_k, "_layer_kernel", Recorder())
+    shape = PRESETS[name]
+    cfg = hand_picked_fused(shape)
+    assert cfg.layer.fuse == 1
+    ratios = (-1.0, 0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    configs = [replace(cfg.layer, overlap_ratio=o, prefetch_ratio=p) for o, p in itertools.product(ratios, ratios)]
+
+    def launches(dtype):
+        w = LayerWeights.random(shape, dtype, "cpu", torch.Generator().manual_seed(0)).fused()
+        x = torch.randn(shape.tokens, shape.d_model).to(dtype)
+        scratch = fused_k.LayerScratch(cfg.layer, layer_problem(shape, x.element_size()), dtype, "cpu")
+        calls = []
+        for c in configs:
+            launched.clear()
+            fused_k.decoder_layer(x, w, seq=shape.seq, heads=shape.heads, config=c, scratch=scratch,
+                                  out=torch.empty_like(x))
+            (grid, a, kw), = launched
+            calls.append((grid, tuple(v for v in a if not torch.is_tensor(v)), kw))
+        return calls
+
+    half, single = launches(torch.float16), launches(torch.float32)
+    hashes = [config_hash(replace(cfg, layer=c), shape) for c in configs]
+    merged = 0
+    for i, j in itertools.combinations(range(len(configs)), 2):
+        alike = half[i] == half[j] and single[i] == single[j]
+        assert (hashes[i] == hashes[j]) == alike, (configs[i], configs[j])
+        merged += alike
+    # overlap {0, 0.2} x prefetch {-1, 0} launch alike (6 pairs), overlap 0 and 0.2 at each other prefetch (5) and
+    # prefetch -1 and 0 at each other overlap (5)
+    assert merged == 6 + 5 + 5
+
+
+@pytest.mark.parametrize("name", ["tiny", "bert-base"])
 def test_the_norms_launch_key_is_equal_where_the_launches_are(name, monkeypatch):
     # A norm kernel's ratios are keyed by its trigger row and prefetch lines (norm.launch_knobs). The key does not know
     # the layer's dtype, and a weight vector in fp32 has twice the lines: configurations must hash alike exactly where

@@ -339,9 +339,17 @@ def launch_key(cfg: DecoderConfig, shape: DecoderShape) -> dict:
     mlp_cluster.early_tiles for FFN1 as the feed-forward block), so ratios that round to the same K tile are one
     launch. A GEMM that runs on both kernels (QKV clustered under ``norm1.fuse`` 2) keys both kernels'. A norm
     kernel's ratios likewise by its trigger row and prefetch lines (norm.launch_knobs), the attention kernel's overlap
-    ratio by its programs' trigger blocks (attention.launch_knobs)."""
+    ratio by its programs' trigger blocks (attention.launch_knobs), the Triton layer kernel's (``layer.fuse`` 1) by its
+    trigger phase and prefetched lines (fused_layer.launch_knobs)."""
     key = launched_config(cfg, shape).to_dict()
     if cfg.fused:
+        # The Triton layer kernel's trigger phase and prefetched lines (fused_layer.launch_knobs), for both element
+        # sizes as the norms' below; the CUDA layer kernel's trigger counts tasks a CTA, which depends on the GPU's SM
+        # count that the key does not know: its ratios are keyed as given.
+        if cfg.layer.fuse == 1:
+            d, f = shape.d_model, shape.ffn
+            weights = [3 * d * d, d * d, f * d, d * f]
+            _key_launches(key, "layer", [("layer", *fused_k.launch_knobs(cfg.layer, weights, b)) for b in (2, 4)])
         return key
     from tuner.kernels import mlp_cluster
 
