@@ -964,6 +964,33 @@ def test_a_folded_gemm_is_keyed_by_the_kernels_it_launches(name, gemm, norm_fuse
     assert (hashes[0] == hashes[2]) == (ran == {"cluster"}) and (hashes[0] == hashes[1]) == (ran == {"triton"})
 
 
+def _record_kernel_launches(monkeypatch, module, kernel: str) -> list:
+    """``module.<kernel>``'s launches recorded, not run (on the CPU, with PDL and prefetch as on Hopper): the list each
+    launch appends (grid, args, meta) to; the caller clears it between configs (:func:`_one_launch` reads it)."""
+    from tuner.kernels import _common
+
+    launched = []
+
+    class Recorder:  # a Triton kernel: kernel[grid](*args, **meta)
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append((grid, a, kw))
+
+    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
+    for m in (_common, module):
+        if hasattr(m, "launch_mode"):
+            monkeypatch.setattr(m, "launch_mode", lambda t: hopper)
+    monkeypatch.setattr(module, kernel, Recorder())
+    return launched
+
+
+def _one_launch(launched: list) -> tuple:
+    """The one launch recorded (:func:`_record_kernel_launches`): its grid, non-tensor arguments and meta-parameters."""
+    import torch
+
+    (grid, a, kw), = launched
+    return grid, tuple(v for v in a if not torch.is_tensor(v)), kw
+
+
 @pytest.mark.parametrize("name", ["tiny", "bert-base"])
 def test_the_one_kernel_layers_launch_key_is_equal_where_the_launches_are(name, monkeypatch):
     # The Triton layer kernel (layer.fuse 1) reads its ratios as a trigger phase and each weight's prefetched lines
@@ -975,21 +1002,11 @@ def test_the_one_kernel_layers_launch_key_is_equal_where_the_launches_are(name, 
     import torch
 
     from tuner.bench import hand_picked_fused
-    from tuner.kernels import _common
     from tuner.kernels import fused_layer as fused_k
     from tuner.layer import LayerWeights, layer_problem
     from tuner.study import config_hash
 
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append((grid, a, kw))
-
-    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
-    monkeypatch.setattr(_common, "launch_mode", lambda t: hopper)
-    monkeypatch.setattr(fused_k, "launch_mode", lambda t: hopper)
-    monkeypatch.setattr(fused_k, "_layer_kernel", Recorder())
+    launched = _record_kernel_launches(monkeypatch, fused_k, "_layer_kernel")
     shape = PRESETS[name]
     cfg = hand_picked_fused(shape)
     assert cfg.layer.fuse == 1
@@ -1005,8 +1022,7 @@ def test_the_one_kernel_layers_launch_key_is_equal_where_the_launches_are(name, 
             launched.clear()
             fused_k.decoder_layer(x, w, seq=shape.seq, heads=shape.heads, config=c, scratch=scratch,
                                   out=torch.empty_like(x))
-            (grid, a, kw), = launched
-            calls.append((grid, tuple(v for v in a if not torch.is_tensor(v)), kw))
+            calls.append(_one_launch(launched))
         return calls
 
     half, single = launches(torch.float16), launches(torch.float32)
@@ -1032,19 +1048,10 @@ def test_the_norms_launch_key_is_equal_where_the_launches_are(name, monkeypatch)
 
     import torch
 
-    from tuner.kernels import _common
     from tuner.kernels import norm as norm_k
     from tuner.study import config_hash
 
-    launched = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *a, **kw: launched.append((grid, a, kw))
-
-    hopper = _common.LaunchMode(pdl=True, prefetch=True, upcast_bf16=False)
-    monkeypatch.setattr(_common, "launch_mode", lambda t: hopper)
-    monkeypatch.setattr(norm_k, "_norm_kernel", Recorder())
+    launched = _record_kernel_launches(monkeypatch, norm_k, "_norm_kernel")
     shape = PRESETS[name]
     cfg = default_config(shape)
     assert cfg.norm1.fuse == 0 and cfg.norm2.fuse == 0  # both norm kernels launch
@@ -1059,8 +1066,7 @@ def test_the_norms_launch_key_is_equal_where_the_launches_are(name, monkeypatch)
         for c in configs:
             launched.clear()
             norm_k.layer_norm(x, w, b, config=c, out=out)
-            (grid, a, kw), = launched
-            calls.append((grid, tuple(v for v in a if not torch.is_tensor(v)), kw))
+            calls.append(_one_launch(launched))
         return calls
 
     half, single = launches(torch.float16), launches(torch.float32)
