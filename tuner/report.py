@@ -18,7 +18,8 @@ import pandas as pd
 
 from tuner.manifest import (breakdown_problem, read_json, read_table, trials_cut_short, write_bytes_atomic,
                             write_text_atomic)
-from tuner.names import GEMMS, KERNELS, gemm_kernels, reads_l2_hints  # (torch-free: a report opens on a laptop without torch)
+# (torch-free: a report opens on a laptop without torch)
+from tuner.names import GEMMS, KERNELS, gemm_kernels, reads_l2_hints
 
 # Column titles of the seed's tables (decoder layer, seed 003).
 GEMM_TITLES = {"qkv": "QKV", "out": "Output", "ffn1": "FFN1", "ffn2": "FFN2"}
@@ -331,10 +332,11 @@ def format_tiles(kernels: dict, shape: dict | None = None) -> str:
     """Compact GEMM tiles: 'qkv 64x64x64/4w3s/sk1; out ...' (BLOCK_MxNxK / warps, stages / split-K, and
     '/tma' where the tiles are loaded by TMA, '/cluster' where the CUDA kernel reduces the split-K in a cluster
     ('/cluster16': partials exchanged in 16 bits), '/l2hints' where a CUDA kernel loads with L2 eviction hints (the
-    Triton kernels ignore the field). A clustered GEMM that no layer runs on the cluster kernel (tuner.names.
+    Triton kernels ignore the field); a clustered GEMM that no layer runs on the cluster kernel (tuner.names.
     gemm_kernels: one that folds a LayerNorm with row sums from its K loop, or from a producer with more parts than
-    it reads, judged on the run's ``shape``) shows neither, as the Triton kernels run its tiles; 'ffn2 in ffn1 (mlp)' where FFN2 is computed by FFN1's kernel (then
-    'ffn1 (mlp)': that kernel, the one-kernel feed-forward block, reads none of FFN1's tile fields), and
+    it reads, judged on the run's ``shape``) shows neither, as the Triton kernels run its tiles; 'ffn2 in ffn1 (mlp)'
+    where FFN2 is computed by FFN1's kernel (then 'ffn1 (mlp)': that kernel, the one-kernel feed-forward block, reads
+    none of FFN1's tile fields), and
     'out in ffn1 (mlp)' where the out-projection is too, 'attn in ffn1 (mlp)' after QKV where the attention is too,
     'attn in qkv' where QKV's kernel computes it);
     a fused layer: 'layer 64x*x64/8w4s qkv n64/sk1; ...; attn 32x128'; the CUDA layer kernel (fuse 2):
