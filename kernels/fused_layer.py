@@ -44,8 +44,8 @@ from tuner.device import DeviceInfo
 
 from . import cluster_gemm, layer_cuda
 from ._common import (HALF_DTYPES, KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting,
-                      launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_l2, ratio_error, smem_limit,
-                      tile_cap)
+                      launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_count, prefetch_l2,
+                      ratio_error, smem_limit, tile_cap, trigger_index)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct, act_code
 
@@ -497,9 +497,9 @@ def launch_knobs(c: FusedLayerConfig, weights: list[int], elem_bytes: int) -> tu
     ``elem_bytes``, the 128-byte lines it prefetches. The one place these are computed: the launch reads them, and so
     does the study's launch key (tuner.layer.launch_key), so two ratios that launch the same are measured once."""
     line = 128 // elem_bytes
-    trigger = 1 + int(math.floor(4 * min(c.overlap_ratio, 1.0))) if c.overlap_ratio >= 0 else 0
-    return trigger, tuple(int(math.ceil(c.prefetch_ratio * triton.cdiv(n, line))) if c.prefetch_ratio >= 0 else 0
-                          for n in weights)
+    # (trigger_index over the five phases: floor(4 * overlap_ratio) of them done, -1 without PDL)
+    return 1 + trigger_index(5, c.overlap_ratio), tuple(prefetch_count(triton.cdiv(n, line), c.prefetch_ratio)
+                                                        for n in weights)
 
 
 def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, config: FusedLayerConfig,
