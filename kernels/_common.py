@@ -3,8 +3,10 @@ and the in-kernel helpers (L2 prefetch of weight tiles, the PDL trigger)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 from dataclasses import asdict, dataclass, fields, replace
 
 import torch
@@ -171,6 +173,37 @@ def _round_bf16_to_nearest_in_the_interpreter() -> bool:
 
 
 INTERPRETER_ROUNDS_BF16 = interpreting() and _round_bf16_to_nearest_in_the_interpreter()
+
+
+# Compile-only launches (tuner.evaluate.CompileEvaluator, the search's compile workers): within compile_only(), every
+# launcher builds its kernel exactly as it would launch it (Triton's warm-up, which compiles into the on-disk cache
+# under the launch's own key; the CUDA kernels' nvcc build) and launches nothing, so that a process measuring on the
+# same GPU meets no kernel of theirs. Per thread.
+_COMPILE_ONLY = threading.local()
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within: every launch compiles its kernel and launches nothing (:func:`launch`, :func:`compiling`)."""
+    before = compiling()
+    _COMPILE_ONLY.on = True
+    try:
+        yield
+    finally:
+        _COMPILE_ONLY.on = before
+
+
+def compiling() -> bool:
+    """Whether launches only compile here (:func:`compile_only`): a CUDA kernel's launcher returns after its build."""
+    return getattr(_COMPILE_ONLY, "on", False)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, or within :func:`compile_only` its compile alone (``kernel.warmup``, the same
+    arguments: the same specialisation, so the real launch finds it compiled)."""
+    if compiling():
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    return kernel[grid](*args, **kwargs)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (GRID_YZ_LIMIT, KnobConfig, effective_config, launch_field_error, launch_mode, pdl_trigger,
+from ._common import (GRID_YZ_LIMIT, KnobConfig, effective_config, launch, launch_field_error, launch_mode, pdl_trigger,
                       pdl_wait, ratio_error, smem_limit, tile_cap)
 
 HEAD_DIM_MIN, HEAD_DIM_MAX = 32, 128
@@ -291,7 +291,7 @@ def attention(qkv: torch.Tensor, *, batch: int, seq: int, heads: int, head_dim: 
     m_tiles, pairs = triton.cdiv(seq, c.block_m), batch * heads
     one_axis = pairs > GRID_YZ_LIMIT
     grid = (m_tiles * pairs,) if one_axis else (m_tiles, pairs)
-    _attn_fwd_kernel[grid](
+    launch(_attn_fwd_kernel, grid,
         qkv, out,
         seq, heads, head_dim, D,
         qkv.stride(0), qkv.stride(1), out.stride(0), out.stride(1),

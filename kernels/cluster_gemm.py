@@ -22,6 +22,7 @@ import torch
 from tuner.names import MAX_LN_PARTS  # noqa: F401
 
 from . import _nvcc
+from ._common import compiling
 
 SOURCE = Path(__file__).with_name("cluster_gemm.cu")
 SPLITS = (2, 4, 8)  # CTAs a cluster (the K splits of one tile); 8 needs 128-column tiles (split_error)
@@ -168,13 +169,15 @@ def launch(x, weight, out, *, bias=None, residual=None, stats_out=None, trace=No
         flags |= (min(EARLY_TILES, 14) + 1) << EARLY_SHIFT
     if ALL_SLABS_PUSHED:
         flags |= ALL_SLABS
-    if launch_enter_hook is not None:
-        launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     err = ctypes.create_string_buffer(512)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     even = int(M % bm == 0 and N % bn == 0 and out.stride(0) % 8 == 0 and out.data_ptr() % 16 == 0
                and EVEN_BUILDS)
     lib = library(int(x.dtype == torch.bfloat16), split, epi, bm, bn, hints, _nvcc.diag(trace, racy, held=held), even)
+    if compiling():  # (compile_only: the build is this launch's whole work)
+        return
+    if launch_enter_hook is not None:
+        launch_enter_hook("cluster_gemm_kernel", trigger_k >= 0)
     rc = lib.cluster_gemm_launch(
         _ptr(x), _ptr(weight), _ptr(bias), _ptr(residual), _ptr(out), _ptr(stats_out), _ptr(trace), _ptr(ln_stats),
         _ptr(ln_colsum), M, N, K, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,

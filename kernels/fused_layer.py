@@ -44,7 +44,7 @@ from tuner.device import DeviceInfo
 
 from . import cluster_gemm, layer_cuda
 from ._common import (HALF_DTYPES, KnobConfig, effective_config, empty_split, fit_split_k, globaltimer, interpreting,
-                      launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_count, prefetch_l2,
+                      launch, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, prefetch_count, prefetch_l2,
                       ratio_error, smem_limit, tile_cap, trigger_index)
 from .attention import HEAD_DIM_MAX, HEAD_DIM_MIN, _attn_rows, block_d
 from .gemm import _epilogue, _epilogue_inputs, _epilogue_with, _ln_apply, _ln_correct, act_code
@@ -537,7 +537,7 @@ def decoder_layer(x: torch.Tensor, w: LayerTensors, *, seq: int, heads: int, con
     trigger, pf = launch_knobs(c, [t.numel() for t in (w.w_qkv, w.w_out, w.w_ffn1, w.w_ffn2)], x.element_size())
     nprog = programs_for(c, x)
     head_dim = D // heads
-    _layer_kernel[(nprog,)](
+    launch(_layer_kernel, (nprog,),
         x, w.w_qkv, w.b_qkv, w.u_qkv, w.w_out, w.b_out, w.w_ffn1, w.b_ffn1, w.u_ffn1, w.w_ffn2, w.b_ffn2,
         scratch.qkv, scratch.attn, scratch.h, scratch.ffn1, out, scratch.ws, scratch.sync,
         _times if _times is not None else scratch.sync,

@@ -30,8 +30,9 @@ from tuner.shapes import OFFSET_LIMIT
 
 from . import cluster_gemm
 from ._common import (GRID_YZ_LIMIT, KnobConfig, effective_config, empty_split, fit_split_k, hopper_error, interpreting,
-                      launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2, pre_hopper,
-                      prefetch_count, prefetch_l2, ratio_error, smem_limit, spin_ns, stamp, tile_cap, trigger_index)
+                      launch, launch_field_error, launch_mode, pdl_trigger, pdl_wait, pipeline_buffers, pow2,
+                      pre_hopper, prefetch_count, prefetch_l2, ratio_error, smem_limit, spin_ns, stamp, tile_cap,
+                      trigger_index)
 
 # (OFFSET_LIMIT: the kernels index with 32-bit offsets; tuner.shapes refuses layers whose tensors reach it, and check
 # and fit keep the split-K workspace below it.)
@@ -845,7 +846,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         w_desc = TensorDescriptor(weight, [N, K], list(weight.stride()), [c.block_n, c.block_k])
     else:
         x_desc, w_desc = x, weight
-    _gemm_kernel[(tiles, splits)](
+    launch(_gemm_kernel, (tiles, splits),
         x, weight, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         workspace if workspace is not None else dummy,
         ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
@@ -869,7 +870,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     )
     if c.split_k > 1:
         rgrid = (triton.cdiv(M, _RED_BLOCK_M), triton.cdiv(N, _RED_BLOCK_N))
-        _splitk_reduce_kernel[rgrid](
+        launch(_splitk_reduce_kernel, rgrid,
             workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
             ln_colsum if ln_colsum is not None else dummy, stats if stats is not None else dummy,
             ln_stats if ln_stats is not None else dummy, stats_out if stats_out is not None else dummy,

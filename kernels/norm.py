@@ -25,8 +25,8 @@ import triton.language as tl
 
 from tuner.device import DeviceInfo
 
-from ._common import (KnobConfig, effective_config, launch_field_error, pdl_trigger, pdl_wait, pow2, prefetch_count,
-                      prefetch_l2, ratio_error, trigger_index)
+from ._common import (KnobConfig, effective_config, launch, launch_field_error, pdl_trigger, pdl_wait, pow2,
+                      prefetch_count, prefetch_l2, ratio_error, trigger_index)
 
 MAX_COLS = 65536  # the whole row lives in registers
 MAX_ROWS_PER_PROGRAM = 64
@@ -202,7 +202,7 @@ def _norm(fn, x, weight, bias, eps, config, residual, out, residual_out, is_rms,
     trigger, n_lines = launch_knobs(c, N, weight.element_size())
     dummy = out  # never read or written when the matching HAS_* flag is off
     grid = (triton.cdiv(M, rpp),)
-    _norm_kernel[grid](
+    launch(_norm_kernel, grid,
         x, residual if residual is not None else dummy, weight, bias if bias is not None else dummy, out,
         residual_out if residual_out is not None else dummy,
         M, N, eps,

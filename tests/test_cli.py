@@ -1126,7 +1126,7 @@ def test_the_default_time_limit_applies_only_without_trials():
 
     def timeout(trials, limit):
         args = argparse.Namespace(trials=trials, timeout=limit, trial_timeout=120.0, top_k=10, workers=None, seed=0,
-                                  out="results")
+                                  out="results", compilers=None, replay=None)
         _check_decoder_numbers(args)
         return args.timeout
 

@@ -304,6 +304,11 @@ def _check_decoder_numbers(args) -> None:
         raise UserError(f"--top-k {args.top_k}: must be positive")
     if args.workers is not None and args.workers <= 0:
         raise UserError(f"--workers {args.workers}: must be at least 1 (one study process per GPU)")
+    if args.compilers is not None and args.compilers <= 0:
+        raise UserError(f"--compilers {args.compilers}: must be at least 1 (1: each candidate compiles in the "
+                        "measuring worker)")
+    if args.compilers is not None and args.replay:
+        raise UserError("--compilers: a replay compiles nothing (its timings are recorded)")
     _check_seed(args.seed)
     _folder(args.out, "--out", "give a folder for the run folders (default results)")
 
@@ -432,6 +437,8 @@ def _worker_argv(args, shape, url: str):
                "--worker-index", str(index)]
         if args.timeout is not None:
             out += ["--timeout", str(args.timeout)]
+        if args.compilers is not None:
+            out += ["--compilers", str(args.compilers)]
         if args.search_space:
             out += ["--search-space", args.search_space]
         if args.replay:
@@ -506,6 +513,9 @@ def cmd_decoder(args) -> int:
                         seed=args.seed, storage=url, study_name=args.study_name, top_k=args.top_k, dtype=args.dtype,
                         l2=args.l2, progress=not args.no_progress, worker_index=args.worker_index,
                         workers=(args.workers or 1) if args.search_only else len(gpus))
+    from tuner.worker import auto_compilers
+
+    opts.compilers = 1 if args.replay else (args.compilers or auto_compilers(opts.workers))
     if args.search_only:
         return _search_only(args, shapes[0], space, opts, gpus[0])
     runs, problems = [], []
@@ -888,6 +898,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"name: {', '.join(shipped_recordings()) or 'none in this install'} (no GPU needed)")
     d.add_argument("--workers", type=int, help="study processes on one study, one per GPU (GPUs 0..N-1)")
     d.add_argument("--gpus", help="the GPUs of the workers, e.g. 0,1,2,3 (one worker each)")
+    d.add_argument("--compilers", type=int,
+                   help="compile workers of each study process: candidates compile side by side while another is "
+                        "measured (default: the CPUs less two a process, at most 12; 1: each compiles in the "
+                        "measuring worker)")
     d.add_argument("--isolation", action=argparse.BooleanOptionalAction, default=None,
                    help="compile and run candidates in a supervised worker process (default: on a GPU, yes)")
     d.add_argument("--trial-timeout", type=float, default=120.0,

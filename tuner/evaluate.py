@@ -313,6 +313,53 @@ class GpuEvaluator:
                          self.shape.weight_bytes(self.esize) / bw * 1e6, extra)
 
 
+class CompileEvaluator:
+    """What a search's compile worker runs (tuner.worker.Compilers): ``evaluate`` compiles every kernel a candidate's
+    stack launches, as GpuEvaluator's stack launches it (a first layer and a later one: they can differ), into the
+    machine's caches (Triton's on disk, the CUDA kernels' nvcc builds), and launches none of them: a process that
+    measures on the same GPU meets no kernel of its. Its result says only whether the compile raised; the measuring
+    worker compiles again whatever is missing, and its trial's status is the one that counts."""
+
+    replayed = False
+    LAYERS = 2
+
+    def __init__(self, shape: DecoderShape, *, dtype="float16", seed: int = 0, device: str = "cuda"):
+        import torch
+
+        from tuner.device import DeviceInfo
+        from tuner.layer import DTYPES, random_stack_weights
+
+        self.shape, self.dtype_name, self.dtype, self.where = shape, dtype, DTYPES[dtype], device
+        self.device = DeviceInfo.from_torch() if device == "cuda" else None
+        self.esize = torch.tensor([], dtype=self.dtype).element_size()
+        self.weights = random_stack_weights(shape, self.LAYERS, self.dtype, device, seed)
+
+    pdl = property(lambda self: self.device is not None and self.device.supports_pdl)
+    device_name = property(lambda self: self.device.name if self.device is not None else self.where)
+
+    def invalid(self, cfg: DecoderConfig) -> str | None:
+        from tuner.layer import check_config
+
+        bad = check_config(cfg, self.shape, self.esize, self.device)
+        return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
+
+    def evaluate(self, cfg: DecoderConfig) -> TrialResult:
+        from tuner.kernels._common import compile_only
+        from tuner.layer import DecoderStack
+
+        why = self.invalid(cfg)
+        if why:
+            return TrialResult("invalid", reason=why)
+        try:
+            with compile_only():
+                DecoderStack(self.shape, cfg, n_layers=self.LAYERS, dtype=self.dtype, device=self.where,
+                             weights=self.weights).run()
+        except Exception as e:  # noqa: BLE001 - the measuring worker meets it again and classifies it
+            status, reason = classify(e)
+            return TrialResult(status, reason=reason)
+        return TrialResult("ok")
+
+
 class ReplayEvaluator:
     """Serves a recording (an earlier GPU run folder, or its trials.csv with manifest.json beside it).
 

@@ -362,7 +362,7 @@ def await_owners(study: optuna.Study, ownerless_after_s: float = GRACE_PERIOD_S,
 
 def _ownerless_age_s(t, now: datetime.datetime) -> float | None:
     """Seconds since Optuna created ``t`` (``datetime_start``: the creating process's local time), where ``t`` has no
-    owner yet (study._objective writes it first); None where it has one, or no start."""
+    owner yet (study._Objective.start writes it first); None where it has one, or no start."""
     if t.user_attrs.get(OWNER_ATTR) or t.datetime_start is None:
         return None
     return (now - t.datetime_start).total_seconds()

@@ -135,6 +135,9 @@ class StudyOptions:
     remeasure_rounds: int = 40
     progress: bool = True
     workers: int = 1  # study processes sharing the study (recorded in the manifest)
+    # compile workers of each study process (tuner.worker.Compilers, _search_pipelined); 1: none, each candidate
+    # compiles in the measuring worker (as does every candidate of a replay)
+    compilers: int = 1
     worker_index: int = 0  # this process's index: its sampler seed is seed + index, so workers differ
     # TPE only: after every ``local_every``-th trial, queue a neighbour of the best trial so far (one
     # categorical parameter moved to an adjacent choice); 0 = off. See neighbour().
@@ -372,7 +375,9 @@ def open_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOp
     storage = opts.storage if opts.storage is not None else default_url(out_root, opts.workers)
     if isinstance(storage, str):
         storage = open_storage(storage)
-    sampler = make_sampler(opts.sampler, opts.seed + opts.worker_index, space, pdl, parallel=opts.workers > 1)
+    # (with compile workers, a process has trials in flight too: _search_pipelined)
+    sampler = make_sampler(opts.sampler, opts.seed + opts.worker_index, space, pdl,
+                           parallel=opts.workers > 1 or opts.compilers > 1)
     try:
         study = optuna.create_study(study_name=name, storage=storage, direction="minimize", sampler=sampler)
         study.set_user_attr(SEEDING_ATTR, this_owner())  # (first: another process then knows who queues the seeds)
@@ -446,61 +451,78 @@ def _repairer(shape: DecoderShape, evaluator):
     return lambda params: repair_config(to_config(params), shape, dtype_bytes, device)
 
 
-def _objective(study, shape: DecoderShape, evaluator, space: SearchSpace, budget: int, log):
-    """The objective: claim a slot of the shared budget, then evaluate (or reuse a measured duplicate)."""
-    pdl = bool(evaluator.pdl)
-    owner = this_owner()
-    done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
-    # config hash -> (trial number, value, user attrs) of a measured config: the stored trials', then
-    # this process's (a live optuna.Trial has no .value, so the cache keeps plain values).
-    cache = {}
-    for t in done:  # (where several launch the same, the first that did not fail)
-        if interrupted(t):  # (no result to reuse; its retry measures it)
-            continue
-        h = stored_hash(t, shape)
-        if h is not None and (h not in cache or cache[h][2].get("status") in (None, "crashed", "timeout")):
-            cache[h] = (t.number, t.value, dict(t.user_attrs))
+class _Objective:
+    """The objective: claim a slot of the shared budget, then evaluate (or reuse a measured duplicate). In two halves
+    for a pipelined search (_search_pipelined): ``start`` claims the slot and draws the configuration, ``finish``
+    measures it; a call does both."""
 
-    repaired = _repairer(shape, evaluator)
+    def __init__(self, study, shape: DecoderShape, evaluator, space: SearchSpace, budget: int, log):
+        self.study, self.shape, self.evaluator, self.space, self.budget, self.log = (
+            study, shape, evaluator, space, budget, log)
+        self.pdl = bool(evaluator.pdl)
+        self.owner = this_owner()
+        done = [t for t in study.get_trials(deepcopy=False) if t.state.is_finished()]
+        # config hash -> (trial number, value, user attrs) of a measured config: the stored trials', then
+        # this process's (a live optuna.Trial has no .value, so the cache keeps plain values).
+        self.cache = {}
+        for t in done:  # (where several launch the same, the first that did not fail)
+            if interrupted(t):  # (no result to reuse; its retry measures it)
+                continue
+            h = stored_hash(t, shape)
+            if h is not None and (h not in self.cache
+                                  or self.cache[h][2].get("status") in (None, "crashed", "timeout")):
+                self.cache[h] = (t.number, t.value, dict(t.user_attrs))
+        self.repaired = _repairer(shape, evaluator)
 
-    def evaluate(trial: optuna.Trial) -> float:
-        params = suggest(trial, space, pdl)
-        # Tiles beyond the problem, the shared memory or the registers are moved to the nearest config
-        # that runs (the trial records the config it measured); what still fails check() is invalid.
-        cfg = repaired(params)
-        h = config_hash(cfg, shape)
-        if h in cache and cache[h][2].get("status") not in (None, "crashed", "timeout"):
-            number, value, attrs = cache[h]
-            trial.set_user_attr("duplicate_of", number)
-            for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "status"):  # (the status last, as in _record)
-                if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
-                    trial.set_user_attr(k, v)
-            return value if value is not None else float("nan")
-        res = evaluator.evaluate(cfg)
-        _record(trial, cfg, res, shape)
-        # a FAIL trial for Optuna where the candidate failed; the status says why
-        value = res.latency_us if res.status == "ok" else float("nan")
-        cache[h] = (trial.number, value, dict(trial.user_attrs))
-        return value
+    def __call__(self, trial: optuna.Trial) -> float:
+        started = self.start(trial)
+        return started if isinstance(started, float) else self.finish(trial, started)
 
-    def objective(trial: optuna.Trial) -> float:
-        trial.set_user_attr(OWNER_ATTR, owner)  # who to ask whether this trial is still running
-        earlier = [t for t in study.get_trials(deepcopy=False) if t.number < trial.number]
-        if spent(earlier) >= budget:
+    def start(self, trial: optuna.Trial) -> float | DecoderConfig:
+        """The configuration to measure, or the trial's value where it needs no measurement (a duplicate of a measured
+        one, or a candidate that failed before its measurement). Raises TrialPruned where the budget is spent."""
+        trial.set_user_attr(OWNER_ATTR, self.owner)  # who to ask whether this trial is still running
+        earlier = [t for t in self.study.get_trials(deepcopy=False) if t.number < trial.number]
+        if spent(earlier) >= self.budget:
             # Several processes asked for a trial at once and the others took the last slots: this one
             # is left out (PRUNED, not counted) rather than running past the budget.
             trial.set_user_attr("surplus", True)
             raise optuna.TrialPruned("the budget was spent by other workers")
         try:
-            return evaluate(trial)
+            params = suggest(trial, self.space, self.pdl)
+            # Tiles beyond the problem, the shared memory or the registers are moved to the nearest config
+            # that runs (the trial records the config it measured); what still fails check() is invalid.
+            cfg = self.repaired(params)
+            h = config_hash(cfg, self.shape)
+            if h in self.cache and self.cache[h][2].get("status") not in (None, "crashed", "timeout"):
+                number, value, attrs = self.cache[h]
+                trial.set_user_attr("duplicate_of", number)
+                for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "status"):  # (the status last, as in _record)
+                    if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
+                        trial.set_user_attr(k, v)
+                return float(value) if value is not None else float("nan")
+            return cfg
+        except Exception as e:  # noqa: BLE001 - a trial without a status would be taken for an interrupted one
+            return self._crashed(trial, e)
+
+    def finish(self, trial: optuna.Trial, cfg: DecoderConfig) -> float:
+        """Measure ``cfg`` for ``trial``: its latency, or NaN (a FAIL trial for Optuna) where the candidate failed; the
+        status says why."""
+        try:
+            res = self.evaluator.evaluate(cfg)
+            _record(trial, cfg, res, self.shape)
+            value = res.latency_us if res.status == "ok" else float("nan")
+            self.cache[config_hash(cfg, self.shape)] = (trial.number, value, dict(trial.user_attrs))
+            return value
         except WorkerStartError:
             raise  # no worker, no trial: stop the study rather than fail every trial the same way
         except Exception as e:  # noqa: BLE001 - a trial without a status would be taken for an interrupted one
-            log(f"trial {trial.number}: {type(e).__name__}: {e}")
-            _record_crash(trial, e)
-            return float("nan")
+            return self._crashed(trial, e)
 
-    return objective
+    def _crashed(self, trial, e: Exception) -> float:
+        self.log(f"trial {trial.number}: {type(e).__name__}: {e}")
+        _record_crash(trial, e)
+        return float("nan")
 
 
 # A GEMM's tile-shape parameters that trade off against each other: how many CTAs the GEMM launches and how much
@@ -656,22 +678,45 @@ def search_budget(space: SearchSpace, pdl: bool, opts: StudyOptions) -> int:
     return opts.trials - (1 if opts.trials >= 2 and _twin_ratios(space, pdl) else 0)
 
 
+def compile_spec(evaluator):
+    """The compile workers' EvaluatorSpec for ``evaluator``'s candidates (tuner.evaluate.CompileEvaluator on its shape,
+    dtype and seed), or None where its candidates compile nothing (a replay) or it names no GPU evaluator."""
+    from tuner.worker import EvaluatorSpec
+
+    if evaluator.replayed:
+        return None
+    spec = getattr(evaluator, "spec", None)
+    if spec is None:  # (an evaluator in this process)
+        if type(evaluator).__name__ != "GpuEvaluator":
+            return None
+        kw = dict(shape=evaluator.shape, dtype=evaluator.dtype_name, seed=evaluator.seed)
+    else:
+        if spec.kind == "faults":  # (test-only: a GPU evaluator with defects)
+            spec = spec.kwargs["inner"]
+        if spec.kind != "gpu":
+            return None
+        kw = {k: spec.kwargs[k] for k in ("shape", "dtype", "seed") if k in spec.kwargs}
+    return EvaluatorSpec("compile", kw)
+
+
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print,
-           budget: int | None = None, timeout_s: float | None = None) -> None:
+           budget: int | None = None, timeout_s: float | None = None, compilers=None) -> None:
     """Run trials until ``budget`` (default: search_budget) is spent (by this process and every other) or
     ``timeout_s`` (default: the options') has passed. With TPE, every ``local_every``-th trial is followed by a
-    neighbour of the best (_queue_neighbour)."""
+    neighbour of the best (_queue_neighbour). With ``opts.compilers`` of 2 or more (and a GPU evaluator), or a
+    tuner.worker.Compilers pool given, the trials are pipelined: _search_pipelined."""
     pdl = bool(evaluator.pdl)
     budget = search_budget(space, pdl, opts) if budget is None else budget
     timeout_s = opts.timeout_s if timeout_s is None else timeout_s
     if _budget_done(study, budget):
         return
-    objective = _objective(study, shape, evaluator, space, budget, log)
+    objective = _Objective(study, shape, evaluator, space, budget, log)
     bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
     repaired = _repairer(shape, evaluator)
 
-    def after_trial(st, tr):
+    def after_trial(st, tr) -> bool:
+        """Whether the budget is spent."""
         # One read of the trial list serves the rest of the hook (again only after it queued a trial).
         recover_orphans(st)  # a sibling process may have died mid-trial (it reads the running ones)
         trials = st.get_trials(deepcopy=False)
@@ -679,16 +724,95 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
             trials = st.get_trials(deepcopy=False)
         if bar is not None:
             update_progress(bar, st, timeout_s - (time.time() - t0) if timeout_s else None, trials)
-        if _budget_done(st, budget, trials):
-            st.stop()
+        return _budget_done(st, budget, trials)
 
+    own = None
+    if compilers is None and opts.compilers > 1 and (spec := compile_spec(evaluator)) is not None:
+        from tuner.worker import Compilers
+
+        compilers = own = Compilers(spec, opts.compilers)
     try:
-        # catch=(): the objective gives every failing candidate its status itself; what still escapes
-        # (no worker, Ctrl-C) must stop the study, not be counted as a trial.
-        study.optimize(objective, n_trials=None, timeout=timeout_s, callbacks=[after_trial], catch=())
+        if compilers is not None:
+            _search_pipelined(study, objective, compilers, timeout_s, after_trial)
+        else:
+            # catch=(): the objective gives every failing candidate its status itself; what still escapes
+            # (no worker, Ctrl-C) must stop the study, not be counted as a trial.
+            study.optimize(objective, n_trials=None, timeout=timeout_s,
+                           callbacks=[lambda st, tr: after_trial(st, tr) and st.stop()], catch=())
     finally:
+        if own is not None:
+            own.close()
         if bar is not None:
             bar.close()
+
+
+def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float | None, after_trial) -> None:
+    """The search with its compiles in ``compilers``' workers: up to ``compilers.n`` trials are asked ahead and
+    compiled side by side; each is measured (``objective.finish``, the one evaluator, one at a time) as soon as its
+    compile ends, then told, so the measuring worker meets kernels already compiled (docs/perf-notes.md section 67).
+    The sampler sees the trials still compiling as running ones (TPE's constant liar). Trials that need no
+    measurement (a duplicate, a spent budget) end at once. At the timeout, the trials still compiling end PRUNED and
+    ``surplus`` (never measured, not counted); where the budget is spent, those in flight are measured (they are
+    within it). A measurement that raises (no worker, Ctrl-C) ends its trial FAIL with no status (retried on
+    resume, as under study.optimize) and the rest PRUNED, and stops the search."""
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enabled
+
+    t0 = time.time()
+    left = (lambda: timeout_s - (time.time() - t0)) if timeout_s is not None else (lambda: None)
+    inflight = {}  # Future of its compile -> (trial, config, its heartbeat)
+    done = False
+
+    def tell(trial, value=None, state=None, beat=None):
+        if beat is not None:
+            beat.join()
+        if state is None and (value is None or math.isnan(value)):
+            state = TrialState.FAIL  # (as study.optimize ends a trial whose objective returned NaN)
+        return study.tell(trial, None if state is not None else value, state=state, skip_if_finished=True)
+
+    try:
+        while True:
+            while not done and len(inflight) < compilers.n and (left() is None or left() > 0):
+                if is_heartbeat_enabled(study._storage):  # (as study.optimize does before each trial)
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        optuna.storages.fail_stale_trials(study)
+                if _budget_done(study, objective.budget):  # (the trials in flight take its last slots)
+                    done = True
+                    break
+                trial = study.ask()
+                try:
+                    started = objective.start(trial)
+                except optuna.TrialPruned:  # (another process took the last slot meanwhile)
+                    done = after_trial(study, tell(trial, state=TrialState.PRUNED))
+                    continue
+                except BaseException:
+                    tell(trial, state=TrialState.FAIL)
+                    raise
+                if isinstance(started, float):  # (measured before, or failed before its measurement)
+                    done = after_trial(study, tell(trial, started))
+                    continue
+                beat = get_heartbeat_thread(trial._trial_id, study._storage)
+                beat.start()
+                inflight[compilers.submit(started)] = (trial, started, beat)
+            if not inflight:
+                return
+            ready, _ = wait(list(inflight), timeout=left() if not done else None, return_when=FIRST_COMPLETED)
+            if not ready:  # the time is up: what still compiles is dropped (the finally below)
+                return
+            for fut in sorted(ready, key=lambda f: inflight[f][0].number):
+                trial, cfg, beat = inflight.pop(fut)
+                try:
+                    value = objective.finish(trial, cfg)
+                except BaseException:
+                    tell(trial, state=TrialState.FAIL, beat=beat)
+                    raise
+                done = after_trial(study, tell(trial, value, beat=beat)) or done
+    finally:
+        for trial, _, beat in inflight.values():
+            trial.set_user_attr("surplus", True)
+            tell(trial, state=TrialState.PRUNED, beat=beat)
 
 
 def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> bool:
@@ -951,7 +1075,8 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
                         budget={"trials": opts.trials, "timeout_s": opts.timeout_s},
                         storage=storage, n_trials=int((df["status"] != "interrupted").sum()),
                         search_space=space.source, baselines=baselines, statuses=df["status"].value_counts().to_dict(),
-                        workers=opts.workers, isolated=bool(getattr(evaluator, "isolated", False)))
+                        workers=opts.workers, compilers=opts.compilers if compile_spec(evaluator) else 1,
+                        isolated=bool(getattr(evaluator, "isolated", False)))
     if evaluator.replayed:
         man["gpu"] = evaluator.manifest.get("gpu") or dev  # the GPU the recording was made on
     else:

@@ -20,12 +20,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 
@@ -58,8 +60,9 @@ class _WorkerHung(WorkerError):
 
 @dataclass
 class EvaluatorSpec:
-    """What to build in the worker: ``gpu`` (GpuEvaluator), ``replay`` (ReplayEvaluator) or ``faults``
-    (tuner.faults.FaultyEvaluator, test-only), with the keyword arguments of its constructor."""
+    """What to build in the worker: ``gpu`` (GpuEvaluator), ``replay`` (ReplayEvaluator), ``compile``
+    (CompileEvaluator: a search's compile worker) or ``faults`` (tuner.faults.FaultyEvaluator, test-only), with the
+    keyword arguments of its constructor."""
 
     kind: str
     kwargs: dict = field(default_factory=dict)
@@ -73,11 +76,15 @@ class EvaluatorSpec:
             from tuner.evaluate import ReplayEvaluator
 
             return ReplayEvaluator(**self.kwargs)
+        if self.kind == "compile":
+            from tuner.evaluate import CompileEvaluator
+
+            return CompileEvaluator(**self.kwargs)
         if self.kind == "faults":
             from tuner.faults import FaultyEvaluator
 
             return FaultyEvaluator(**self.kwargs)
-        raise ValueError(f"unknown evaluator kind {self.kind!r}: expected gpu, replay or faults")
+        raise ValueError(f"unknown evaluator kind {self.kind!r}: expected gpu, replay, compile or faults")
 
 
 def exit_with_parent(parent_pid: int, poll_s: float = 1.0) -> None:
@@ -278,6 +285,93 @@ class IsolatedEvaluator:
         self._proc.wait()
         self._conn.close()
         self._proc = self._conn = None
+
+
+def auto_compilers(processes: int = 1, cpus: int | None = None) -> int:
+    """How many compile workers each of ``processes`` study processes runs by default: the CPUs (this process's
+    affinity) less two a process (its own and its measuring worker's), shared out, at most :data:`MAX_COMPILERS`;
+    1 (compile in the measuring worker, no pool) where that leaves fewer than two."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = min(MAX_COMPILERS, (cpus - 2 * processes) // max(processes, 1))
+    return n if n >= 2 else 1
+
+
+# Each compile worker holds a CUDA context and a first and a later layer's weights (~0.5 GB of GPU memory at
+# bert-large, ~1 GB of host memory): past a dozen the search is no faster (H200, 16 CPUs: 14 workers compiled 54
+# bert-base trials' kernels in 24 s, one process in 104 s; docs/perf-notes.md section 67).
+MAX_COMPILERS = 12
+
+
+class Compilers:
+    """``n`` compile workers (each an :class:`IsolatedEvaluator` of a ``compile`` spec: tuner.evaluate.CompileEvaluator)
+    that compile candidates' kernels into the machine's caches side by side while the measuring worker times
+    others: a candidate compiled here is measured without compiling (docs/perf-notes.md section 67). ``submit``
+    returns a Future of the compile's TrialResult; a compile that fails, hangs or kills its worker only costs the
+    measuring worker its own compile (that worker is replaced). The workers start in the background; ``close`` kills
+    them (their compiles are no longer wanted)."""
+
+    def __init__(self, spec: EvaluatorSpec, n: int, *, compile_timeout_s: float = TRIAL_TIMEOUT_S,
+                 env: dict[str, str] | None = None):
+        self.spec, self.n = spec, n
+        self._timeout, self._env = compile_timeout_s, env
+        self._idle: queue.SimpleQueue = queue.SimpleQueue()
+        self._all: list[IsolatedEvaluator] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(n, thread_name_prefix="compile")
+        self.started = 0  # workers started, restarts included
+
+    def submit(self, cfg) -> Future:
+        return self._pool.submit(self._compile, cfg)
+
+    def _worker(self) -> IsolatedEvaluator | None:
+        try:
+            return self._idle.get_nowait()
+        except queue.Empty:
+            pass
+        try:
+            w = IsolatedEvaluator(self.spec, trial_timeout_s=self._timeout, first_trial_extra_s=0.0, env=self._env)
+        except WorkerError:
+            return None
+        with self._lock:
+            self.started += 1
+            if self._closed:
+                w.close()
+                return None
+            self._all.append(w)
+        return w
+
+    def _compile(self, cfg):
+        from tuner.evaluate import TrialResult
+
+        w = None if self._closed else self._worker()
+        if w is None:
+            return TrialResult("crashed", reason="no compile worker")
+        try:
+            return w.evaluate(cfg)  # (a worker that died or hung is restarted by its next call)
+        finally:
+            self._idle.put(w)
+
+    def close(self) -> None:
+        """Kill every worker now and drop the compiles not yet begun."""
+        with self._lock:
+            self._closed = True
+            procs = [w._proc for w in self._all if w._proc is not None]
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for w in self._all:
+            w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # ---------------------------------------------------------------------- inside the worker

@@ -1,0 +1,213 @@
+"""Compile-only launches and the search's compile workers (tuner.worker.Compilers, study._search_pipelined)."""
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import optuna
+import pytest
+import torch
+
+from tuner import space
+from tuner.evaluate import CompileEvaluator, ReplayEvaluator
+from tuner.kernels import _common
+from tuner.kernels import fused_layer as fk
+from tuner.layer import DecoderStack, default_config, fit_config
+from tuner.shapes import DecoderShape, resolve
+from tuner.storage import interrupted
+from tuner.study import StudyOptions, compile_spec, counts_against_budget, make_sampler, search, spent
+from tuner.worker import Compilers, EvaluatorSpec, auto_compilers
+
+
+HAS_GPU = torch.cuda.is_available()  # (conftest.py: without one, the kernels run in the Triton interpreter)
+DEVICE = "cuda" if HAS_GPU else "cpu"
+ODD = DecoderShape(1, 17, 32, 1, 90, name="odd")  # seq 17, one head of dim 32, ffn 90
+REPLAY = Path(__file__).parent / "data" / "replay-bert-base-h200"
+RESULTS = Path(__file__).parent.parent / "results"
+
+
+def _configs(shape: DecoderShape) -> dict:
+    """The default, the one-kernel layers (Triton and, on Hopper, CUDA) and, on the presets, the best configuration
+    of session 55's main job (the CUDA kernels: clustered GEMMs, QKV with the attention, the feed-forward block)."""
+    out = {"default": default_config(shape),
+           "layer-triton": fit_config(replace(default_config(shape), layer=fk.FusedLayerConfig(fuse=1)), shape)}
+    if HAS_GPU:
+        out["layer-cuda"] = fit_config(replace(default_config(shape), layer=fk.FusedLayerConfig(
+            fuse=2, num_stages=8, out_block_n=64, out_split_k=4, ffn2_split_k=4)), shape)
+        best = sorted(RESULTS.glob(f"session55/{shape.name}/*/best.json"))
+        if best:
+            from tuner.config import DecoderConfig
+
+            out["best"] = DecoderConfig.from_dict(json.loads(best[-1].read_text())["config"])
+    return out
+
+
+def _poisoned(st: DecoderStack) -> list:
+    """Every buffer a launch writes set to NaN, and the one-kernel layers' sync counters as they are: what a launch
+    would change."""
+    for b in st.bufs:
+        for t in b.all():
+            t.fill_(float("nan"))
+    syncs = [b.fused.sync.clone() for b in st.bufs if b.fused is not None]
+    if st.device.type == "cuda":
+        torch.cuda.synchronize()
+    return syncs
+
+
+def test_compile_only_is_the_launch_as_a_warm_up():
+    class Kernel:
+        def __init__(self):
+            self.calls = []
+
+        def __getitem__(self, grid):
+            return lambda *a, **kw: self.calls.append(("launch", grid, a, kw))
+
+        def warmup(self, *a, grid, **kw):
+            self.calls.append(("warmup", grid, a, kw))
+
+    k = Kernel()
+    _common.launch(k, (3, 2), 1, "x", BLOCK=64, num_warps=4, launch_pdl=True)
+    assert not _common.compiling()
+    with _common.compile_only():
+        assert _common.compiling()
+        _common.launch(k, (3, 2), 1, "x", BLOCK=64, num_warps=4, launch_pdl=True)
+        with _common.compile_only():
+            pass
+        assert _common.compiling()  # (a nested one leaves the outer one on)
+    assert not _common.compiling()
+    (a, b) = k.calls
+    assert a[0] == "launch" and b[0] == "warmup" and a[1:] == b[1:]
+
+
+@pytest.mark.parametrize("shape", [ODD, resolve("tiny")] + ([resolve("bert-base"), resolve("bert-large")]
+                                                            if HAS_GPU else []), ids=lambda s: s.name)
+def test_a_compile_only_run_launches_nothing(shape):
+    # Every buffer stays as poisoned: no kernel ran (in the interpreter, none was interpreted). On the GPU, the run
+    # that follows compiles nothing: Triton's and nvcc's caches hold every kernel it launches, under its own key.
+    import triton
+
+    from tuner.kernels import _nvcc
+
+    for name, cfg in _configs(shape).items():
+        st = DecoderStack(shape, cfg, n_layers=2, dtype=torch.float16, device=DEVICE, seed=1)
+        syncs = _poisoned(st)
+        with _common.compile_only():
+            st.run()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        for b in st.bufs:
+            assert all(t.isnan().all() for t in b.all()), name
+        assert all(torch.equal(s, b.fused.sync) for s, b in zip(syncs, [b for b in st.bufs if b.fused is not None]))
+        if DEVICE != "cuda":
+            continue
+        compiled, built = [], []
+        old_hook, old_build = triton.knobs.runtime.jit_post_compile_hook, _nvcc.build
+        triton.knobs.runtime.jit_post_compile_hook = lambda *a, **kw: compiled.append(kw.get("key"))
+        _nvcc.build = lambda *a, **kw: built.append(a) or old_build(*a, **kw)
+        try:
+            err = st.check(seed=3)
+        finally:
+            triton.knobs.runtime.jit_post_compile_hook, _nvcc.build = old_hook, old_build
+        assert err < st.tolerance(), (name, err)
+        assert compiled == [] and built == [], (name, len(compiled), len(built))
+
+
+def test_the_compile_evaluator_compiles_and_says_why_a_candidate_fails():
+    ev = CompileEvaluator(ODD, device=DEVICE)
+    assert ev.evaluate(default_config(ODD)).status == "ok"
+    too_big = replace(default_config(ODD), qkv=replace(default_config(ODD).qkv, block_m=48))
+    res = ev.evaluate(too_big)
+    assert res.status == "invalid" and "qkv" in res.reason and math.isnan(res.latency_us)
+
+
+def test_compile_spec_names_the_gpu_evaluators_shape_dtype_and_seed(tmp_path):
+    from tuner.worker import IsolatedEvaluator
+
+    assert compile_spec(ReplayEvaluator(REPLAY)) is None
+
+    class Gpu:  # what compile_spec reads of an isolated evaluator (starting a GPU worker needs a GPU)
+        replayed = False
+        spec = EvaluatorSpec("gpu", dict(shape=ODD, dtype="bfloat16", l2="cold", reps=30, seed=4))
+
+    assert compile_spec(Gpu()) == EvaluatorSpec("compile", dict(shape=ODD, dtype="bfloat16", seed=4))
+    Gpu.spec = EvaluatorSpec("faults", dict(inner=Gpu.spec, rules=[]))
+    assert compile_spec(Gpu()).kind == "compile"
+    with IsolatedEvaluator(EvaluatorSpec("replay", dict(path=str(REPLAY)))) as iso:
+        assert compile_spec(iso) is None
+
+
+@pytest.mark.parametrize("cpus, processes, n", [(16, 1, 12), (128, 1, 12), (16, 2, 6), (8, 1, 6), (4, 1, 2),
+                                                (3, 1, 1), (2, 1, 1), (16, 8, 1)])
+def test_auto_compilers_leave_two_cpus_a_process(cpus, processes, n):
+    assert auto_compilers(processes, cpus) == n
+
+
+def _pipelined(tmp_path, evaluator, trials=10, timeout_s=None, compilers=2, compile_s=0.0):
+    """A search of ``evaluator`` whose candidates compile in ``compilers`` workers (each compile ``compile_s`` longer:
+    tuner.faults' sleep)."""
+    from tuner import faults
+
+    sp = space.load()
+    storage = f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"
+    study = optuna.create_study(storage=storage, sampler=make_sampler("tpe", 0, sp, True, parallel=True))
+    opts = StudyOptions(trials=trials, timeout_s=timeout_s, progress=False, compilers=compilers)
+    pool = Compilers(faults.wrap(EvaluatorSpec("compile", dict(shape=evaluator.shape, device=DEVICE)),
+                                 sleep_s=compile_s), compilers)
+    if timeout_s is not None:  # (the workers started first: the time limit is the search's)
+        for f in [pool.submit(default_config(evaluator.shape)) for _ in range(compilers)]:
+            f.result(timeout=300)
+    try:
+        search(study, evaluator.shape, evaluator, sp, opts, log=lambda *a: None, budget=trials, compilers=pool)
+    finally:
+        pool.close()
+    return study, pool
+
+
+def test_a_pipelined_search_spends_its_budget_exactly(tmp_path):
+    study, pool = _pipelined(tmp_path, ReplayEvaluator(REPLAY), trials=10, compilers=3)
+    trials = study.get_trials(deepcopy=False)
+    assert spent(trials) == 10 and pool.started == 3
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    counted = [t for t in trials if counts_against_budget(t)]
+    assert all(t.user_attrs.get("status") == "ok" and t.user_attrs.get("owner") for t in counted)
+
+
+def test_a_pipelined_search_ends_what_still_compiles_at_its_timeout_unmeasured(tmp_path):
+    study, _ = _pipelined(tmp_path, ReplayEvaluator(REPLAY), trials=200, timeout_s=3.0, compilers=3, compile_s=1.0)
+    trials = study.get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    measured = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
+    dropped = [t for t in trials if t.state == optuna.trial.TrialState.PRUNED]
+    assert 1 <= len(measured) < 20 and dropped
+    assert all(t.user_attrs.get("surplus") and "status" not in t.user_attrs for t in dropped)
+
+
+def test_a_pipelined_search_stopped_mid_measurement_leaves_that_trial_to_its_retry(tmp_path):
+    class Interrupted(ReplayEvaluator):
+        calls = 0
+
+        def evaluate(self, cfg):
+            Interrupted.calls += 1
+            if Interrupted.calls == 3:
+                raise KeyboardInterrupt
+            return super().evaluate(cfg)
+
+    with pytest.raises(KeyboardInterrupt):
+        _pipelined(tmp_path, Interrupted(REPLAY), trials=10, compilers=3)
+    study = optuna.load_study(study_name=None, storage=f"sqlite:///{(tmp_path / 'studies.db').as_posix()}")
+    trials = study.get_trials(deepcopy=False)
+    assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
+    assert [interrupted(t) for t in trials].count(True) == 1  # the one measuring: retried on resume
+    assert all(t.user_attrs.get("surplus") for t in trials if t.state == optuna.trial.TrialState.PRUNED)
+
+
+def test_closing_the_compilers_kills_their_workers():
+    pool = Compilers(EvaluatorSpec("compile", dict(shape=ODD, device=DEVICE)), 2)
+    first = pool.submit(default_config(ODD)).result(timeout=300)
+    assert first.status == "ok" and math.isnan(first.latency_us)
+    procs = [w._proc for w in pool._all]
+    pool.close()
+    assert procs and all(p.poll() is not None for p in procs)
+    with pytest.raises(RuntimeError):  # (closed: no compile is taken)
+        pool.submit(default_config(ODD))
