@@ -80,11 +80,10 @@ def test_compile_only_is_the_launch_as_a_warm_up():
     assert a[0] == "launch" and b[0] == "warmup" and a[1:] == b[1:]
 
 
-@pytest.mark.parametrize("shape", [ODD, resolve("tiny")] + ([resolve("bert-base"), resolve("bert-large")]
-                                                            if HAS_GPU else []), ids=lambda s: s.name)
-def test_a_compile_only_run_launches_nothing(shape):
-    # Every buffer stays as poisoned: no kernel ran (in the interpreter, none was interpreted). On the GPU, the run
-    # that follows compiles nothing: Triton's and nvcc's caches hold every kernel it launches, under its own key.
+def _compile_only_run(shape: DecoderShape) -> None:
+    """Each of _configs' stacks run under compile_only: every buffer stays as poisoned (no kernel ran; in the
+    interpreter, none was interpreted). On the GPU, the run that follows compiles nothing, since Triton's and nvcc's
+    caches hold every kernel it launches under its own key, and it passes its check."""
     import triton
 
     from tuner.kernels import _nvcc
@@ -111,6 +110,17 @@ def test_a_compile_only_run_launches_nothing(shape):
             triton.knobs.runtime.jit_post_compile_hook, _nvcc.build = old_hook, old_build
         assert err < st.tolerance(), (name, err)
         assert compiled == [] and built == [], (name, len(compiled), len(built))
+
+
+@pytest.mark.parametrize("shape", [ODD, resolve("tiny")], ids=lambda s: s.name)
+def test_a_compile_only_run_launches_nothing(shape):
+    _compile_only_run(shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny", "bert-base", "bert-large"])
+def test_a_compile_only_run_launches_nothing_and_leaves_nothing_to_compile_on_the_gpu(name):
+    _compile_only_run(resolve(name))
 
 
 def test_the_compile_evaluator_compiles_and_says_why_a_candidate_fails():
