@@ -221,3 +221,12 @@ def test_closing_the_compilers_kills_their_workers():
     assert procs and all(p.poll() is not None for p in procs)
     with pytest.raises(RuntimeError):  # (closed: no compile is taken)
         pool.submit(default_config(ODD))
+
+
+def test_a_pipelined_search_takes_local_steps_as_often_as_a_sequential_one(tmp_path):
+    # Each told trial is followed by the next ask, so the neighbour after_trial queues takes the slot at once
+    # (telling every finished compile first queued one neighbour a batch: 16 of 120 trials on the H200 at first,
+    # against ~45% in the sequential search).
+    study, _ = _pipelined(tmp_path, ReplayEvaluator(REPLAY), trials=40, compilers=4)
+    steps = [t for t in study.get_trials(deepcopy=False) if "neighbour_of" in t.user_attrs]
+    assert len(steps) >= 12, len(steps)

@@ -781,7 +781,9 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
                 if _budget_done(study, objective.budget):  # (the trials in flight take its last slots)
                     done = True
                     break
-                trial = study.ask()
+                with warnings.catch_warnings():  # (this loop beats for its trials itself: `beat` below)
+                    warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+                    trial = study.ask()
                 try:
                     started = objective.start(trial)
                 except optuna.TrialPruned:  # (another process took the last slot meanwhile)
@@ -801,14 +803,15 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
             ready, _ = wait(list(inflight), timeout=left() if not done else None, return_when=FIRST_COMPLETED)
             if not ready:  # the time is up: what still compiles is dropped (the finally below)
                 return
-            for fut in sorted(ready, key=lambda f: inflight[f][0].number):
-                trial, cfg, beat = inflight.pop(fut)
-                try:
-                    value = objective.finish(trial, cfg)
-                except BaseException:
-                    tell(trial, state=TrialState.FAIL, beat=beat)
-                    raise
-                done = after_trial(study, tell(trial, value, beat=beat)) or done
+            # One at a time, each followed by the next ask: a neighbour that after_trial queues takes the slot its
+            # trial freed (several told at once would queue one neighbour for all of them).
+            trial, cfg, beat = inflight.pop(min(ready, key=lambda f: inflight[f][0].number))
+            try:
+                value = objective.finish(trial, cfg)
+            except BaseException:
+                tell(trial, state=TrialState.FAIL, beat=beat)
+                raise
+            done = after_trial(study, tell(trial, value, beat=beat)) or done
     finally:
         for trial, _, beat in inflight.values():
             trial.set_user_attr("surplus", True)
