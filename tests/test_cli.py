@@ -1424,3 +1424,16 @@ def test_a_plot_that_fails_does_not_cost_a_study_its_run_folder(tmp_path, monkey
     run = run_folder(stdout)
     assert (run / "best.json").is_file() and (run / "plots" / "topk.png").is_file()
     assert "plots/history.png not drawn (ZeroDivisionError" in stdout + stderr
+
+
+@pytest.mark.parametrize("extra, words", [(("--compilers", "0"), ["--compilers 0", "at least 1"]),
+                                          (("--compilers", "4"), ["--compilers", "a replay compiles nothing"])])
+def test_compile_workers_are_refused_where_they_cannot_help(tmp_path, extra, words):
+    assert_user_error(*decoder(tmp_path, 2, *extra), words)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_a_replay_records_that_it_compiled_nothing(tmp_path):
+    rc, stdout, stderr = decoder(tmp_path, 3)
+    assert rc == 0, stderr[-2000:]
+    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["compilers"] == 1

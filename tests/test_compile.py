@@ -16,7 +16,7 @@ from tuner.kernels import fused_layer as fk
 from tuner.layer import DecoderStack, default_config, fit_config
 from tuner.shapes import DecoderShape, resolve
 from tuner.storage import interrupted
-from tuner.study import StudyOptions, compile_spec, counts_against_budget, make_sampler, search, spent
+from tuner.study import StudyOptions, compile_env, compile_spec, counts_against_budget, make_sampler, search, spent
 from tuner.worker import Compilers, EvaluatorSpec, auto_compilers
 
 
@@ -141,6 +141,9 @@ def test_compile_spec_names_the_gpu_evaluators_shape_dtype_and_seed(tmp_path):
         spec = EvaluatorSpec("gpu", dict(shape=ODD, dtype="bfloat16", l2="cold", reps=30, seed=4))
 
     assert compile_spec(Gpu()) == EvaluatorSpec("compile", dict(shape=ODD, dtype="bfloat16", seed=4))
+    assert compile_env(Gpu()) == {}  # (the workers inherit this process's environment)
+    Gpu.env = {"CUDA_VISIBLE_DEVICES": "3"}  # (tune decoder --gpus 3: the measuring worker's pin)
+    assert compile_env(Gpu()) == {"CUDA_VISIBLE_DEVICES": "3"}
     Gpu.spec = EvaluatorSpec("faults", dict(inner=Gpu.spec, rules=[]))
     assert compile_spec(Gpu()).kind == "compile"
     with IsolatedEvaluator(EvaluatorSpec("replay", dict(path=str(REPLAY)))) as iso:

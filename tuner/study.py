@@ -699,6 +699,21 @@ def compile_spec(evaluator):
     return EvaluatorSpec("compile", kw)
 
 
+def compile_env(evaluator) -> dict[str, str] | None:
+    """The environment of ``evaluator``'s compile workers: its own GPU pin (an isolated evaluator's worker env; in this
+    process, the current device where it is not the first visible one), so that they compile on its GPU."""
+    if getattr(evaluator, "spec", None) is not None:
+        return dict(getattr(evaluator, "env", None) or {})
+    import torch
+
+    i = torch.cuda.current_device()
+    if i == 0:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(k) for k in range(torch.cuda.device_count())]
+    return {"CUDA_VISIBLE_DEVICES": ids[i].strip()}
+
+
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print,
            budget: int | None = None, timeout_s: float | None = None, compilers=None) -> None:
     """Run trials until ``budget`` (default: search_budget) is spent (by this process and every other) or
@@ -728,9 +743,10 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
 
     own = None
     if compilers is None and opts.compilers > 1 and (spec := compile_spec(evaluator)) is not None:
-        from tuner.worker import Compilers
+        from tuner.worker import TRIAL_TIMEOUT_S, Compilers
 
-        compilers = own = Compilers(spec, opts.compilers)
+        compilers = own = Compilers(spec, opts.compilers, env=compile_env(evaluator),
+                                    compile_timeout_s=getattr(evaluator, "trial_timeout_s", TRIAL_TIMEOUT_S))
     try:
         if compilers is not None:
             _search_pipelined(study, objective, compilers, timeout_s, after_trial)
