@@ -332,7 +332,9 @@ class CompileEvaluator:
         self.shape, self.dtype_name, self.dtype, self.where = shape, dtype, DTYPES[dtype], device
         self.device = DeviceInfo.from_torch() if device == "cuda" else None
         self.esize = torch.tensor([], dtype=self.dtype).element_size()
-        self.weights = random_stack_weights(shape, self.LAYERS, self.dtype, device, seed)
+        # One layer's weights under both layers: a compile needs their shapes, not their values (each worker holds
+        # them beside the measuring worker's stack: 12 workers on a 7B-class layer, 3.8 GB besides their contexts).
+        self.weights = random_stack_weights(shape, 1, self.dtype, device, seed) * self.LAYERS
 
     pdl = property(lambda self: self.device is not None and self.device.supports_pdl)
     device_name = property(lambda self: self.device.name if self.device is not None else self.where)

@@ -297,9 +297,10 @@ def auto_compilers(processes: int = 1, cpus: int | None = None) -> int:
     return n if n >= 2 else 1
 
 
-# Each compile worker holds a CUDA context and a first and a later layer's weights (~0.5 GB of GPU memory at
-# bert-large, ~1 GB of host memory): past a dozen the search is no faster (H200, 16 CPUs: 14 workers compiled 54
-# bert-base trials' kernels in 24 s, one process in 104 s; docs/perf-notes.md section 67).
+# Each compile worker holds a CUDA context and one layer's weights on the GPU, and ~1 GB of host memory: the cap is
+# what a GPU host is assumed to spare, not a measured optimum. 14 workers compiled 54 bert-base trials' kernels in 24 s
+# where one process took 104 s, and with 12 the main job's searches were still bound by their compiles (0.7-0.9 s a
+# trial against ~0.1-0.3 s of measurement; H200, 16 CPUs, docs/perf-notes.md section 67).
 MAX_COMPILERS = 12
 
 
