@@ -238,3 +238,31 @@ def test_a_pipelined_search_takes_local_steps_as_often_as_a_sequential_one(tmp_p
     study, _ = _pipelined(tmp_path, ReplayEvaluator(REPLAY), trials=40, compilers=4)
     steps = [t for t in study.get_trials(deepcopy=False) if "neighbour_of" in t.user_attrs]
     assert len(steps) >= 12, len(steps)
+
+
+def test_a_pipelined_search_measures_what_its_trials_in_flight_launch_once(tmp_path):
+    # Three trials of one configuration asked together: the first is compiled and measured, the two others wait for it
+    # and copy its result (duplicate_of), as a sequential search copies a measured duplicate.
+    from tuner.study import config_hash
+
+    class Counting(ReplayEvaluator):
+        measured: list = []
+
+        def evaluate(self, cfg):
+            Counting.measured.append(config_hash(cfg, self.shape))
+            return super().evaluate(cfg)
+
+    ev = Counting(REPLAY)
+    sp = space.load()
+    study = optuna.create_study(storage=f"sqlite:///{(tmp_path / 'studies.db').as_posix()}",
+                                sampler=make_sampler("tpe", 0, sp, True, parallel=True))
+    params = space.from_config(default_config(ev.shape))
+    for _ in range(3):
+        study.enqueue_trial(params)
+    opts = StudyOptions(trials=6, progress=False, compilers=3, local_every=0)
+    with Compilers(EvaluatorSpec("compile", dict(shape=ev.shape, device=DEVICE)), 3) as pool:
+        search(study, ev.shape, ev, sp, opts, log=lambda *a: None, budget=6, compilers=pool)
+    first, *again = study.get_trials(deepcopy=False)[:3]
+    assert Counting.measured.count(Counting.measured[0]) == 1 and len(Counting.measured) == 4
+    assert [t.user_attrs.get("duplicate_of") for t in again] == [first.number] * 2
+    assert all(t.value == first.value and t.user_attrs["status"] == "ok" for t in again)

@@ -493,17 +493,23 @@ class _Objective:
             # Tiles beyond the problem, the shared memory or the registers are moved to the nearest config
             # that runs (the trial records the config it measured); what still fails check() is invalid.
             cfg = self.repaired(params)
-            h = config_hash(cfg, self.shape)
-            if h in self.cache and self.cache[h][2].get("status") not in (None, "crashed", "timeout"):
-                number, value, attrs = self.cache[h]
-                trial.set_user_attr("duplicate_of", number)
-                for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "status"):  # (the status last, as in _record)
-                    if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
-                        trial.set_user_attr(k, v)
-                return float(value) if value is not None else float("nan")
-            return cfg
+            reused = self.reuse(trial, cfg)
+            return cfg if reused is None else reused
         except Exception as e:  # noqa: BLE001 - a trial without a status would be taken for an interrupted one
             return self._crashed(trial, e)
+
+    def reuse(self, trial, cfg: DecoderConfig) -> float | None:
+        """Where a trial of this study measured what ``cfg`` launches (and did not crash or time out), its result
+        copied onto ``trial`` (``duplicate_of``: its number), as the trial's value; else None."""
+        h = config_hash(cfg, self.shape)
+        if h not in self.cache or self.cache[h][2].get("status") in (None, "crashed", "timeout"):
+            return None
+        number, value, attrs = self.cache[h]
+        trial.set_user_attr("duplicate_of", number)
+        for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "status"):  # (the status last, as in _record)
+            if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
+                trial.set_user_attr(k, v)
+        return float(value) if value is not None else float("nan")
 
     def finish(self, trial: optuna.Trial, cfg: DecoderConfig) -> float:
         """Measure ``cfg`` for ``trial``: its latency, or NaN (a FAIL trial for Optuna) where the candidate failed; the
@@ -767,7 +773,8 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
     compiled side by side; each is measured (``objective.finish``, the one evaluator, one at a time) as soon as its
     compile ends, then told, so the measuring worker meets kernels already compiled (docs/perf-notes.md section 67).
     The sampler sees the trials still compiling as running ones (TPE's constant liar). Trials that need no
-    measurement (a duplicate, a spent budget) end at once. At the timeout, the trials still compiling end PRUNED and
+    measurement (a duplicate, a spent budget) end at once; one that launches what a trial in flight launches waits for
+    its measurement and copies it. At the timeout, the trials still compiling end PRUNED and
     ``surplus`` (never measured, not counted); where the budget is spent, those in flight are measured (they are
     within it). A measurement that raises (no worker, Ctrl-C) ends its trial FAIL with no status (retried on
     resume, as under study.optimize) and the rest PRUNED, and stops the search."""
@@ -777,8 +784,17 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
 
     t0 = time.time()
     left = (lambda: timeout_s - (time.time() - t0)) if timeout_s is not None else (lambda: None)
-    inflight = {}  # Future of its compile -> (trial, config, its heartbeat)
+    inflight = {}  # Future of its compile -> (trial, config, its heartbeat, config_hash)
+    # config_hash -> [(trial, config, heartbeat)] of trials that launch what one in flight launches: measured once,
+    # then copied (objective.reuse), as a sequential search copies a measured duplicate
+    repeats: dict[str, list] = {}
     done = False
+
+    def submit(trial, cfg, beat, h):
+        if any(h == other[3] for other in inflight.values()):
+            repeats.setdefault(h, []).append((trial, cfg, beat))
+        else:
+            inflight[compilers.submit(cfg)] = (trial, cfg, beat, h)
 
     def tell(trial, value=None, state=None, beat=None):
         if beat is not None:
@@ -813,7 +829,7 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
                     continue
                 beat = get_heartbeat_thread(trial._trial_id, study._storage)
                 beat.start()
-                inflight[compilers.submit(started)] = (trial, started, beat)
+                submit(trial, started, beat, config_hash(started, objective.shape))
             if not inflight:
                 return
             ready, _ = wait(list(inflight), timeout=left() if not done else None, return_when=FIRST_COMPLETED)
@@ -821,15 +837,21 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
                 return
             # One at a time, each followed by the next ask: a neighbour that after_trial queues takes the slot its
             # trial freed (several told at once would queue one neighbour for all of them).
-            trial, cfg, beat = inflight.pop(min(ready, key=lambda f: inflight[f][0].number))
+            trial, cfg, beat, h = inflight.pop(min(ready, key=lambda f: inflight[f][0].number))
             try:
                 value = objective.finish(trial, cfg)
             except BaseException:
                 tell(trial, state=TrialState.FAIL, beat=beat)
                 raise
             done = after_trial(study, tell(trial, value, beat=beat)) or done
+            for again, again_cfg, again_beat in repeats.pop(h, []):
+                copied = objective.reuse(again, again_cfg)
+                if copied is None:  # (it crashed or timed out: measured again, as a sequential search would)
+                    submit(again, again_cfg, again_beat, h)
+                else:
+                    done = after_trial(study, tell(again, copied, beat=again_beat)) or done
     finally:
-        for trial, _, beat in inflight.values():
+        for trial, _, beat, *_ in [*inflight.values(), *(r for rs in repeats.values() for r in rs)]:
             trial.set_user_attr("surplus", True)
             tell(trial, state=TrialState.PRUNED, beat=beat)
 
