@@ -18,19 +18,13 @@ import time
 
 
 def _configs(path: str, k: int | None):
-    import pandas as pd
+    """The configurations of a run's measured trials (ok, not copied from another), as today's code loads them
+    (ReplayEvaluator.recorded_config)."""
+    from tuner.evaluate import ReplayEvaluator
 
-    from tuner.space import to_config
-
-    d = pd.read_csv(path)
-    d = d[(d.status == "ok") & d.duplicate_of.isna()]
-    cols = [c for c in d.columns if "." in c]
-
-    def value(col, v):
-        v = v.item() if hasattr(v, "item") else v  # (a column with gaps reads as floats: 64.0 is the int 64)
-        return int(v) if isinstance(v, float) and not col.endswith("_ratio") and v.is_integer() else v
-
-    cfgs = [to_config({c: value(c, r[c]) for c in cols if pd.notna(r[c])}) for _, r in d.iterrows()]
+    rec = ReplayEvaluator(path)
+    rows = rec.rows[(rec.rows["status"] == "ok") & rec.rows["duplicate_of"].isna()]
+    cfgs = [cfg for cfg in (rec.recorded_config(int(n)) for n in rows["number"]) if cfg is not None]
     return cfgs if k is None else cfgs[:k]
 
 

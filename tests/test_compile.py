@@ -44,14 +44,10 @@ def _configs(shape: DecoderShape) -> dict:
 
 
 def _poisoned(st: DecoderStack) -> list:
-    """Every buffer a launch writes set to NaN, and the one-kernel layers' sync counters as they are: what a launch
-    would change."""
-    for b in st.bufs:
-        for t in b.all():
-            t.fill_(float("nan"))
+    """Every buffer a launch writes set to NaN (DecoderStack.poison), and the one-kernel layers' sync counters as they
+    are: what a launch would change."""
     syncs = [b.fused.sync.clone() for b in st.bufs if b.fused is not None]
-    if st.device.type == "cuda":
-        torch.cuda.synchronize()
+    st.poison()
     return syncs
 
 

@@ -324,14 +324,12 @@ class CompileEvaluator:
     LAYERS = 2
 
     def __init__(self, shape: DecoderShape, *, dtype="float16", seed: int = 0, device: str = "cuda"):
-        import torch
-
         from tuner.device import DeviceInfo
-        from tuner.layer import DTYPES, random_stack_weights
+        from tuner.layer import DTYPES, element_bytes, random_stack_weights
 
         self.shape, self.dtype_name, self.dtype, self.where = shape, dtype, DTYPES[dtype], device
         self.device = DeviceInfo.from_torch() if device == "cuda" else None
-        self.esize = torch.tensor([], dtype=self.dtype).element_size()
+        self.esize = element_bytes(dtype)
         # One layer's weights under both layers: a compile needs their shapes, not their values (each worker holds
         # them beside the measuring worker's stack: 12 workers on a 7B-class layer, 3.8 GB besides their contexts).
         self.weights = random_stack_weights(shape, 1, self.dtype, device, seed) * self.LAYERS
@@ -339,11 +337,7 @@ class CompileEvaluator:
     pdl = property(lambda self: self.device is not None and self.device.supports_pdl)
     device_name = property(lambda self: self.device.name if self.device is not None else self.where)
 
-    def invalid(self, cfg: DecoderConfig) -> str | None:
-        from tuner.layer import check_config
-
-        bad = check_config(cfg, self.shape, self.esize, self.device)
-        return "; ".join(f"{k}: {v}" for k, v in bad.items()) or None
+    invalid = GpuEvaluator.invalid  # (the measuring worker's check: shape, element size, device)
 
     def evaluate(self, cfg: DecoderConfig) -> TrialResult:
         from tuner.kernels._common import compile_only

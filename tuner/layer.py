@@ -784,17 +784,21 @@ class DecoderStack:
         else:
             self.run()
 
+    def poison(self) -> None:
+        """Every buffer a launch writes (LayerBuffers.all) set to NaN, on the device before this returns."""
+        for b in self.bufs:
+            for t in b.all():
+                t.fill_(float("nan"))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
     def check(self, seed: int, layers: list[int] | None = None) -> float:
         """Worst ‖out − ref‖/‖ref‖ over the checked layers after one replay on fresh random input, every
         buffer poisoned with NaN first (an unwritten or raced element gives inf). Each layer is compared
         with the fp32 reference applied to the input that layer really received."""
         g = torch.Generator().manual_seed(seed)
         self.x.copy_(torch.randn(self.x.shape, generator=g).to(self.dtype))
-        for b in self.bufs:
-            for t in b.all():
-                t.fill_(float("nan"))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        self.poison()
         self.replay()
         if self.device.type == "cuda":
             torch.cuda.synchronize()

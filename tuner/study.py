@@ -451,6 +451,11 @@ def _repairer(shape: DecoderShape, evaluator):
     return lambda params: repair_config(to_config(params), shape, dtype_bytes, device)
 
 
+# The statuses of a measurement that a repeat of its launches does not copy but measures again (no status: the trial's
+# process died; a crash or a timeout may not recur).
+_REMEASURED = (None, "crashed", "timeout")
+
+
 class _Objective:
     """The objective: claim a slot of the shared budget, then evaluate (or reuse a measured duplicate). In two halves
     for a pipelined search (_search_pipelined): ``start`` claims the slot and draws the configuration, ``finish``
@@ -469,8 +474,7 @@ class _Objective:
             if interrupted(t):  # (no result to reuse; its retry measures it)
                 continue
             h = stored_hash(t, shape)
-            if h is not None and (h not in self.cache
-                                  or self.cache[h][2].get("status") in (None, "crashed", "timeout")):
+            if h is not None and (h not in self.cache or self.cache[h][2].get("status") in _REMEASURED):
                 self.cache[h] = (t.number, t.value, dict(t.user_attrs))
         self.repaired = _repairer(shape, evaluator)
 
@@ -502,7 +506,7 @@ class _Objective:
         """Where a trial of this study measured what ``cfg`` launches (and did not crash or time out), its result
         copied onto ``trial`` (``duplicate_of``: its number), as the trial's value; else None."""
         h = config_hash(cfg, self.shape)
-        if h not in self.cache or self.cache[h][2].get("status") in (None, "crashed", "timeout"):
+        if h not in self.cache or self.cache[h][2].get("status") in _REMEASURED:
             return None
         number, value, attrs = self.cache[h]
         trial.set_user_attr("duplicate_of", number)
