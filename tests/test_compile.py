@@ -180,8 +180,12 @@ def _pipelined(tmp_path, evaluator, trials=10, timeout_s=None, compilers=2, comp
 
 def test_a_pipelined_search_spends_its_budget_exactly(tmp_path):
     study, pool = _pipelined(tmp_path, ReplayEvaluator(REPLAY), trials=10, compilers=3)
-    trials = study.get_trials(deepcopy=False)
-    assert spent(trials) == 10 and pool.started == 3
+    trials = sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+    assert spent(trials) == 10
+    # Three in flight: the first three were asked before the first was told. How many workers that took depends on
+    # the machine (a worker whose compile ended before the next ask compiles that one too: CI's 2 loaded CPUs).
+    assert max(t.datetime_start for t in trials[:3]) <= trials[0].datetime_complete
+    assert 1 <= pool.started <= 3
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     counted = [t for t in trials if counts_against_budget(t)]
     assert all(t.user_attrs.get("status") == "ok" and t.user_attrs.get("owner") for t in counted)
