@@ -185,10 +185,22 @@ def test_a_pipelined_search_spends_its_budget_exactly(tmp_path):
     # Three in flight: the first three were asked before the first was told. How many workers that took depends on
     # the machine (a worker whose compile ended before the next ask compiles that one too: CI's 2 loaded CPUs).
     assert max(t.datetime_start for t in trials[:3]) <= trials[0].datetime_complete
-    assert 1 <= pool.started <= 3
+    assert 1 <= pool.started <= 3 and not pool.start_errors, pool.start_errors
     assert not [t for t in trials if t.state == optuna.trial.TrialState.RUNNING]
     counted = [t for t in trials if counts_against_budget(t)]
     assert all(t.user_attrs.get("status") == "ok" and t.user_attrs.get("owner") for t in counted)
+
+
+def test_compile_workers_that_cannot_start_slow_the_search_and_say_why(tmp_path):
+    sp = space.load()
+    study = optuna.create_study(sampler=make_sampler("tpe", 0, sp, True, parallel=True))
+    opts = StudyOptions(trials=4, progress=False, compilers=2)
+    said, ev = [], ReplayEvaluator(REPLAY)
+    with Compilers(EvaluatorSpec("compile", dict(shape=ev.shape, device="no-such-device")), 2) as pool:
+        search(study, ev.shape, ev, sp, opts, log=said.append, budget=4, compilers=pool)
+    assert spent(study.get_trials()) == 4 and pool.started == 0 and pool.start_errors
+    assert [s for s in said if s.startswith("warning: ") and "compile worker start(s) failed" in s
+            and "no-such-device" in s]
 
 
 def test_a_pipelined_search_ends_what_still_compiles_at_its_timeout_unmeasured(tmp_path):

@@ -770,6 +770,9 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
             own.close()
         if bar is not None:
             bar.close()
+        if compilers is not None and compilers.start_errors:  # (the search ran, slower: say why)
+            log(f"warning: {len(compilers.start_errors)} compile worker start(s) failed, their candidates compiled "
+                f"while measured; first: {compilers.start_errors[0]}")
 
 
 def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float | None, after_trial) -> None:

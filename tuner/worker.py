@@ -322,6 +322,7 @@ class Compilers:
         self._closed = False
         self._pool = ThreadPoolExecutor(n, thread_name_prefix="compile")
         self.started = 0  # workers started, restarts included
+        self.start_errors: list[str] = []  # why each worker that did not start did not (its compile: the measurer's)
 
     def submit(self, cfg) -> Future:
         return self._pool.submit(self._compile, cfg)
@@ -333,7 +334,9 @@ class Compilers:
             pass
         try:
             w = IsolatedEvaluator(self.spec, trial_timeout_s=self._timeout, first_trial_extra_s=0.0, env=self._env)
-        except WorkerError:
+        except WorkerError as e:
+            with self._lock:
+                self.start_errors.append(one_line(e))
             return None
         with self._lock:
             self.started += 1
