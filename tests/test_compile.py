@@ -2,6 +2,7 @@
 
 import json
 import math
+import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,8 @@ from tuner.kernels import fused_layer as fk
 from tuner.layer import DecoderStack, default_config, fit_config
 from tuner.shapes import DecoderShape, resolve
 from tuner.storage import interrupted
-from tuner.study import StudyOptions, compile_env, compile_spec, counts_against_budget, make_sampler, search, spent
+from tuner.study import (StudyOptions, compile_env, compile_spec, counts_against_budget, make_sampler, search, spent,
+                         trials_frame)
 from tuner.worker import Compilers, EvaluatorSpec, auto_compilers
 
 
@@ -204,6 +206,45 @@ def test_compile_workers_that_cannot_start_slow_the_search_and_say_why(tmp_path)
     assert spent(study.get_trials()) == 4 and pool.started == 0 and pool.start_errors
     assert [s for s in said if s.startswith("warning: ") and "compile worker start(s) failed" in s
             and "no-such-device" in s]
+
+
+class _Measured(ReplayEvaluator):
+    """A replay taken for a measurement (its timing recorded as a GPU evaluator's), each one ``measure_s`` long."""
+    replayed = False
+    measure_s = 0.05
+
+    def evaluate(self, cfg):
+        time.sleep(self.measure_s)
+        return super().evaluate(cfg)
+
+
+def test_a_pipelined_search_says_where_its_time_went(tmp_path):
+    from tuner import faults
+
+    sp, ev = space.load(), _Measured(REPLAY)
+    study = optuna.create_study(sampler=make_sampler("tpe", 0, sp, True, parallel=True))
+    opts = StudyOptions(trials=6, progress=False, compilers=2)
+    with Compilers(faults.wrap(EvaluatorSpec("compile", dict(shape=ev.shape, device=DEVICE)), sleep_s=0.3), 2) as pool:
+        times = search(study, ev.shape, ev, sp, opts, log=lambda *a: None, budget=6, compilers=pool)
+    measured = [t for t in study.get_trials() if "eval_s" in t.user_attrs]
+    assert times.measured == len(measured) >= 4 and times.compilers == 2  # (a duplicate measures nothing)
+    assert all(t.user_attrs["eval_s"] >= 0.05 and t.user_attrs["compile_s"] >= 0.3 for t in measured)
+    assert times.measure_s >= 0.05 * len(measured) and len(times.compiles) == len(measured)
+    assert times.wait_s >= 0.3  # (6 compiles of 0.3 s in 2 workers against 0.05 s measurements: compile-bound)
+    text = times.describe()
+    assert text.startswith(f"{len(measured)} measured in ") and "waiting for 2 compile workers" in text
+    df = trials_frame(study)
+    assert df["eval_s"].notna().sum() == len(measured) and (df["compile_s"] >= 0.3).sum() == len(measured)
+
+
+def test_a_sequential_search_says_where_its_time_went_and_a_replay_says_nothing():
+    sp = space.load()
+    for ev, n in ((_Measured(REPLAY), 4), (ReplayEvaluator(REPLAY), 0)):
+        study = optuna.create_study(sampler=make_sampler("tpe", 0, sp, True))
+        times = search(study, ev.shape, ev, sp, StudyOptions(trials=4, progress=False), log=lambda *a: None, budget=4)
+        assert times.measured == n and times.compilers == 1 and not times.compiles and times.wait_s == 0
+        assert trials_frame(study)["eval_s"].notna().sum() == n and trials_frame(study)["compile_s"].isna().all()
+        assert ("compiles included" in times.describe()) == bool(n) and (times.describe() == "") == (not n)
 
 
 def test_a_pipelined_search_ends_what_still_compiles_at_its_timeout_unmeasured(tmp_path):

@@ -692,7 +692,9 @@ def _search_only(args, shape, space, opts, gpu) -> int:
     ev = _make_evaluator(args, shape, gpu)
     try:
         study = open_study(shape, ev, space, opts, Path(args.out))
-        search_and_twin(study, shape, ev, space, opts)
+        times = search_and_twin(study, shape, ev, space, opts)
+        if times.measured:  # (a replay's look-ups are not counted)
+            print(f"{shape.label}: {where}: {times.describe()}")
     except (StudyError, ValueError) as e:
         raise UserError(f"{where}: {str(e).splitlines()[0]}") from None
     except WorkerError as e:

@@ -29,6 +29,8 @@ class TrialResult:
     # a replay: the recorded trial whose timing was served (its number in the recording; the configuration's own
     # where it launches what that trial launched, its nearest recorded one's where approximated)
     served_from: int | None = None
+    # the evaluation's wall seconds where the caller timed it (a compile worker's compile: tuner.worker.Compilers)
+    seconds: float = math.nan
 
     def __post_init__(self):
         assert self.status in STATUSES, self.status

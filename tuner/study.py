@@ -18,9 +18,10 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import optuna
@@ -145,6 +146,41 @@ class StudyOptions:
     # Correctness checks of each top-k config before its re-measurement, on fresh input (0: none; a replay checks
     # nothing). A trial is checked once; a race caught only part of the time passes one check often.
     rechecks: int = 5
+
+
+# A measured trial's seconds: ``eval_s`` in the measuring worker (the evaluator's call: the compile where no compile
+# worker did it ahead, the check and the timing), ``compile_s`` in a compile worker (_search_pipelined). A duplicate
+# copies neither (it took none).
+TIME_ATTRS = ("eval_s", "compile_s")
+
+
+@dataclass
+class SearchTimes:
+    """Where a process's search spent its time (the line `tune decoder` prints when its search ends): the
+    measurements it made and their seconds in the measuring worker; with compile workers, the seconds it waited with
+    nothing compiled to measure, and each compile's seconds in its worker."""
+    measured: int = 0
+    measure_s: float = 0.0
+    wait_s: float = 0.0
+    compiles: list = field(default_factory=list)
+    compilers: int = 1
+
+    def add(self, other: SearchTimes) -> SearchTimes:
+        return SearchTimes(self.measured + other.measured, self.measure_s + other.measure_s,
+                           self.wait_s + other.wait_s, self.compiles + other.compiles,
+                           max(self.compilers, other.compilers))
+
+    def describe(self) -> str:
+        """E.g. "117 measured in 31 s (0.26 s each), 38 s waiting for 12 compile workers (0.85 s a compile, median)";
+        "" where nothing was measured."""
+        if not self.measured:
+            return ""
+        text = (f"{self.measured} measured in {self.measure_s:.0f} s ({self.measure_s / self.measured:.2f} s each"
+                + (", compiles included)" if self.compilers <= 1 else ")"))
+        if self.compilers > 1:
+            compile_s = f"{statistics.median(self.compiles):.2f} s a compile, median" if self.compiles else "none ended"
+            text += f", {self.wait_s:.0f} s waiting for {self.compilers} compile workers ({compile_s})"
+        return text
 
 
 def _record(trial, cfg: DecoderConfig, res: TrialResult, shape: DecoderShape):
@@ -477,6 +513,7 @@ class _Objective:
             if h is not None and (h not in self.cache or self.cache[h][2].get("status") in _REMEASURED):
                 self.cache[h] = (t.number, t.value, dict(t.user_attrs))
         self.repaired = _repairer(shape, evaluator)
+        self.measured, self.measure_s = 0, 0.0  # this process's measurements and their seconds (SearchTimes)
 
     def __call__(self, trial: optuna.Trial) -> float:
         started = self.start(trial)
@@ -511,7 +548,7 @@ class _Objective:
         number, value, attrs = self.cache[h]
         trial.set_user_attr("duplicate_of", number)
         for k, v in sorted(attrs.items(), key=lambda kv: kv[0] == "status"):  # (the status last, as in _record)
-            if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of"):
+            if k not in ("is_baseline", OWNER_ATTR, "duplicate_of", "neighbour_of", "knobs_off_of", *TIME_ATTRS):
                 trial.set_user_attr(k, v)
         return float(value) if value is not None else float("nan")
 
@@ -519,7 +556,12 @@ class _Objective:
         """Measure ``cfg`` for ``trial``: its latency, or NaN (a FAIL trial for Optuna) where the candidate failed; the
         status says why."""
         try:
+            t0 = time.perf_counter()
             res = self.evaluator.evaluate(cfg)
+            took = time.perf_counter() - t0
+            if not self.evaluator.replayed:  # (a replay's are look-ups)
+                self.measured, self.measure_s = self.measured + 1, self.measure_s + took
+                trial.set_user_attr("eval_s", round(took, 3))
             _record(trial, cfg, res, self.shape)
             value = res.latency_us if res.status == "ok" else float("nan")
             self.cache[config_hash(cfg, self.shape)] = (trial.number, value, dict(trial.user_attrs))
@@ -725,16 +767,17 @@ def compile_env(evaluator) -> dict[str, str] | None:
 
 
 def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print,
-           budget: int | None = None, timeout_s: float | None = None, compilers=None) -> None:
+           budget: int | None = None, timeout_s: float | None = None, compilers=None) -> SearchTimes:
     """Run trials until ``budget`` (default: search_budget) is spent (by this process and every other) or
     ``timeout_s`` (default: the options') has passed. With TPE, every ``local_every``-th trial is followed by a
     neighbour of the best (_queue_neighbour). With ``opts.compilers`` of 2 or more (and a GPU evaluator), or a
-    tuner.worker.Compilers pool given, the trials are pipelined: _search_pipelined."""
+    tuner.worker.Compilers pool given, the trials are pipelined: _search_pipelined. Returns where its time went."""
     pdl = bool(evaluator.pdl)
     budget = search_budget(space, pdl, opts) if budget is None else budget
     timeout_s = opts.timeout_s if timeout_s is None else timeout_s
+    times = SearchTimes()
     if _budget_done(study, budget):
-        return
+        return times
     objective = _Objective(study, shape, evaluator, space, budget, log)
     bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
@@ -759,7 +802,8 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
                                     compile_timeout_s=getattr(evaluator, "trial_timeout_s", TRIAL_TIMEOUT_S))
     try:
         if compilers is not None:
-            _search_pipelined(study, objective, compilers, timeout_s, after_trial)
+            times.compilers = compilers.n
+            _search_pipelined(study, objective, compilers, timeout_s, after_trial, times)
         else:
             # catch=(): the objective gives every failing candidate its status itself; what still escapes
             # (no worker, Ctrl-C) must stop the study, not be counted as a trial.
@@ -773,9 +817,12 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
         if compilers is not None and compilers.start_errors:  # (the search ran, slower: say why)
             log(f"warning: {len(compilers.start_errors)} compile worker start(s) failed, their candidates compiled "
                 f"while measured; first: {compilers.start_errors[0]}")
+        times.measured, times.measure_s = objective.measured, objective.measure_s
+    return times
 
 
-def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float | None, after_trial) -> None:
+def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float | None, after_trial,
+                      times: SearchTimes | None = None) -> None:
     """The search with its compiles in ``compilers``' workers: up to ``compilers.n`` trials are asked ahead and
     compiled side by side; each is measured (``objective.finish``, the one evaluator, one at a time) as soon as its
     compile ends, then told, so the measuring worker meets kernels already compiled (docs/perf-notes.md section 67).
@@ -784,11 +831,13 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
     its measurement and copies it. At the timeout, the trials still compiling end PRUNED and
     ``surplus`` (never measured, not counted); where the budget is spent, those in flight are measured (they are
     within it). A measurement that raises (no worker, Ctrl-C) ends its trial FAIL with no status (retried on
-    resume, as under study.optimize) and the rest PRUNED, and stops the search."""
+    resume, as under study.optimize) and the rest PRUNED, and stops the search. ``times`` gathers the seconds waited
+    for compiles and each compile's (its trial's ``compile_s``)."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
     from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enabled
 
+    times = SearchTimes() if times is None else times
     t0 = time.time()
     left = (lambda: timeout_s - (time.time() - t0)) if timeout_s is not None else (lambda: None)
     inflight = {}  # Future of its compile -> (trial, config, its heartbeat, config_hash)
@@ -839,12 +888,18 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
                 submit(trial, started, beat, config_hash(started, objective.shape))
             if not inflight:
                 return
+            waited = time.perf_counter()
             ready, _ = wait(list(inflight), timeout=left() if not done else None, return_when=FIRST_COMPLETED)
+            times.wait_s += time.perf_counter() - waited
             if not ready:  # the time is up: what still compiles is dropped (the finally below)
                 return
             # One at a time, each followed by the next ask: a neighbour that after_trial queues takes the slot its
             # trial freed (several told at once would queue one neighbour for all of them).
-            trial, cfg, beat, h = inflight.pop(min(ready, key=lambda f: inflight[f][0].number))
+            compiled = min(ready, key=lambda f: inflight[f][0].number)
+            trial, cfg, beat, h = inflight.pop(compiled)
+            if compiled.exception() is None and not math.isnan(seconds := compiled.result().seconds):
+                times.compiles.append(seconds)
+                trial.set_user_attr("compile_s", round(seconds, 3))
             try:
                 value = objective.finish(trial, cfg)
             except BaseException:
@@ -910,15 +965,18 @@ def knobs_off_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, op
     return True
 
 
-def search_and_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions, log=print) -> None:
+def search_and_twin(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOptions,
+                    log=print) -> SearchTimes:
     """search, then (first worker) knobs_off_twin, or the search again for the slot kept for the twin where there
-    is no twin to measure and time is left. What `tune decoder` and each of its workers run."""
+    is no twin to measure and time is left. What `tune decoder` and each of its workers run. Returns where the
+    searches' time went (the twin's measurement is not in it)."""
     t0 = time.time()
-    search(study, shape, evaluator, space, opts, log)
+    times = search(study, shape, evaluator, space, opts, log)
     left = None if opts.timeout_s is None else opts.timeout_s - (time.time() - t0)
     if opts.worker_index == 0 and not knobs_off_twin(study, shape, evaluator, space, opts, log) and (
             left is None or left > 0):
-        search(study, shape, evaluator, space, opts, log, budget=opts.trials, timeout_s=left)
+        times = times.add(search(study, shape, evaluator, space, opts, log, budget=opts.trials, timeout_s=left))
+    return times
 
 
 def progress_bar(study, budget: int, label: str):
@@ -946,11 +1004,13 @@ def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOpt
     """Run (or continue) the study for ``shape`` and write its run folder; returns the folder."""
     study = open_study(shape, evaluator, space, opts, out_root, log)
     t0 = time.time()
-    search_and_twin(study, shape, evaluator, space, opts, log)
+    times = search_and_twin(study, shape, evaluator, space, opts, log)
     n = evaluated(study.get_trials(deepcopy=False))
     short = (f" (stopped by the time limit, {opts.timeout_s:.0f} s, before the {opts.trials}-trial budget: --trials "
              "without --timeout runs the whole budget)") if opts.timeout_s and n < opts.trials else ""
-    log(f"{shape.label}: {n} trials in the study, search took {time.time() - t0:.0f}s{short}")
+    # (where the time went; a replay's measurements are look-ups: none counted)
+    spent_on = f"; this process: {times.describe()}" if times.measured else ""
+    log(f"{shape.label}: {n} trials in the study, search took {time.time() - t0:.0f}s{short}{spent_on}")
     return finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
                   storage_url(opts, out_root), log)
 
@@ -983,7 +1043,8 @@ def trials_frame(study):
                "approximated": bool(ua.get("approximated", False)), "is_baseline": bool(ua.get("is_baseline", False)),
                "duplicate_of": ua.get("duplicate_of", ""), "retry_of": t.system_attrs.get("failed_trial", ""),
                "neighbour_of": ua.get("neighbour_of", ""), "knobs_off_of": ua.get("knobs_off_of", ""),
-               "worker_pid": (ua.get(OWNER_ATTR) or {}).get("pid", "")}
+               "worker_pid": (ua.get(OWNER_ATTR) or {}).get("pid", ""),
+               **{k: ua[k] if ua.get(k) is not None else math.nan for k in TIME_ATTRS}}
         if "served_from" in ua:  # (a replay's trial: the recorded trial whose timing it was served)
             row["served_from"] = ua["served_from"]
         if cfg:

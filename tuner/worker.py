@@ -353,7 +353,10 @@ class Compilers:
         if w is None:
             return TrialResult("crashed", reason="no compile worker")
         try:
-            return w.evaluate(cfg)  # (a worker that died or hung is restarted by its next call)
+            t0 = time.perf_counter()
+            res = w.evaluate(cfg)  # (a worker that died or hung is restarted by its next call)
+            res.seconds = time.perf_counter() - t0
+            return res
         finally:
             self._idle.put(w)
 
