@@ -171,8 +171,8 @@ class SearchTimes:
                            max(self.compilers, other.compilers))
 
     def describe(self) -> str:
-        """E.g. "117 measured in 31 s (0.26 s each), 38 s waiting for 12 compile workers (0.85 s a compile, median)";
-        "" where nothing was measured."""
+        """"N measured in M s (M/N s each), W s waiting for C compile workers (T s a compile, median)", or without
+        compile workers "N measured in M s (M/N s each, compiles included)"; "" where nothing was measured."""
         if not self.measured:
             return ""
         text = (f"{self.measured} measured in {self.measure_s:.0f} s ({self.measure_s / self.measured:.2f} s each"
