@@ -247,6 +247,19 @@ def test_a_sequential_search_says_where_its_time_went_and_a_replay_says_nothing(
         assert ("compiles included" in times.describe()) == bool(n) and (times.describe() == "") == (not n)
 
 
+def test_a_compile_worker_whose_process_cannot_be_made_is_a_start_error(monkeypatch):
+    import tuner.worker
+
+    def no_fork(*args, **kwargs):  # (what subprocess.Popen raises where the host has no memory left to fork)
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(tuner.worker, "IsolatedEvaluator", no_fork)
+    with Compilers(EvaluatorSpec("compile", dict(shape=ODD, device=DEVICE)), 1) as pool:
+        res = pool.submit(default_config(ODD)).result(timeout=60)
+    assert res.status == "crashed" and res.reason == "no compile worker"
+    assert pool.start_errors == ["OSError: [Errno 12] Cannot allocate memory"] and pool.started == 0
+
+
 def test_a_pipelined_search_ends_what_still_compiles_at_its_timeout_unmeasured(tmp_path):
     study, _ = _pipelined(tmp_path, ReplayEvaluator(REPLAY), trials=200, timeout_s=3.0, compilers=3, compile_s=1.0)
     trials = study.get_trials(deepcopy=False)

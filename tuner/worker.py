@@ -334,7 +334,7 @@ class Compilers:
             pass
         try:
             w = IsolatedEvaluator(self.spec, trial_timeout_s=self._timeout, first_trial_extra_s=0.0, env=self._env)
-        except WorkerError as e:
+        except (WorkerError, OSError) as e:  # (OSError: the process itself could not be made, e.g. no memory to fork)
             with self._lock:
                 self.start_errors.append(one_line(e))
             return None
