@@ -7,8 +7,8 @@ constant liar counts those as bad results), against the sequential search, over 
 
 A depth's compiles "end" after --compile-s seconds times a random factor in [0.5, 1.5), so that they end out of order
 as real compiles of different kernels do; the measurement is the replay's look-up. Prints, per recording and depth,
-the served latency of the best trial after 40, 80 and N told trials (median over the seeds, and the range), and the
-local steps (neighbour_of) among the N. The latencies are the recording's (its nearest recorded configuration's where
+the served latency of the best trial after 40, 80 and N told trials (the mean over the seeds, and how many seeds came
+within 0.05 us of the recording's best), and the local steps (neighbour_of) among the N. The latencies are the recording's (its nearest recorded configuration's where
 a search reaches one it does not hold): the comparison is of the searches' choices on one landscape, not a
 measurement. Diagnostic (docs/perf-notes.md section 68).
 """
@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+NEAR_US = 0.05  # a search "reached" the recording's best where its own best is within this of it
 
 
 class SimCompilers:
@@ -78,7 +80,8 @@ def run_one(recording: str, depth: int, seed: int, trials: int, compile_s: float
         if t.state == optuna.trial.TrialState.COMPLETE and t.value is not None:
             best = min(best, t.value)
         curve.append(best)
-    return {"recording": recording, "depth": depth, "liar": liar, "seed": seed, "curve": curve, "seconds": time.time() - t0,
+    return {"recording": recording, "depth": depth, "liar": liar, "seed": seed, "curve": curve,
+            "seconds": time.time() - t0,
             "local_steps": sum("neighbour_of" in t.user_attrs for t in told)}
 
 
@@ -93,6 +96,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every search's curve here")
     args = ap.parse_args(argv)
     depths = args.depths.split(",")
+    if not all(d.rstrip("-").isdigit() and int(d.rstrip("-")) >= 1 for d in depths):
+        ap.error(f"--depths {args.depths}: expected positive whole numbers, e.g. 1,4,12 or 12-")
+    from tuner.evaluate import ReplayEvaluator
+
+    for rec in args.recordings:  # (each one read before any search: a bad one is one line, not a traceback)
+        try:
+            ReplayEvaluator(rec)
+        except (ValueError, OSError, KeyError) as e:
+            print(f"pipeline_sim.py: {rec}: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
     runs = []
     for rec in args.recordings:
         for depth in depths:
@@ -103,17 +116,22 @@ def main(argv=None) -> int:
                 print(f"# {rec} depth {depth} seed {seed}: best {r['curve'][-1]:.2f} us, {r['local_steps']} local "
                       f"steps, {r['seconds']:.0f} s", file=sys.stderr, flush=True)
     marks = [m for m in (40, 80, args.trials) if m <= args.trials]
-    print(f"| recording | depth | {' | '.join(f'best after {m}' for m in marks)} | local steps |")
+    print(f"Each cell: the mean over {args.seeds} seeds of the best served latency (us) after that many told trials; "
+          f"in brackets, the seeds whose best is within {NEAR_US} us of the recording's best ok trial.\n")
+    print(f"| recording (its best) | depth | {' | '.join(f'after {m}' for m in marks)} | local steps (median) |")
     print(f"|---|---:|{'---:|' * len(marks)}---:|")
     for rec in args.recordings:
+        rows = ReplayEvaluator(rec).rows
+        top = float(rows.loc[rows["status"] == "ok", "latency_us"].min())
         for depth in depths:
             rs = [r for r in runs if r["recording"] == rec and f"{r['depth']}{'' if r['liar'] else '-'}" == depth]
             cells = []
             for m in marks:
                 v = [r["curve"][min(m, len(r["curve"])) - 1] for r in rs]
-                cells.append(f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})")
+                cells.append(f"{statistics.mean(v):.2f} ({sum(x <= top + NEAR_US for x in v)}/{len(v)})")
             steps = statistics.median(r["local_steps"] for r in rs)
-            print(f"| {rec.rstrip('/').split('/')[-1]} | {depth} | {' | '.join(cells)} | {steps:.0f} |")
+            name = rec.rstrip("/").split("/")[-1]
+            print(f"| {name} ({top:.2f}) | {depth} | {' | '.join(cells)} | {steps:.0f} |")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"command": ["python3", "scripts/pipeline_sim.py", *(argv or sys.argv[1:])], "runs": runs}, fh)

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-# ncu_top.py reads a CSV of ncu's output and needs no GPU (its usage line is tested below).
-GPU_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "ncu_top.py")
+# ncu_top.py reads a CSV of ncu's output and pipeline_sim.py a recording: they need no GPU (tested below).
+GPU_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name not in ("ncu_top.py", "pipeline_sim.py"))
 
 
 def run(*argv: str) -> subprocess.CompletedProcess:
@@ -54,3 +54,20 @@ def test_ncu_top_without_arguments_prints_its_usage():
     r = run(str(SCRIPTS / "ncu_top.py"), "no-such-file.csv")
     assert r.returncode != 0
     assert r.stderr.strip() == "ncu_top.py: cannot read no-such-file.csv (No such file or directory)"
+
+
+def test_pipeline_sim_compares_the_depths_on_a_recording(tmp_path):
+    tiny = "tests/data/replay-tiny-h200-20261128"
+    r = run(str(SCRIPTS / "pipeline_sim.py"), tiny, "--depths", "1,3,3-", "--seeds", "1", "--trials", "12",
+            "--json", str(tmp_path / "sim.json"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| replay-tiny")]
+    assert [row.split("|")[2].strip() for row in rows] == ["1", "3", "3-"], r.stdout
+    import json
+
+    runs = json.loads((tmp_path / "sim.json").read_text())["runs"]
+    assert [(x["depth"], x["liar"], len(x["curve"])) for x in runs] == [(1, True, 12), (3, True, 12), (3, False, 12)]
+    assert all(x["curve"] == sorted(x["curve"], reverse=True) for x in runs)  # (the best so far only improves)
+    r = run(str(SCRIPTS / "pipeline_sim.py"), "no-such-recording")
+    assert r.returncode == 2 and r.stderr.startswith("pipeline_sim.py: no-such-recording: ")
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
