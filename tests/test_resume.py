@@ -208,6 +208,7 @@ def test_an_interrupted_trial_is_retried_once_only(tmp_path):
 
     study = optuna.create_study(storage=open_storage(f"sqlite:///{(tmp_path / 'studies.db').as_posix()}"))
     first = study.ask({"x": optuna.distributions.IntDistribution(0, 9)})
+    first.set_user_attr("eval_s", 1.5)  # (Ctrl-C after the evaluator returned, before the measurement was recorded)
     study.tell(first, state=TrialState.FAIL)  # what Optuna records for a trial that Ctrl-C interrupted
     done = study.ask()
     done.set_user_attr("status", "incorrect")  # (a failed trial with a status is the candidate's own failure)
@@ -216,6 +217,7 @@ def test_an_interrupted_trial_is_retried_once_only(tmp_path):
     retry = study.ask()  # the queued copy
     assert study.trials[retry.number].system_attrs.get("failed_trial") == first.number
     assert retry.params == first.params
+    assert "eval_s" not in study.trials[retry.number].user_attrs  # (measured again: its seconds will be its own)
     study.tell(retry, state=TrialState.FAIL)
     assert recover_orphans(study) == []
 
@@ -244,7 +246,7 @@ def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
         t.set_user_attr("status", status)
     stopped.set_user_attr("status", "ok")  # Ctrl-C between the measurement and the trial's end (an older study)
     study.tell(stopped, state=TrialState.FAIL)
-    for k, v in (("owner", dead), ("config", {"kernels": {}}), (LATENCY_ATTR, 7.5), ("status", "ok")):
+    for k, v in (("owner", dead), ("config", {"kernels": {}}), ("eval_s", 0.4), (LATENCY_ATTR, 7.5), ("status", "ok")):
         late.set_user_attr(k, v)  # Ctrl-C (or the heartbeat) after the status: its result is all there
     study.tell(late, state=TrialState.FAIL)
     kept = []
@@ -261,6 +263,7 @@ def test_a_trial_whose_end_was_lost_ends_as_it_was_measured(tmp_path):
     assert sorted(retries) == sorted([older.number, stopped.number, unwritten.number, ownerless.number, late.number])
     copy = retries[late.number]  # (not measured again: a copy with its result)
     assert copy.state == TrialState.COMPLETE and copy.value == 7.5 and OWNER_ATTR not in copy.user_attrs
+    assert copy.user_attrs["eval_s"] == 0.4  # (the measurement it copies, and its seconds)
     assert all(retries[n].state == TrialState.WAITING for n in retries if n != late.number)
     assert recover_orphans(study, ownerless_after_s=0) == []
 

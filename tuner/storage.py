@@ -44,6 +44,10 @@ OWNER_ATTR = "owner"
 # A measured trial's latency, recorded with its status before the trial ends: a process that dies between the two
 # (or while writing the end) leaves the measurement in the storage, and recover_orphans completes the trial with it.
 LATENCY_ATTR = "latency_us"
+# A measured trial's seconds: ``eval_s`` in the measuring worker (the evaluator's call: the compile where no compile
+# worker did it ahead, the check and the timing), ``compile_s`` in a compile worker (study._search_pipelined). A
+# duplicate copies neither (it took none), nor does a retry that measures again.
+TIME_ATTRS = ("eval_s", "compile_s")
 
 
 class StorageError(ValueError):
@@ -84,7 +88,8 @@ def _retry_callback():
             trial = copy.deepcopy(trial)
             trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k != OWNER_ATTR}
             latency = measured_latency(trial)
-            if latency is None:
+            if latency is None:  # (measured again: its seconds will be the retry's own)
+                trial.user_attrs = {k: v for k, v in trial.user_attrs.items() if k not in TIME_ATTRS}
                 super().__call__(study, trial)
                 return
             # Its measurement had ended (the heartbeat failed it, or a Ctrl-C landed after its status): a copy with

@@ -34,7 +34,7 @@ from tuner.kernels import cluster_gemm
 from tuner.layer import default_config, idle_kernels, launch_key, qkv_attn_error, unlaunched_kernels
 from tuner.shapes import DecoderShape
 from tuner.space import SearchSpace, from_config, suggest, to_config, trial_params
-from tuner.storage import (LATENCY_ATTR, OWNER_ATTR, await_owners, default_url, interrupted, open_storage,
+from tuner.storage import (LATENCY_ATTR, OWNER_ATTR, TIME_ATTRS, await_owners, default_url, interrupted, open_storage,
                            owner_alive, recover_orphans, redact, this_owner)
 from tuner.worker import WorkerStartError, one_line
 
@@ -146,12 +146,6 @@ class StudyOptions:
     # Correctness checks of each top-k config before its re-measurement, on fresh input (0: none; a replay checks
     # nothing). A trial is checked once; a race caught only part of the time passes one check often.
     rechecks: int = 5
-
-
-# A measured trial's seconds: ``eval_s`` in the measuring worker (the evaluator's call: the compile where no compile
-# worker did it ahead, the check and the timing), ``compile_s`` in a compile worker (_search_pipelined). A duplicate
-# copies neither (it took none).
-TIME_ATTRS = ("eval_s", "compile_s")
 
 
 @dataclass
