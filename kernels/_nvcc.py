@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -70,6 +71,11 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDL_TUNE_CACHE", Path.home() / ".cache" / "pdl-tune"))
 
 
+# PDL_TUNE_BUILD_LOG=FILE: each build a process asks for (cached or not) is appended to FILE as one JSON line, with
+# the test that asked where pytest runs one: what tests/conftest.py turns into the list it prebuilds (prebuild).
+BUILD_LOG_ENV = "PDL_TUNE_BUILD_LOG"
+
+
 def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
     """The shared library of ``source`` built for sm_90a with ``-Dname=value`` for each define (cached)."""
     if not MUFU_MATH:
@@ -78,29 +84,94 @@ def build(source: Path, defines: dict[str, int], who: str) -> ctypes.CDLL:
         defines = {**defines, "HOPPER_CLUSTER_POLICY": CLUSTER_POLICY}
     if MEM_SYNC_DOMAIN is not None:
         defines = {**defines, "HOPPER_MEM_SYNC_DOMAIN": MEM_SYNC_DOMAIN}
+    if os.environ.get(BUILD_LOG_ENV):
+        _log_build(Path(os.environ[BUILD_LOG_ENV]), source, defines)
+    return ctypes.CDLL(str(compile_library(source, defines, who)))
+
+
+def library_path(source: Path, defines: dict[str, int], who: str) -> Path:
+    """Where the cache keeps the shared library of ``source`` under exactly ``defines``: a name that hashes the
+    sources, the compiler and its extra flags."""
     compiler = nvcc()
     if compiler is None:
         raise RuntimeError(f"{who}: nvcc not found (PATH or $CUDA_HOME/bin); this kernel needs the CUDA toolkit")
-    # PDL_TUNE_NVCC_LINEINFO=1: source lines in the SASS, for a profiler's per-line view (a separate build)
-    extra = ["-lineinfo"] if os.environ.get("PDL_TUNE_NVCC_LINEINFO") == "1" else []
     tag = hashlib.sha256(source.read_bytes() + HEADER.read_bytes() + compiler.encode()
-                         + " ".join(extra).encode()).hexdigest()[:16]
+                         + " ".join(_extra_flags()).encode()).hexdigest()[:16]
     # (the A/B defines by name: two of them set to the same value must not share a file)
     variant = "-".join(AB_TAGS.get(k, "") + str(v) for k, v in defines.items())
-    out = cache_dir() / f"{source.stem}-{tag}-{variant}.so"
+    return cache_dir() / f"{source.stem}-{tag}-{variant}.so"
+
+
+def _extra_flags() -> list[str]:
+    # PDL_TUNE_NVCC_LINEINFO=1: source lines in the SASS, for a profiler's per-line view (a separate build)
+    return ["-lineinfo"] if os.environ.get("PDL_TUNE_NVCC_LINEINFO") == "1" else []
+
+
+def compile_library(source: Path, defines: dict[str, int], who: str) -> Path:
+    """The cached shared library of ``source`` under exactly ``defines``, built by nvcc where it is not yet."""
+    out = library_path(source, defines, who)
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
         os.close(fd)
-        cmd = [compiler, "-O3", *FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
-               *extra, *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
+        cmd = [nvcc(), "-O3", *FLAGS, "-gencode=arch=compute_90a,code=sm_90a", "-shared", "-Xcompiler", "-fPIC",
+               *_extra_flags(), *(f"-D{k}={v}" for k, v in defines.items()), "-o", tmp, str(source)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             os.unlink(tmp)
             last = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"{who}: nvcc failed: {last}")
         os.replace(tmp, out)
-    return ctypes.CDLL(str(out))
+    return out
+
+
+def _log_build(log: Path, source: Path, defines: dict[str, int]) -> None:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[0]  # (its file: tests/test_x.py)
+    line = json.dumps({"source": source.name, "defines": defines, "test": test}) + "\n"
+    with open(log, "a") as fh:  # (one short write in append mode: processes that share the log do not interleave)
+        fh.write(line)
+
+
+def read_build_log(path: Path, tests: set[str] | None = None) -> list[dict]:
+    """The distinct builds of a PDL_TUNE_BUILD_LOG file, in first-asked order; with ``tests``, only those that a test
+    of one of those files asked for (``tests/test_x.py``). A line that does not parse is skipped."""
+    seen, out = set(), []
+    for line in Path(path).read_text().splitlines():
+        try:
+            b = json.loads(line)
+            key = (b["source"], json.dumps(b["defines"], sort_keys=True))
+        except (ValueError, KeyError, TypeError):
+            continue
+        if key in seen or (tests is not None and b.get("test") not in tests):
+            continue
+        seen.add(key)
+        out.append({"source": b["source"], "defines": b["defines"]})
+    return out
+
+
+def prebuild(builds: list[dict], jobs: int) -> tuple[int, list[str]]:
+    """Build the listed variants ({"source": a file name in this folder, "defines": {...}}, as PDL_TUNE_BUILD_LOG
+    writes them) into the cache, up to ``jobs`` nvcc processes side by side; a variant already cached costs nothing.
+    Returns how many were built now, and why others failed (an unknown source, nvcc's error): such a variant fails
+    again where a test builds it, and says so there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(b: dict) -> tuple[bool, str | None]:
+        source = HERE / str(b.get("source"))
+        if source.suffix != ".cu" or not source.is_file():
+            return False, f"{b.get('source')}: no such kernel source in {HERE}"
+        try:
+            defines = {str(k): int(v) for k, v in b["defines"].items()}
+            if library_path(source, defines, source.stem).exists():
+                return False, None
+            compile_library(source, defines, source.stem)
+            return True, None
+        except (RuntimeError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:
+            return False, f"{source.name}: {e}"
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        done = list(pool.map(one, builds))
+    return sum(built for built, _ in done), [why for _, why in done if why]
 
 
 def c_argtypes(source: str, function: str) -> list:
