@@ -200,10 +200,11 @@ def test_compile_workers_that_cannot_start_slow_the_search_and_say_why(tmp_path)
     sp = space.load()
     study = optuna.create_study(sampler=make_sampler("tpe", 0, sp, True, parallel=True))
     opts = StudyOptions(trials=4, progress=False, compilers=2)
-    said, ev = [], ReplayEvaluator(REPLAY)
+    said, ev = [], _Measured(REPLAY)
     with Compilers(EvaluatorSpec("compile", dict(shape=ev.shape, device="no-such-device")), 2) as pool:
-        search(study, ev.shape, ev, sp, opts, log=said.append, budget=4, compilers=pool)
+        times = search(study, ev.shape, ev, sp, opts, log=said.append, budget=4, compilers=pool)
     assert spent(study.get_trials()) == 4 and pool.started == 0 and pool.start_errors
+    assert times.describe().endswith("waiting for 2 compile workers (none compiled)")
     assert [s for s in said if s.startswith("warning: ") and "compile worker start(s) failed" in s
             and "no-such-device" in s]
 

@@ -172,7 +172,8 @@ class SearchTimes:
         text = (f"{self.measured} measured in {self.measure_s:.0f} s ({self.measure_s / self.measured:.2f} s each"
                 + (", compiles included)" if self.compilers <= 1 else ")"))
         if self.compilers > 1:
-            compile_s = f"{statistics.median(self.compiles):.2f} s a compile, median" if self.compiles else "none ended"
+            compile_s = (f"{statistics.median(self.compiles):.2f} s a compile, median" if self.compiles
+                         else "none compiled")
             text += f", {self.wait_s:.0f} s waiting for {self.compilers} compile workers ({compile_s})"
         return text
 
