@@ -1436,4 +1436,8 @@ def test_compile_workers_are_refused_where_they_cannot_help(tmp_path, extra, wor
 def test_a_replay_records_that_it_compiled_nothing(tmp_path):
     rc, stdout, stderr = decoder(tmp_path, 3)
     assert rc == 0, stderr[-2000:]
-    assert json.loads((run_folder(stdout) / "manifest.json").read_text())["compilers"] == 1
+    man = json.loads((run_folder(stdout) / "manifest.json").read_text())
+    assert man["compilers"] == 1
+    assert list(man["search"]) == ["seconds"] and man["search"]["seconds"] >= 0  # (its look-ups are not measurements)
+    [took] = [line for line in stdout.splitlines() if "search took" in line]
+    assert "this process" not in took

@@ -234,6 +234,9 @@ def test_a_pipelined_search_says_where_its_time_went(tmp_path):
     assert times.wait_s >= 0.3  # (6 compiles of 0.3 s in 2 workers against 0.05 s measurements: compile-bound)
     text = times.describe()
     assert text.startswith(f"{len(measured)} measured in ") and "waiting for 2 compile workers" in text
+    d = times.to_dict()  # (the manifest's "search")
+    assert (d["measured"], d["compilers"], d["compiles"]) == (len(measured), 2, len(measured))
+    assert d["compile_median_s"] >= 0.3 and d["wait_s"] >= 0.3
     df = trials_frame(study)
     assert df["eval_s"].notna().sum() == len(measured) and (df["compile_s"] >= 0.3).sum() == len(measured)
 
@@ -246,6 +249,7 @@ def test_a_sequential_search_says_where_its_time_went_and_a_replay_says_nothing(
         assert times.measured == n and times.compilers == 1 and not times.compiles and times.wait_s == 0
         assert trials_frame(study)["eval_s"].notna().sum() == n and trials_frame(study)["compile_s"].isna().all()
         assert ("compiles included" in times.describe()) == bool(n) and (times.describe() == "") == (not n)
+        assert set(times.to_dict()) == {"measured", "measure_s", "compilers"}  # (no compile workers: no waiting)
 
 
 def test_a_compile_worker_whose_process_cannot_be_made_is_a_start_error(monkeypatch):

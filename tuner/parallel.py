@@ -84,8 +84,9 @@ def run_workers(shape, evaluator, space, opts: StudyOptions, out_root: Path, com
     problems = [f"{w.label} exited with code {w.proc.returncode}" for w in failed]
     for p in problems:
         log(f"{shape.label}: {p}")
+    took = time.time() - t0
     log(f"{shape.label}: {evaluated(study.get_trials(deepcopy=False))} trials in the study from {len(workers)} "
-        f"workers, search took {time.time() - t0:.0f}s")
+        f"workers, search took {took:.0f}s")
     run = finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
-                 storage_url(opts, out_root), log)
+                 storage_url(opts, out_root), log, search={"seconds": round(took, 1)})  # (each worker said its own)
     return run, problems

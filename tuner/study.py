@@ -164,6 +164,13 @@ class SearchTimes:
                            self.wait_s + other.wait_s, self.compiles + other.compiles,
                            max(self.compilers, other.compilers))
 
+    def to_dict(self) -> dict:
+        """The manifest's account of it (``search``, beside the search's seconds)."""
+        return {"measured": self.measured, "measure_s": round(self.measure_s, 1), "compilers": self.compilers,
+                **({"wait_s": round(self.wait_s, 1), "compiles": len(self.compiles),
+                    "compile_median_s": round(statistics.median(self.compiles), 2) if self.compiles else None}
+                   if self.compilers > 1 else {})}
+
     def describe(self) -> str:
         """"N measured in M s (M/N s each), W s waiting for C compile workers (T s a compile, median)", or without
         compile workers "N measured in M s (M/N s each, compiles included)"; "" where nothing was measured."""
@@ -1005,9 +1012,11 @@ def run_study(shape: DecoderShape, evaluator, space: SearchSpace, opts: StudyOpt
              "without --timeout runs the whole budget)") if opts.timeout_s and n < opts.trials else ""
     # (where the time went; a replay's measurements are look-ups: none counted)
     spent_on = f"; this process: {times.describe()}" if times.measured else ""
-    log(f"{shape.label}: {n} trials in the study, search took {time.time() - t0:.0f}s{short}{spent_on}")
+    took = time.time() - t0
+    log(f"{shape.label}: {n} trials in the study, search took {took:.0f}s{short}{spent_on}")
     return finish(study, shape, evaluator, space, opts, out_root, command, default_config(shape),
-                  storage_url(opts, out_root), log)
+                  storage_url(opts, out_root), log,
+                  search={"seconds": round(took, 1), **(times.to_dict() if times.measured else {})})
 
 
 def trial_status(t) -> str:
@@ -1053,8 +1062,10 @@ def trials_frame(study):
     return df
 
 
-def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, storage, log) -> Path:
-    """Re-measure the top-k interleaved, measure baselines and knobs-off, write the run folder."""
+def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, storage, log,
+           search: dict | None = None) -> Path:
+    """Re-measure the top-k interleaved, measure baselines and knobs-off, write the run folder (``search``: the
+    manifest's account of the search's time, where this process searched)."""
     import optuna.importance
     import pandas as pd
 
@@ -1180,7 +1191,7 @@ def finish(study, shape, evaluator, space, opts, out_root, command, base_cfg, st
                         storage=storage, n_trials=int((df["status"] != "interrupted").sum()),
                         search_space=space.source, baselines=baselines, statuses=df["status"].value_counts().to_dict(),
                         workers=opts.workers, compilers=opts.compilers if compile_spec(evaluator) else 1,
-                        isolated=bool(getattr(evaluator, "isolated", False)))
+                        isolated=bool(getattr(evaluator, "isolated", False)), **({"search": search} if search else {}))
     if evaluator.replayed:
         man["gpu"] = evaluator.manifest.get("gpu") or dev  # the GPU the recording was made on
     else:
