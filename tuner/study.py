@@ -164,11 +164,16 @@ class SearchTimes:
                            self.wait_s + other.wait_s, self.compiles + other.compiles,
                            max(self.compilers, other.compilers))
 
+    @property
+    def compile_median_s(self) -> float | None:
+        return statistics.median(self.compiles) if self.compiles else None
+
     def to_dict(self) -> dict:
         """The manifest's account of it (``search``, beside the search's seconds)."""
+        median = self.compile_median_s
         return {"measured": self.measured, "measure_s": round(self.measure_s, 1), "compilers": self.compilers,
                 **({"wait_s": round(self.wait_s, 1), "compiles": len(self.compiles),
-                    "compile_median_s": round(statistics.median(self.compiles), 2) if self.compiles else None}
+                    "compile_median_s": round(median, 2) if median is not None else None}
                    if self.compilers > 1 else {})}
 
     def describe(self) -> str:
@@ -179,8 +184,8 @@ class SearchTimes:
         text = (f"{self.measured} measured in {self.measure_s:.0f} s ({self.measure_s / self.measured:.2f} s each"
                 + (", compiles included)" if self.compilers <= 1 else ")"))
         if self.compilers > 1:
-            compile_s = (f"{statistics.median(self.compiles):.2f} s a compile, median" if self.compiles
-                         else "none compiled")
+            median = self.compile_median_s
+            compile_s = f"{median:.2f} s a compile, median" if median is not None else "none compiled"
             text += f", {self.wait_s:.0f} s waiting for {self.compilers} compile workers ({compile_s})"
         return text
 
@@ -515,7 +520,7 @@ class _Objective:
             if h is not None and (h not in self.cache or self.cache[h][2].get("status") in _REMEASURED):
                 self.cache[h] = (t.number, t.value, dict(t.user_attrs))
         self.repaired = _repairer(shape, evaluator)
-        self.measured, self.measure_s = 0, 0.0  # this process's measurements and their seconds (SearchTimes)
+        self.times = SearchTimes()  # where this process's search spent its time (search returns it)
 
     def __call__(self, trial: optuna.Trial) -> float:
         started = self.start(trial)
@@ -562,7 +567,8 @@ class _Objective:
             res = self.evaluator.evaluate(cfg)
             took = time.perf_counter() - t0
             if not self.evaluator.replayed:  # (a replay's are look-ups)
-                self.measured, self.measure_s = self.measured + 1, self.measure_s + took
+                self.times.measured += 1
+                self.times.measure_s += took
                 trial.set_user_attr("eval_s", round(took, 3))
             _record(trial, cfg, res, self.shape)
             value = res.latency_us if res.status == "ok" else float("nan")
@@ -777,9 +783,8 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
     pdl = bool(evaluator.pdl)
     budget = search_budget(space, pdl, opts) if budget is None else budget
     timeout_s = opts.timeout_s if timeout_s is None else timeout_s
-    times = SearchTimes()
     if _budget_done(study, budget):
-        return times
+        return SearchTimes()
     objective = _Objective(study, shape, evaluator, space, budget, log)
     bar = progress_bar(study, opts.trials, shape.label) if opts.progress else None
     t0 = time.time()
@@ -804,8 +809,8 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
                                     compile_timeout_s=getattr(evaluator, "trial_timeout_s", TRIAL_TIMEOUT_S))
     try:
         if compilers is not None:
-            times.compilers = compilers.n
-            _search_pipelined(study, objective, compilers, timeout_s, after_trial, times)
+            objective.times.compilers = compilers.n
+            _search_pipelined(study, objective, compilers, timeout_s, after_trial)
         else:
             # catch=(): the objective gives every failing candidate its status itself; what still escapes
             # (no worker, Ctrl-C) must stop the study, not be counted as a trial.
@@ -819,12 +824,10 @@ def search(study, shape: DecoderShape, evaluator, space: SearchSpace, opts: Stud
         if compilers is not None and compilers.start_errors:  # (the search ran, slower: say why)
             log(f"warning: {len(compilers.start_errors)} compile worker start(s) failed, their candidates compiled "
                 f"while measured; first: {compilers.start_errors[0]}")
-        times.measured, times.measure_s = objective.measured, objective.measure_s
-    return times
+    return objective.times
 
 
-def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float | None, after_trial,
-                      times: SearchTimes | None = None) -> None:
+def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float | None, after_trial) -> None:
     """The search with its compiles in ``compilers``' workers: up to ``compilers.n`` trials are asked ahead and
     compiled side by side; each is measured (``objective.finish``, the one evaluator, one at a time) as soon as its
     compile ends, then told, so the measuring worker meets kernels already compiled (docs/perf-notes.md section 67).
@@ -833,13 +836,13 @@ def _search_pipelined(study, objective: _Objective, compilers, timeout_s: float 
     its measurement and copies it. At the timeout, the trials still compiling end PRUNED and
     ``surplus`` (never measured, not counted); where the budget is spent, those in flight are measured (they are
     within it). A measurement that raises (no worker, Ctrl-C) ends its trial FAIL with no status (retried on
-    resume, as under study.optimize) and the rest PRUNED, and stops the search. ``times`` gathers the seconds waited
-    for compiles and each compile's (its trial's ``compile_s``)."""
+    resume, as under study.optimize) and the rest PRUNED, and stops the search. The objective's ``times`` gathers the
+    seconds waited for compiles and each compile's (its trial's ``compile_s``)."""
     from concurrent.futures import FIRST_COMPLETED, wait
 
     from optuna.storages._heartbeat import get_heartbeat_thread, is_heartbeat_enabled
 
-    times = SearchTimes() if times is None else times
+    times = objective.times
     t0 = time.time()
     left = (lambda: timeout_s - (time.time() - t0)) if timeout_s is not None else (lambda: None)
     inflight = {}  # Future of its compile -> (trial, config, its heartbeat, config_hash)
